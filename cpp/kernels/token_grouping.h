@@ -1,0 +1,20 @@
+// Token grouping: a stable counting sort of routed (token, slot) pairs by expert.
+//
+// Input layout: top_k_index is row-major [num_tokens, top_k] int64; pair p = token * top_k + slot.
+// Output: offsets [num_experts + 1] (expert e owns order[offsets[e] .. offsets[e+1])) and
+// order [num_tokens * top_k], the pair ids grouped by expert, ascending within each expert.
+#pragma once
+
+#include <cstdint>
+
+namespace moecc::pool {
+class ThreadPool;
+}
+
+namespace moecc::kernels {
+
+// Throws std::out_of_range naming the first pair whose expert id is outside [0, num_experts).
+void group_tokens_by_expert(const int64_t* top_k_index, int64_t num_tokens, int64_t top_k, int64_t num_experts,
+                            int64_t* offsets, int64_t* order, moecc::pool::ThreadPool& pool);
+
+}  // namespace moecc::kernels

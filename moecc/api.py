@@ -1,0 +1,143 @@
+"""Public entry point: ``prepare`` turns a Hugging Face MoE model into a LoRA model whose experts run on the CPU."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, load_peft_weights, set_peft_model_state_dict
+
+from . import _ops
+from .config import MoeccConfig
+from .errors import MoeccError, UnsupportedDtypeError, UnsupportedModelError
+from .lora import check_adapter_matches, check_lora_config, default_lora_config, expert_wrappers, read_adapter_config
+from .models import MoeFamily, family_for, install_block_forward
+from .paradigms import PARADIGMS
+from .paradigms.cocompute import CoComputeEngine, CoComputeLayer
+from .store import SUPPORTED_DTYPES, host_expert_weights, keep_on_host
+
+ADAPTER_NAME = "default"
+
+
+@dataclass
+class MoeccState:
+    """What ``prepare`` attaches to the returned model as ``model.moecc``."""
+
+    family: MoeFamily
+    paradigm: str
+    device: torch.device
+    engine: CoComputeEngine
+    layers: list[CoComputeLayer]
+    config: MoeccConfig
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of frozen expert weights held in host memory."""
+        return sum(l.weights.gate_up.nbytes + l.weights.down.nbytes for l in self.layers)
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device for attention / dense layers: the given one, else CUDA if available, else CPU."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise MoeccError(f"device={str(device)!r} but CUDA is not available; pass device='cpu' or leave it None")
+    if device.type not in ("cuda", "cpu"):
+        raise MoeccError(f"device type {device.type!r} is not supported; use a CUDA device or 'cpu'")
+    return device
+
+
+def _check_model(model: torch.nn.Module) -> None:
+    params = list(model.parameters())
+    if any(p.device.type == "meta" for p in params):
+        raise UnsupportedModelError(
+            "the model has weights on the 'meta' device (loaded with device_map/offload?); load it fully into "
+            "host memory (device_map=None, or device_map='cpu') and let moecc place it"
+        )
+    dtypes = {p.dtype for p in params if p.is_floating_point()}
+    bad = [d for d in dtypes if d not in SUPPORTED_DTYPES]
+    if bad:
+        raise UnsupportedDtypeError(
+            f"model weights are {bad[0]}; moecc supports bfloat16, float16 and float32. Load with "
+            "torch_dtype=torch.bfloat16"
+        )
+
+
+def _sparse_blocks(model: torch.nn.Module, family: MoeFamily) -> list[tuple[str, torch.nn.Module]]:
+    block_class = family.block_class()
+    blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, block_class)]
+    if not blocks:
+        raise UnsupportedModelError(
+            f"no {family.block_class_name} found in this {family.model_type} model; is every layer dense?"
+        )
+    return blocks
+
+
+def _apply_lora(model: torch.nn.Module, family: MoeFamily, lora_config: LoraConfig | None,
+                adapter: str | Path | None) -> PeftModel:
+    if adapter is not None:
+        if lora_config is not None:
+            raise MoeccError("pass either lora_config (new adapter) or adapter (existing directory), not both")
+        config = read_adapter_config(adapter)
+        config.inference_mode = False
+        check_lora_config(config)
+        peft_model = get_peft_model(model, config, adapter_name=ADAPTER_NAME)
+        check_adapter_matches(peft_model, adapter)
+        set_peft_model_state_dict(peft_model, load_peft_weights(str(adapter), device="cpu"),
+                                  adapter_name=ADAPTER_NAME)
+        return peft_model
+    config = lora_config if lora_config is not None else default_lora_config(family.attention_targets)
+    check_lora_config(config)
+    return get_peft_model(model, config, adapter_name=ADAPTER_NAME)
+
+
+def prepare(
+    model: torch.nn.Module,
+    lora_config: LoraConfig | None = None,
+    adapter: str | Path | None = None,
+    paradigm: str = "cocompute",
+    device: str | torch.device | None = None,
+    config: MoeccConfig | None = None,
+) -> PeftModel:
+    """Makes a transformers MoE model trainable with LoRA while its routed experts stay in host memory.
+
+    Args:
+        model: a transformers MoE causal LM (``AutoModelForCausalLM``), weights in host memory.
+        lora_config: LoRA for attention/dense (``target_modules``) and experts (``target_parameters``, e.g.
+            ``["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``). Default: rank 8 on attention + experts.
+        adapter: path of a PEFT adapter directory to keep training instead of a new LoRA.
+        paradigm: ``"cocompute"``: routed experts computed on the CPU.
+        device: device for attention, dense layers, routers and shared experts; default CUDA if available.
+        config: engine options (threads, backend); default from ``MOECC_*`` environment variables.
+
+    Returns:
+        A ``peft.PeftModel``: call it like the original, train ``model.parameters()``, ``save_pretrained`` a
+        standard PEFT adapter. ``model.moecc`` holds the engine state and metrics.
+    """
+    if paradigm not in PARADIGMS:
+        raise MoeccError(f"paradigm {paradigm!r} is not available; choose one of {', '.join(PARADIGMS)}")
+    config = config or MoeccConfig.from_env()
+    device = resolve_device(device)
+    if isinstance(model, PeftModel):
+        raise MoeccError("pass the plain transformers model; moecc applies LoRA itself (lora_config / adapter)")
+    family = family_for(model)
+    _check_model(model)
+    blocks = _sparse_blocks(model, family)
+    for _, block in blocks:
+        block.experts.to("cpu")  # LoRA factors get created next to the weights, in host memory
+    peft_model = _apply_lora(model, family, lora_config, adapter)
+
+    if config.num_threads is not None or _ops.num_threads() != _ops.available_cpus():
+        _ops.set_num_threads(config.num_threads or 0, config.pin_threads)
+    engine = CoComputeEngine(device, config.backend)
+    layers = []
+    for name, block in blocks:
+        keep_on_host(block.experts)
+        base_experts, wrappers = expert_wrappers(block.experts)
+        layer = CoComputeLayer(name, host_expert_weights(base_experts, name), wrappers, ADAPTER_NAME, engine)
+        install_block_forward(block, family, layer)
+        layers.append(layer)
+    peft_model.to(device)
+    peft_model.moecc = MoeccState(family, paradigm, device, engine, layers, config)
+    return peft_model

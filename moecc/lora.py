@@ -1,0 +1,136 @@
+"""LoRA configuration checks, defaults, expert-adapter discovery and adapter-directory validation.
+
+moecc keeps PEFT's own modules and parameter names, so ``save_pretrained`` writes PEFT's standard format and
+``PeftModel.from_pretrained`` reads it back; the engine only reads the expert LoRA factors out of PEFT's
+``ParamWrapper`` modules and computes them factorised on the CPU.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+from peft.tuners.lora.layer import ParamWrapper
+
+from .errors import AdapterMismatchError, UnsupportedLoraConfigError
+from .reference import ExpertLora
+
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+
+
+def default_lora_config(attention_targets: tuple[str, ...], rank: int = 8) -> LoraConfig:
+    """LoRA of rank ``rank`` (alpha = 2·rank) on the attention projections and on every routed expert."""
+    return LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        lora_dropout=0.0,
+        target_modules=list(attention_targets),
+        target_parameters=[f"mlp.experts.{name}" for name in EXPERT_PARAMETERS],
+    )
+
+
+def check_lora_config(config: LoraConfig) -> None:
+    """Rejects settings the CPU expert engine cannot compute exactly, naming the setting and the fix."""
+    if not isinstance(config, LoraConfig):
+        raise UnsupportedLoraConfigError(
+            f"lora_config must be a peft.LoraConfig, got {type(config).__name__}; build one with "
+            "peft.LoraConfig(r=..., target_modules=[...], target_parameters=['mlp.experts.gate_up_proj', ...])"
+        )
+    targets = list(config.target_parameters or [])
+    for target in targets:
+        if target.rsplit(".", 1)[-1] not in EXPERT_PARAMETERS:
+            raise UnsupportedLoraConfigError(
+                f"target_parameters entry {target!r} is not a routed-expert weight moecc can adapt; "
+                f"use names ending in one of {', '.join(EXPERT_PARAMETERS)} (e.g. 'mlp.experts.gate_up_proj')"
+            )
+    if not targets:
+        return
+    if config.use_dora:
+        raise UnsupportedLoraConfigError(
+            "use_dora=True: DoRA on routed experts needs the full W+ΔW norm per expert, which moecc does not "
+            "compute; set use_dora=False or drop target_parameters"
+        )
+    if config.lora_dropout:
+        raise UnsupportedLoraConfigError(
+            f"lora_dropout={config.lora_dropout}: dropout cannot be applied to expert LoRA (target_parameters) "
+            "because the LoRA input is not materialised per adapter; set lora_dropout=0.0"
+        )
+    if config.lora_bias:
+        raise UnsupportedLoraConfigError("lora_bias=True is not supported on routed experts; set lora_bias=False")
+    if config.fan_in_fan_out:
+        raise UnsupportedLoraConfigError("fan_in_fan_out=True does not apply to fused experts; set it to False")
+
+
+def expert_wrappers(experts: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, ParamWrapper]]:
+    """Unwraps PEFT's nested ``ParamWrapper`` modules around a fused experts module.
+
+    Returns:
+        ``(base experts module, {parameter name: wrapper})`` for each adapted expert parameter.
+    """
+    wrappers: dict[str, ParamWrapper] = {}
+    module = experts
+    while isinstance(module, ParamWrapper):
+        wrappers[module.parameter_name] = module
+        module = module.base_layer
+    return module, wrappers
+
+
+def expert_lora(wrapper: ParamWrapper | None, adapter_name: str) -> ExpertLora | None:
+    """The expert LoRA factors of ``adapter_name`` held by ``wrapper``, or None when it has none."""
+    if wrapper is None or adapter_name not in wrapper.lora_A:
+        return None
+    if len([name for name in wrapper.lora_A if name in wrapper.active_adapters]) > 1:
+        raise UnsupportedLoraConfigError("several active adapters on routed experts; activate exactly one")
+    return ExpertLora(
+        A=wrapper.lora_A[adapter_name].weight,
+        B=wrapper.lora_B[adapter_name].weight,
+        scaling=float(wrapper.scaling[adapter_name]),
+        num_experts=wrapper.num_experts,
+    )
+
+
+def read_adapter_config(path: str | Path) -> LoraConfig:
+    """Reads ``adapter_config.json`` from a PEFT adapter directory, with errors that name what is missing."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise AdapterMismatchError(f"adapter directory {str(directory)!r} does not exist")
+    config_file = directory / "adapter_config.json"
+    weights = [directory / "adapter_model.safetensors", directory / "adapter_model.bin"]
+    if not config_file.is_file() or not any(w.is_file() for w in weights):
+        raise AdapterMismatchError(
+            f"{str(directory)!r} is not a PEFT adapter directory: it needs adapter_config.json and "
+            "adapter_model.safetensors (as written by model.save_pretrained)"
+        )
+    fields = json.loads(config_file.read_text())
+    if fields.get("peft_type", "LORA") != "LORA":
+        raise AdapterMismatchError(f"adapter in {str(directory)!r} is {fields.get('peft_type')}, not LoRA")
+    return LoraConfig.from_pretrained(str(directory))
+
+
+def check_adapter_matches(peft_model: torch.nn.Module, path: str | Path) -> None:
+    """Raises AdapterMismatchError unless the saved adapter has exactly the model's LoRA tensors and shapes."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors import safe_open
+
+    saved_file = Path(path) / "adapter_model.safetensors"
+    if not saved_file.is_file():
+        return  # legacy .bin adapters are checked by PEFT's own loader
+    with safe_open(str(saved_file), framework="pt") as handle:
+        saved = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    expected = {key: tuple(t.shape) for key, t in get_peft_model_state_dict(peft_model).items()}
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    wrong = sorted(k for k in set(saved) & set(expected) if saved[k] != expected[k])
+    if missing or unexpected or wrong:
+        details = []
+        if missing:
+            details.append(f"{len(missing)} tensors missing (e.g. {missing[0]})")
+        if unexpected:
+            details.append(f"{len(unexpected)} tensors the model has no place for (e.g. {unexpected[0]})")
+        if wrong:
+            details.append(f"shape mismatch for {wrong[0]}: adapter {saved[wrong[0]]}, model {expected[wrong[0]]}")
+        raise AdapterMismatchError(
+            f"adapter {str(path)!r} does not match this model: " + "; ".join(details)
+            + ". Load it into the model architecture and size it was trained on."
+        )

@@ -1,0 +1,44 @@
+"""Build moecc and its native extension ``moecc._C``.
+
+The extension is plain C++17 bound with pybind11; it does not link libtorch, so one build works with any torch.
+"""
+from pathlib import Path
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+CPP_SOURCES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "cpp").rglob("*.cpp"))
+
+extension = Pybind11Extension(
+    "moecc._C",
+    CPP_SOURCES,
+    include_dirs=["cpp"],
+    cxx_std=17,
+    extra_compile_args=["-O3", "-pthread", "-fno-strict-aliasing"],
+    extra_link_args=["-pthread"],
+)
+
+setup(
+    name="moecc",
+    version="0.1.0",
+    description="LoRA fine-tuning of Mixture-of-Experts models whose routed experts run on the CPU",
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["moecc", "moecc.*"]),
+    ext_modules=[extension],
+    cmdclass={"build_ext": build_ext},
+    install_requires=[
+        "torch>=2.4",
+        "numpy",
+        "numba",
+        "transformers>=5.0",
+        "peft>=0.18",
+        "accelerate",
+        "safetensors",
+        "tqdm",
+    ],
+    extras_require={"test": ["pytest"]},
+)

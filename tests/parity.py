@@ -1,0 +1,65 @@
+"""Shared builders for whole-model parity checks: the same weights and adapters in HF + PEFT and in moecc."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+import moecc
+from moecc.models import FAMILIES
+from moecc.tiny_models import tiny_model
+
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """‖actual − expected‖ / ‖expected‖ in float64 (0 when both are zero)."""
+    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
+    denom = expected.norm().item()
+    diff = (actual - expected).norm().item()
+    return diff if denom == 0 else diff / denom
+
+
+def lora_config(family: str, rank: int = 4, alpha: int = 8, **kwargs) -> LoraConfig:
+    return LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(FAMILIES[family].attention_targets),
+                      target_parameters=list(EXPERT_TARGETS), **kwargs)
+
+
+def randomize_lora(model: torch.nn.Module, seed: int, scale: float = 0.1) -> None:
+    """Non-zero LoRA A and B everywhere, so the adapters change the output from the first step."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+
+
+def build_pair(family: str, dtype: torch.dtype, config: LoraConfig, seed: int = 0, random_lora: bool = True,
+               **model_overrides) -> tuple[PeftModel, PeftModel]:
+    """(HF + PEFT reference, moecc model on the CPU device) with identical base weights and adapters."""
+    base = tiny_model(family, dtype=dtype, seed=seed, **model_overrides)
+    reference = get_peft_model(copy.deepcopy(base), copy.deepcopy(config))
+    if random_lora:
+        randomize_lora(reference, seed + 100)
+    engine = moecc.prepare(copy.deepcopy(base), lora_config=copy.deepcopy(config), device="cpu")
+    engine.load_state_dict(reference.state_dict())
+    reference.train()
+    engine.train()
+    return reference, engine
+
+
+def batches(vocab_size: int, count: int, batch: int = 2, seq: int = 12, seed: int = 0, pad: bool = False):
+    """Deterministic (input_ids, attention_mask, labels) batches; ``pad`` left-pads the first row."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, vocab_size, (batch, seq), generator=generator)
+        mask = torch.ones_like(ids)
+        labels = ids.clone()
+        if pad:
+            mask[0, : seq // 3] = 0
+            labels[0, : seq // 3] = -100
+        out.append((ids, mask, labels))
+    return out

@@ -1,0 +1,167 @@
+"""Whole-model parity of moecc.prepare against the unmodified Hugging Face model + PEFT."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import PeftModel
+from safetensors.torch import load_file
+
+import moecc
+from moecc.tiny_models import tiny_model
+
+from .parity import TOLERANCE, batches, build_pair, lora_config, rel_err
+
+FAMILIES = ["qwen3_moe", "qwen2_moe", "deepseek_v3"]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _train(model, data, lr=0.05):
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for ids, mask, labels in data:
+        optimizer.zero_grad()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_and_grads_match_hf_peft(family, dtype):
+    reference, engine = build_pair(family, dtype, lora_config(family))
+    (ids, mask, labels), = batches(reference.config.vocab_size, 1, pad=True)
+    out_ref = reference(input_ids=ids, attention_mask=mask, labels=labels)
+    out_eng = engine(input_ids=ids, attention_mask=mask, labels=labels)
+    tol = TOLERANCE[dtype]
+    assert rel_err(out_eng.logits, out_ref.logits) <= tol
+    assert abs(out_eng.loss.item() - out_ref.loss.item()) <= tol * abs(out_ref.loss.item())
+    out_ref.loss.backward()
+    out_eng.loss.backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    eng_grads = {n: p.grad for n, p in engine.named_parameters() if p.requires_grad}
+    assert ref_grads.keys() == eng_grads.keys()
+    assert any("experts" in n for n in eng_grads) and any("attn" in n for n in eng_grads)
+    grad_tol = 1e-4 if dtype == torch.float32 else 6e-2
+    for name, grad in ref_grads.items():
+        assert eng_grads[name] is not None, name
+        assert eng_grads[name].device.type == "cpu"
+        assert rel_err(eng_grads[name], grad) <= grad_tol, name
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sgd_steps_then_saved_adapters_match(family, dtype, tmp_path):
+    config = lora_config(family, rank=4, alpha=16)
+    # PEFT's default init (B = 0) in float32. In bf16 the first updates of a zero B are dominated by rounding
+    # (HF + PEFT in bf16 differs from itself in float32 by >20% there), so bf16 starts from non-zero adapters.
+    reference, engine = build_pair(family, dtype, config, seed=1, random_lora=dtype != torch.float32)
+    data = batches(reference.config.vocab_size, 4, seed=3)
+    losses_ref = _train(reference, data)
+    losses_eng = _train(engine, data)
+    tol = TOLERANCE[dtype]
+    for a, b in zip(losses_eng, losses_ref):
+        assert abs(a - b) <= tol * abs(b)
+    reference.save_pretrained(tmp_path / "ref")
+    engine.save_pretrained(tmp_path / "moecc")
+    saved_ref = load_file(tmp_path / "ref" / "adapter_model.safetensors")
+    saved_eng = load_file(tmp_path / "moecc" / "adapter_model.safetensors")
+    assert saved_ref.keys() == saved_eng.keys()
+    assert any(k.endswith("mlp.experts.base_layer.lora_A.weight") for k in saved_eng)
+    assert any(k.endswith("mlp.experts.lora_B.weight") for k in saved_eng)
+    for key, value in saved_ref.items():
+        assert rel_err(saved_eng[key], value) <= tol, key
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_saved_adapter_reloads_in_peft_and_moecc(family, tmp_path):
+    reference, engine = build_pair(family, torch.float32, lora_config(family, rank=2, alpha=4), seed=2)
+    _train(engine, batches(engine.config.vocab_size, 2, seed=4), lr=0.1)
+    engine.save_pretrained(tmp_path)
+    (ids, mask, _), = batches(engine.config.vocab_size, 1, seed=9)
+    engine.eval()
+    with torch.no_grad():
+        expected = engine(input_ids=ids, attention_mask=mask).logits
+
+    plain = PeftModel.from_pretrained(tiny_model(family, seed=2), tmp_path)
+    reloaded = moecc.prepare(tiny_model(family, seed=2), adapter=tmp_path, device="cpu")
+    with torch.no_grad():
+        assert rel_err(plain(input_ids=ids, attention_mask=mask).logits, expected) <= 1e-5
+        assert rel_err(reloaded(input_ids=ids, attention_mask=mask).logits, expected) <= 1e-5
+    assert any(p.requires_grad for n, p in reloaded.named_parameters() if "experts" in n)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_router_receives_routing_weight_gradient(family):
+    """Every router gets HF + PEFT's gradient, and that gradient predicts the loss change when it is perturbed."""
+    reference, engine = build_pair(family, torch.float32, lora_config(family), seed=5)
+    (ids, mask, labels), = batches(engine.config.vocab_size, 1, seed=6)
+
+    def loss64(model):  # float64 cross-entropy, so a small perturbation is far above rounding
+        logits = model(input_ids=ids, attention_mask=mask).logits.double()
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+    routers = {}
+    for model in (reference, engine):
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.requires_grad_(True)
+                routers.setdefault(name, []).append(param)
+    assert routers
+    loss64(reference).backward()
+    loss64(engine).backward()
+    for name, (ref_param, eng_param) in routers.items():
+        assert ref_param.grad.abs().sum() > 0
+        assert rel_err(eng_param.grad, ref_param.grad) <= 1e-4, name
+
+    eps = 1e-3  # small enough that no token changes its experts
+    for name, (_, router) in routers.items():
+        direction = router.grad / router.grad.norm()
+        with torch.no_grad():
+            router.add_(eps * direction)
+            plus = loss64(engine).item()
+            router.sub_(2 * eps * direction)
+            minus = loss64(engine).item()
+            router.add_(eps * direction)
+        finite_difference = (plus - minus) / (2 * eps)
+        assert finite_difference == pytest.approx(router.grad.norm().item(), rel=1e-2), name
+
+
+@pytest.mark.parametrize("overrides", [dict(num_experts_per_tok=4, norm_topk_prob=False), dict(num_experts=5)])
+def test_parity_holds_for_other_routing_settings(overrides):
+    config = lora_config("qwen3_moe", rank=3, alpha=5, use_rslora=True)
+    reference, engine = build_pair("qwen3_moe", torch.float32, config, seed=7, **overrides)
+    (ids, mask, labels), = batches(engine.config.vocab_size, 1, batch=3, seq=7, seed=8, pad=True)
+    a = reference(input_ids=ids, attention_mask=mask, labels=labels)
+    b = engine(input_ids=ids, attention_mask=mask, labels=labels)
+    assert rel_err(b.logits, a.logits) <= 1e-4
+
+
+def test_experts_only_lora_and_attention_only_lora():
+    for kwargs in (dict(target_modules=None), dict(target_parameters=None)):
+        config = lora_config("qwen2_moe")
+        for key, value in kwargs.items():
+            setattr(config, key, value)
+        reference, engine = build_pair("qwen2_moe", torch.float32, config, seed=3)
+        (ids, mask, labels), = batches(engine.config.vocab_size, 1, seed=2)
+        a = reference(input_ids=ids, attention_mask=mask, labels=labels)
+        b = engine(input_ids=ids, attention_mask=mask, labels=labels)
+        assert rel_err(b.logits, a.logits) <= 1e-4
+        a.loss.backward()
+        b.loss.backward()
+        for (name, p), (_, q) in zip(reference.named_parameters(), engine.named_parameters()):
+            if p.requires_grad:
+                assert rel_err(q.grad, p.grad) <= 1e-4, name
+
+
+def test_experts_stay_in_host_memory_across_device_moves():
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"))
+    engine.to("meta")  # any device move; meta needs no GPU
+    for name, param in engine.named_parameters():
+        expected = "cpu" if ".experts." in name else "meta"
+        assert param.device.type == expected, name
+    assert engine.moecc.expert_bytes == sum(
+        p.nbytes for n, p in engine.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))
+    )

@@ -1,0 +1,49 @@
+"""The native extension: token grouping and the thread pool."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moecc import _ops
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(0, 2, 4), (1, 1, 1), (7, 3, 5), (50_000, 8, 128)])
+def test_grouping_is_a_stable_sort_by_expert(num_tokens, top_k, num_experts):
+    g = torch.Generator().manual_seed(num_tokens)
+    # Skewed routing: expert 0 gets about half of all pairs.
+    index = torch.where(torch.rand(num_tokens, top_k, generator=g) < 0.5, 0,
+                        torch.randint(0, num_experts, (num_tokens, top_k), generator=g))
+    offsets, order = _ops.group_tokens_by_expert(index, num_experts)
+    flat = index.reshape(-1)
+    expected_order = torch.sort(flat, stable=True).indices
+    assert torch.equal(order, expected_order)
+    counts = torch.bincount(flat, minlength=num_experts)
+    assert torch.equal(offsets, torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]))
+
+
+def test_grouping_rejects_bad_ids_and_shapes():
+    with pytest.raises(ValueError, match=r"top_k_index\[1, 0\] = -1"):
+        _ops.group_tokens_by_expert(torch.tensor([[0, 1], [-1, 2]]), 4)
+    with pytest.raises(ValueError, match="tokens, top_k"):
+        _ops.group_tokens_by_expert(torch.tensor([0, 1]), 4)
+
+
+def test_pool_runs_every_task_once():
+    out = _ops.pool_fill_test(100_003)
+    assert torch.equal(out, torch.arange(100_003) * 2 + 1)
+
+
+def test_pool_exception_reaches_python_and_pool_survives():
+    with pytest.raises(RuntimeError, match="task 17 failed on purpose"):
+        _ops.pool_raise_test(1000, 17)
+    assert torch.equal(_ops.pool_fill_test(10), torch.arange(10) * 2 + 1)
+
+
+def test_pool_can_be_resized():
+    try:
+        _ops.set_num_threads(3)
+        assert _ops.num_threads() == 3
+        assert torch.equal(_ops.pool_fill_test(1000), torch.arange(1000) * 2 + 1)
+    finally:
+        _ops.set_num_threads(0)
+    assert _ops.num_threads() == _ops.available_cpus()
