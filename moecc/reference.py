@@ -5,12 +5,14 @@ Layouts (Hugging Face fused experts, PEFT ``target_parameters`` LoRA):
     down     [E, H, I]
     lora A   [r*E, in]    expert e uses rows e*r .. (e+1)*r          (expert-major)
     lora B   [out, r*E]   expert e uses columns e, e+E, e+2E, ...    (rank-major)
-    W_e + scaling * B_e @ A_e is expert e's effective weight; it is never materialised here.
 
-Products accumulate in float32. With bf16/fp16 activations, intermediate results are rounded to that dtype
-where a bf16 pipeline rounds them (gate/up outputs, SiLU, SiLU·up, each expert's output, the routing-weighted
-output), which is also where Hugging Face's experts round them; the sum over the top-k experts accumulates in
-float32. See ``_project`` for how LoRA enters the effective weight.
+This computes exactly what Hugging Face's experts + PEFT compute, in the same order, one expert at a time:
+the effective weight ``W_e + s * B_e @ A_e`` is formed per expert (PEFT folds the factors the same way), every
+product and elementwise result is rounded to the activation dtype where that pipeline rounds it, and the top-k
+outputs are summed per token in slot order. The backward pass is autograd of that pipeline written out by hand
+(base weights are frozen, so only input-side products are needed; gate/up pre-activations are kept from the
+forward pass). With float32 activations every rounding is the identity. The fast kernels compute the LoRA
+factorised instead and are compared against this at the tolerance of their dtype.
 """
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ class SavedState:
     offsets: torch.Tensor  # [E+1] int64
     order: torch.Tensor  # [T*k] int64, pair ids grouped by expert
     gate_up_out: torch.Tensor  # [T*k, 2I] activation dtype, pre-activation, in grouped order
+    weights_dtype: torch.dtype = torch.float32  # dtype the routing weights arrived in
 
 
 @dataclass
@@ -84,31 +87,29 @@ class LoraGrads:
     down_B: torch.Tensor | None
 
 
-def _project(x: torch.Tensor, weight: torch.Tensor, lora: tuple | None, dtype: torch.dtype) -> torch.Tensor:
-    """One expert's projection ``x @ (W + s * B @ A).T`` in float32; ``lora`` is ``(A_e, B_e, s)`` or None.
-
-    float32 activations: computed factorised, ``x @ W.T + s * (x @ A.T) @ B.T``. Lower-precision activations:
-    the effective weight is formed from factors rounded to ``dtype`` and rounded itself, exactly what PEFT
-    does for bf16/fp16 experts, so whole-model results match HF + PEFT to summation order.
-    """
-    if lora is None:
-        return x @ weight.float().T
-    a, b, scaling = lora
-    if dtype == torch.float32:
-        return x @ weight.float().T + scaling * ((x @ a.T) @ b.T)
-    effective = _round(weight.float() + scaling * (_round(b, dtype) @ _round(a, dtype)), dtype)
-    return x @ effective.T
-
-
 def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rounds float32 ``x`` to the activation dtype, as a kernel that feeds its matrix unit in that dtype does."""
+    """Rounds float32 ``x`` to ``dtype`` and back (the identity for float32)."""
     return x if dtype == torch.float32 else x.to(dtype).float()
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` as a ``dtype`` matrix product (inputs and result in ``dtype``), returned as float32."""
+    return a @ b if dtype == torch.float32 else (a.to(dtype) @ b.to(dtype)).float()
+
 
 def _expert_lora(lora: ExpertLora | None, expert: int) -> tuple | None:
     if lora is None:
         return None
     a, b = lora.factors(expert)
     return a, b, lora.scaling
+
+
+def _effective_weight(weight: torch.Tensor, lora: tuple | None, dtype: torch.dtype) -> torch.Tensor:
+    """``W + s * B @ A`` in float32 as PEFT forms it in ``dtype``: factors and result rounded to ``dtype``."""
+    if lora is None:
+        return weight.float()
+    a, b, scaling = lora
+    return _round(weight.float() + scaling * (_round(b, dtype) @ _round(a, dtype)), dtype)
 
 
 def experts_forward(
@@ -132,49 +133,50 @@ def experts_forward(
     routing = top_k_weights.float().reshape(-1)  # [T*k]
     dtype = hidden.dtype
     weighted_dtype = torch.promote_types(dtype, top_k_weights.dtype)  # the dtype of y * w in PyTorch
-    out = torch.zeros(num_tokens, weights.hidden_size, dtype=torch.float32)
-    gate_up_out = torch.empty(num_tokens * top_k, 2 * inter, dtype=hidden.dtype)
+    weighted = torch.zeros(num_tokens * top_k, weights.hidden_size, dtype=weighted_dtype)  # per (token, slot)
+    gate_up_out = torch.empty(num_tokens * top_k, 2 * inter, dtype=dtype)
     bounds = offsets.tolist()
     for expert in range(weights.num_experts):
         start, end = bounds[expert], bounds[expert + 1]
         if start == end:
             continue
         pairs = order[start:end]
-        tokens = pairs // top_k
-        x = hidden[tokens].float()  # [n, H]
-        gu = _round(_project(x, weights.gate_up[expert], _expert_lora(gate_up_lora, expert), dtype), dtype)
-        gate_up_out[start:end] = gu  # [n, 2I]
+        x = hidden[pairs // top_k].float()  # [n, H]
+        w_gate_up = _effective_weight(weights.gate_up[expert], _expert_lora(gate_up_lora, expert), dtype)
+        gu = _matmul(x, w_gate_up.T, dtype)  # [n, 2I]
+        gate_up_out[start:end] = gu
         act = _round(_round(F.silu(gu[:, :inter]), dtype) * gu[:, inter:], dtype)  # [n, I]
-        y = _round(_project(act, weights.down[expert], _expert_lora(down_lora, expert), dtype), dtype)  # [n, H]
-        out.index_add_(0, tokens, _round(y * routing[pairs, None], weighted_dtype))
-    saved = SavedState(hidden.clone(), top_k_weights.float().clone(), offsets, order, gate_up_out)
-    return out.to(hidden.dtype), saved
-
-
-def _lora_input_grads(grad_out: torch.Tensor, x: torch.Tensor, lora: tuple) -> tuple:
-    """For ``out = s * (x @ A.T) @ B.T``: returns (d x [n, in], dA [r, in], dB [out, r])."""
-    a, b, scaling = lora
-    grad_inner = scaling * grad_out @ b  # [n, r]
-    grad_b = scaling * grad_out.T @ (x @ a.T)  # [out, r]
-    return grad_inner @ a, grad_inner.T @ x, grad_b
+        w_down = _effective_weight(weights.down[expert], _expert_lora(down_lora, expert), dtype)
+        y = _matmul(act, w_down.T, dtype)  # [n, H]
+        weighted[pairs] = (y * routing[pairs, None]).to(weighted_dtype)
+    out = weighted.view(num_tokens, top_k, weights.hidden_size).sum(dim=1)  # [T, H], summed in slot order
+    saved = SavedState(hidden.clone(), top_k_weights.float().clone(), offsets, order, gate_up_out,
+                       top_k_weights.dtype)
+    return out.to(dtype), saved
 
 
 def _new_lora_grads(gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None) -> LoraGrads:
-    def zeros(t):
-        return None if t is None else torch.zeros(t.shape, dtype=torch.float32)
+    def zeros(lora, name):
+        return None if lora is None else torch.zeros(getattr(lora, name).shape, dtype=torch.float32)
 
-    return LoraGrads(
-        zeros(gate_up_lora and gate_up_lora.A), zeros(gate_up_lora and gate_up_lora.B),
-        zeros(down_lora and down_lora.A), zeros(down_lora and down_lora.B),
-    )
+    return LoraGrads(zeros(gate_up_lora, "A"), zeros(gate_up_lora, "B"), zeros(down_lora, "A"), zeros(down_lora, "B"))
 
 
-def _store_grads(grad_a: torch.Tensor, grad_b: torch.Tensor, lora: ExpertLora, expert: int,
-                 a_e: torch.Tensor, b_e: torch.Tensor) -> None:
-    """Writes one expert's ``dA_e [r, in]`` and ``dB_e [out, r]`` into the PEFT-layout gradients."""
-    r = lora.rank
-    grad_a[expert * r : (expert + 1) * r] = a_e
-    grad_b.view(grad_b.shape[0], r, lora.num_experts)[:, :, expert] = b_e
+def _store_lora_grads(grad_weight: torch.Tensor, lora: ExpertLora, expert: int, grad_a: torch.Tensor,
+                      grad_b: torch.Tensor, dtype: torch.dtype) -> None:
+    """Gradients of one expert's factors from its effective weight's gradient, written in PEFT layout.
+
+    Autograd of ``W + s * B @ A`` gives ``dB = s * dW @ A.T`` and ``dA = s * B.T @ dW``, each product rounded
+    to ``dtype`` and the multiply by ``s`` skipped when it is exactly 1.
+    """
+    a, b = lora.factors(expert)
+    scaling, r = lora.scaling, lora.rank
+
+    def times_scaling(t):
+        return t if scaling == 1 else _round(t * scaling, dtype)
+
+    grad_b.view(grad_b.shape[0], r, lora.num_experts)[:, :, expert] = times_scaling(_matmul(grad_weight, a.T, dtype))
+    grad_a[expert * r : (expert + 1) * r] = times_scaling(_matmul(b.T, grad_weight, dtype))
 
 
 def experts_backward(
@@ -186,12 +188,12 @@ def experts_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, LoraGrads]:
     """Gradients of :func:`experts_forward` for the hidden states, routing weights and LoRA factors.
 
-    The base weights are frozen, so only input-side products are needed; gate/up pre-activations come from
-    the forward pass instead of being recomputed.
-
     Returns:
-        ``(grad_hidden [T, H] float32, grad_top_k_weights [T, k] float32, LoraGrads)``.
+        ``(grad_hidden [T, H], grad_top_k_weights [T, k], LoraGrads)``, float32 tensors holding values of the
+        activation / routing-weight dtype.
     """
+    dtype = saved.hidden.dtype
+    weighted_dtype = torch.promote_types(dtype, saved.weights_dtype)
     num_tokens, top_k = saved.top_k_weights.shape
     inter = weights.intermediate_size
     routing = saved.top_k_weights.reshape(-1)
@@ -206,32 +208,30 @@ def experts_backward(
         pairs = saved.order[start:end]
         tokens = pairs // top_k
         w = routing[pairs, None]  # [n, 1]
-        grad_y = grad_out[tokens].float()  # [n, H], gradient of the weighted sum
+        grad_z = grad_out[tokens].float()  # [n, H], gradient of this pair's weighted output
         gu = saved.gate_up_out[start:end].float()
         gate, up = gu[:, :inter], gu[:, inter:]
-        act = F.silu(gate) * up  # [n, I]
+        silu = _round(F.silu(gate), dtype)
+        act = _round(silu * up, dtype)  # [n, I]
 
-        # Gradient w.r.t. act of the *unweighted* expert output; its dot with act is the routing-weight gradient.
-        grad_act = grad_y @ weights.down[expert].float()  # [n, I]
-        down = _expert_lora(down_lora, expert)
-        if down is not None:
-            _, grad_a, grad_b = _lora_input_grads(grad_y * w, act, down)
-            grad_act = grad_act + (down[2] * grad_y @ down[1]) @ down[0]
-            _store_grads(grads.down_A, grads.down_B, down_lora, expert, grad_a, grad_b)
-        grad_routing[pairs] = (grad_act * act).sum(-1)
-        grad_act = grad_act * w
+        w_down = _effective_weight(weights.down[expert], _expert_lora(down_lora, expert), dtype)
+        y = _matmul(act, w_down.T, dtype)  # [n, H], this expert's unweighted output (recomputed)
+        grad_routing[pairs] = _round(_round(grad_z * y, weighted_dtype).sum(-1), weighted_dtype)
+        grad_y = _round(grad_z * w, dtype)
+        grad_act = _matmul(grad_y, w_down, dtype)  # [n, I]
+        if down_lora is not None:
+            _store_lora_grads(_matmul(grad_y.T, act, dtype), down_lora, expert, grads.down_A, grads.down_B, dtype)
 
         sig = torch.sigmoid(gate)
-        grad_gate = grad_act * up * sig * (1 + gate * (1 - sig))
-        grad_up = grad_act * F.silu(gate)
-        grad_gu = torch.cat([grad_gate, grad_up], dim=1)  # [n, 2I]
-        grad_x = grad_gu @ weights.gate_up[expert].float()  # [n, H]
-        gate_up = _expert_lora(gate_up_lora, expert)
-        if gate_up is not None:
-            part, grad_a, grad_b = _lora_input_grads(grad_gu, saved.hidden[tokens].float(), gate_up)
-            grad_x = grad_x + part
-            _store_grads(grads.gate_up_A, grads.gate_up_B, gate_up_lora, expert, grad_a, grad_b)
-        grad_hidden.index_add_(0, tokens, grad_x)
+        grad_gate = _round(_round(grad_act * up, dtype) * sig * (1 + gate * (1 - sig)), dtype)
+        grad_gu = torch.cat([grad_gate, _round(grad_act * silu, dtype)], dim=1)  # [n, 2I]
+        w_gate_up = _effective_weight(weights.gate_up[expert], _expert_lora(gate_up_lora, expert), dtype)
+        if gate_up_lora is not None:
+            grad_weight = _matmul(grad_gu.T, saved.hidden[tokens].float(), dtype)  # [2I, H]
+            _store_lora_grads(grad_weight, gate_up_lora, expert, grads.gate_up_A, grads.gate_up_B, dtype)
+        # Per-token sum over its experts, in ascending expert order, rounded after each addition.
+        grad_hidden.index_add_(0, tokens, _matmul(grad_gu, w_gate_up, dtype))
+        grad_hidden[tokens] = _round(grad_hidden[tokens], dtype)
     return grad_hidden, grad_routing.view(num_tokens, top_k), grads
 
 

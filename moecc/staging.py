@@ -55,15 +55,25 @@ class StagingBuffers:
         return HostCopy(views, done)
 
     def to_device(self, role: str, host: torch.Tensor) -> torch.Tensor:
-        """Copies a host tensor (normally a view of ``role``'s buffer) to the device on the current stream."""
-        self.bytes_to_device += host.numel() * host.element_size()
-        if self.device.type == "cpu":
-            return host.clone()
+        """A new device tensor holding ``host`` (copied through ``role``'s pinned buffer on CUDA)."""
         out = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-        out.copy_(host, non_blocking=True)
-        if role in self._buffers:
-            self._pending[role] = torch.cuda.current_stream(self.device).record_event()
+        self.copy_to_device(role, host, out)
         return out
+
+    def copy_to_device(self, role: str, host: torch.Tensor, out: torch.Tensor) -> None:
+        """Copies ``host`` into the device tensor ``out`` on the current stream.
+
+        On CUDA the data goes through ``role``'s pinned buffer so the copy is asynchronous; the buffer is not
+        handed out again until the copy has finished.
+        """
+        self.bytes_to_device += host.numel() * host.element_size()
+        if not self.pinned:
+            out.copy_(host)
+            return
+        buffer = self.view(role, tuple(host.shape), host.dtype)
+        buffer.copy_(host)
+        out.copy_(buffer, non_blocking=True)
+        self._pending[role] = torch.cuda.current_stream(self.device).record_event()
 
 
 class HostCopy:

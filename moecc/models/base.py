@@ -1,8 +1,9 @@
-"""What every MoE family adapter provides, and the sparse-block forward they all share.
+"""What every MoE family adapter provides, and how its sparse-block forward is installed.
 
-A family adapter knows its sparse block class, how to route (router module → top-k ids and weights), and how
-to compute its shared experts. The shared forward below queues the routed tokens to the CPU first, then the
-shared experts on the device, so the two overlap, and adds the results.
+A family adapter re-states its Hugging Face sparse block's forward with the experts call replaced by
+``layer.submit(...)`` / ``.result()``. It keeps the original order of operations, so autograd builds the same
+graph in the same order (bf16 gradients then round exactly as in the original), and it queues device work that
+does not need the routed output (the shared experts) between submit and result, where it overlaps the CPU.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 
 class MoeFamily:
-    """Base adapter; subclasses set the class attributes and override ``shared_output`` if needed."""
+    """Base adapter: softmax-router families without shared experts (the Qwen3-MoE block)."""
 
     model_type: str = ""
     modeling_module: str = ""  # transformers.models.<x>.modeling_<x>
@@ -34,28 +35,19 @@ class MoeFamily:
                 f"{self.model_type} with hidden_act={act!r}: moecc's expert kernels implement SwiGLU (silu) only"
             )
 
-    def route(self, block: torch.nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(top_k_weights [T, k], top_k_index [T, k])`` from the block's own router module."""
-        _, top_k_weights, top_k_index = block.gate(hidden)
-        return top_k_weights, top_k_index
-
-    def shared_output(self, block: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Output of the shared experts on ``hidden [T, H]``, or None for families without them."""
-        return None
+    def forward(self, block: torch.nn.Module, hidden_states: torch.Tensor, layer) -> torch.Tensor:
+        """The sparse block's forward with routed experts on ``layer``; ``hidden_states`` is ``[B, S, H]``."""
+        shape = hidden_states.shape
+        hidden = hidden_states.view(-1, shape[-1])  # [T, H]
+        _, top_k_weights, top_k_index = block.gate(hidden)  # [T, k], [T, k]
+        return layer.submit(hidden, top_k_index, top_k_weights).result().reshape(shape)
 
 
 def install_block_forward(block: torch.nn.Module, family: MoeFamily, layer) -> None:
-    """Replaces ``block.forward`` with one that sends routed experts to ``layer`` (a paradigm layer)."""
+    """Replaces ``block.forward`` with ``family.forward`` sending routed experts to ``layer``."""
 
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-        shape = hidden_states.shape
-        hidden = hidden_states.reshape(-1, shape[-1])  # [T, H]
-        top_k_weights, top_k_index = family.route(self, hidden)  # [T, k], [T, k]
-        staged = layer.stage_in(hidden, top_k_index, top_k_weights)
-        shared = family.shared_output(self, hidden)  # queued on the device while the CPU works
-        routed = layer.run(hidden, top_k_weights, staged)  # [T, H]
-        out = routed if shared is None else routed + shared
-        return out.view(shape)
+        return family.forward(self, hidden_states, layer)
 
     block.forward = types.MethodType(forward, block)
     block.moecc_layer = layer

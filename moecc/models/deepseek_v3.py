@@ -11,5 +11,9 @@ class DeepseekV3Family(MoeFamily):
     block_class_name = "DeepseekV3MoE"
     attention_targets = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
-    def shared_output(self, block: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        return block.shared_experts(hidden)
+    def forward(self, block: torch.nn.Module, hidden_states: torch.Tensor, layer) -> torch.Tensor:
+        shape = hidden_states.shape
+        _, top_k_weights, top_k_index = block.gate(hidden_states)  # weights float32, scaled
+        pending = layer.submit(hidden_states.view(-1, shape[-1]), top_k_index, top_k_weights)
+        shared = block.shared_experts(hidden_states)  # [B, S, H], overlaps the CPU experts
+        return pending.result().view(shape) + shared

@@ -1,13 +1,18 @@
 """Co-compute paradigm: routed experts run on the CPU, in place on host-resident weights.
 
-Per MoE layer, forward: routed activations go device→host (async, side stream), the CPU computes the experts
-with their LoRA, the output goes host→device. Backward mirrors it. One ``torch.autograd.Function`` carries the
-gradients of the hidden states, of the top-k routing weights (so the router, and every LoRA before it, gets
-the right gradient) and of every expert LoRA factor, which live and are updated in host memory.
+Per MoE layer, forward: routed activations go device→host on a side stream, a worker thread computes the
+experts with their LoRA on the CPU while the caller queues the shared experts on the device, then the output
+goes host→device. Backward mirrors it synchronously. One ``torch.autograd.Function`` carries the gradients of
+the hidden states, of the top-k routing weights (so the router, and every LoRA before it, gets the right
+gradient) and of every expert LoRA factor, which live and are updated in host memory.
+
+The autograd node is created when the work is submitted, at the point where the original model calls its
+experts, so autograd sees the same graph, in the same order, as the unmodified model.
 """
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -15,7 +20,7 @@ from torch.profiler import record_function
 
 from .. import reference
 from ..lora import expert_lora
-from ..reference import ExpertLora, ExpertWeights
+from ..reference import ExpertLora, ExpertWeights, SavedState
 from ..staging import HostCopy, StagingBuffers
 
 
@@ -25,17 +30,18 @@ class StepMetrics:
 
     cpu_forward_s: float = 0.0
     cpu_backward_s: float = 0.0
+    wait_s: float = 0.0  # time the caller blocked on CPU expert results
     tokens_routed: int = 0
     expert_token_counts: list = field(default_factory=list)
 
     def reset(self) -> None:
-        self.cpu_forward_s = self.cpu_backward_s = 0.0
+        self.cpu_forward_s = self.cpu_backward_s = self.wait_s = 0.0
         self.tokens_routed = 0
         self.expert_token_counts = []
 
 
 class CoComputeEngine:
-    """Shared state of every co-compute layer: staging buffers, the CPU backend, metrics."""
+    """Shared state of every co-compute layer: staging buffers, the CPU backend, the worker, metrics."""
 
     def __init__(self, device: torch.device, backend: str = "reference") -> None:
         if backend != "reference":
@@ -45,6 +51,49 @@ class CoComputeEngine:
         self.forward_fn = reference.experts_forward
         self.backward_fn = reference.experts_backward
         self.metrics = StepMetrics()
+        # One worker: layers are sequential, and the kernels parallelise inside a call.
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecc-experts")
+
+
+class ExpertJob:
+    """One layer's forward on the CPU: its inputs, LoRA factors, and (once done) what backward needs."""
+
+    def __init__(self, layer: "CoComputeLayer", lora: tuple[ExpertLora | None, ExpertLora | None]) -> None:
+        self.layer = layer
+        self.lora = lora
+        self.future: Future | None = None
+        self.saved: SavedState | None = None
+
+    def compute(self, staged: HostCopy) -> torch.Tensor:
+        engine = self.layer.engine
+        views = staged.wait()
+        start = time.perf_counter()
+        with record_function("moecc.cpu_experts.forward"):
+            out, saved = engine.forward_fn(self.layer.weights, views["hidden"], views["top_k_index"],
+                                           views["top_k_weights"], *self.lora)
+        engine.metrics.cpu_forward_s += time.perf_counter() - start
+        engine.metrics.tokens_routed += views["top_k_index"].numel()
+        engine.metrics.expert_token_counts.append((saved.offsets[1:] - saved.offsets[:-1]).tolist())
+        self.saved = saved
+        return out
+
+
+class PendingExperts:
+    """Handle returned by ``CoComputeLayer.submit``; ``result()`` waits for the CPU and returns the output."""
+
+    def __init__(self, output: torch.Tensor, job: ExpertJob) -> None:
+        self._output = output
+        self._job = job
+
+    def result(self) -> torch.Tensor:
+        """The routed-expert output ``[T, H]`` on the device (the tensor autograd already knows)."""
+        engine = self._job.layer.engine
+        start = time.perf_counter()
+        host = self._job.future.result()
+        engine.metrics.wait_s += time.perf_counter() - start
+        with torch.no_grad(), record_function("moecc.cpu_experts.to_device"):
+            engine.staging.copy_to_device("out", host, self._output)
+        return self._output
 
 
 class CoComputeLayer:
@@ -63,56 +112,49 @@ class CoComputeLayer:
         return (expert_lora(self.wrappers.get("gate_up_proj"), self.adapter_name),
                 expert_lora(self.wrappers.get("down_proj"), self.adapter_name))
 
-    def stage_in(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> HostCopy:
-        """Starts the device→host copy of one layer's routed inputs; call before queueing shared-expert work."""
-        return self.engine.staging.to_host({
+    def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> PendingExperts:
+        """Starts the routed experts on ``hidden [T, H]``; queue independent device work, then call ``result()``."""
+        staged = self.engine.staging.to_host({
             "hidden": hidden.detach().contiguous(),
             "top_k_index": top_k_index.contiguous(),
             "top_k_weights": top_k_weights.detach().contiguous(),
         })
-
-    def run(self, hidden: torch.Tensor, top_k_weights: torch.Tensor, staged: HostCopy) -> torch.Tensor:
-        """Routed-expert output ``[T, H]`` on the device, differentiable in hidden, weights and expert LoRA."""
-        gate_up, down = self.lora()
-        factors = [t for lora in (gate_up, down) for t in ((lora.A, lora.B) if lora else (None, None))]
-        return CpuExpertsFunction.apply(hidden, top_k_weights, staged, self, gate_up, down, *factors)
+        job = ExpertJob(self, self.lora())
+        job.future = self.engine.worker.submit(job.compute, staged)
+        factors = [t for lora in job.lora for t in ((lora.A, lora.B) if lora else (None, None))]
+        output = CpuExpertsFunction.apply(hidden, top_k_weights, job, *factors)
+        return PendingExperts(output, job)
 
 
 class CpuExpertsFunction(torch.autograd.Function):
-    """Autograd node of one layer's CPU experts; LoRA A/B tensors are inputs so they receive gradients."""
+    """Autograd node of one layer's CPU experts; LoRA A/B tensors are inputs so they receive gradients.
+
+    ``forward`` only allocates the output: the CPU fills it in ``PendingExperts.result``, before any consumer.
+    """
 
     @staticmethod
-    def forward(ctx, hidden, top_k_weights, staged, layer, gate_up_lora, down_lora, *lora_tensors):
-        engine = layer.engine
-        views = staged.wait()
-        start = time.perf_counter()
-        with record_function("moecc.cpu_experts.forward"):
-            out, saved = engine.forward_fn(layer.weights, views["hidden"], views["top_k_index"],
-                                           views["top_k_weights"], gate_up_lora, down_lora)
-        engine.metrics.cpu_forward_s += time.perf_counter() - start
-        engine.metrics.tokens_routed += views["top_k_index"].numel()
-        engine.metrics.expert_token_counts.append((saved.offsets[1:] - saved.offsets[:-1]).tolist())
-        ctx.layer, ctx.saved, ctx.lora = layer, saved, (gate_up_lora, down_lora)
+    def forward(ctx, hidden, top_k_weights, job, *lora_tensors):
+        ctx.job = job
         ctx.hidden_dtype, ctx.weights_dtype = hidden.dtype, top_k_weights.dtype
-        with record_function("moecc.cpu_experts.to_device"):
-            return engine.staging.to_device("out", _into_buffer(engine.staging, "out", out))
+        return torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
 
     @staticmethod
     def backward(ctx, grad_out):
-        engine = ctx.layer.engine
+        job = ctx.job
+        if job.saved is None:
+            raise RuntimeError("moecc: backward reached a CPU experts call whose result() was never taken")
+        engine = job.layer.engine
         views = engine.staging.to_host({"grad_out": grad_out.contiguous()}).wait()
         start = time.perf_counter()
         with record_function("moecc.cpu_experts.backward"):
-            grad_hidden, grad_weights, lora_grads = engine.backward_fn(ctx.layer.weights, ctx.saved,
-                                                                       views["grad_out"], *ctx.lora)
+            grad_hidden, grad_weights, lora_grads = engine.backward_fn(job.layer.weights, job.saved,
+                                                                       views["grad_out"], *job.lora)
         engine.metrics.cpu_backward_s += time.perf_counter() - start
-        ctx.saved = None  # release host activations as soon as they are used
+        job.saved = None  # release host activations as soon as they are used
         staging = engine.staging
-        grad_hidden = staging.to_device("grad_hidden", _into_buffer(staging, "grad_hidden",
-                                                                    grad_hidden.to(ctx.hidden_dtype)))
-        grad_weights = staging.to_device("grad_weights", _into_buffer(staging, "grad_weights",
-                                                                      grad_weights.to(ctx.weights_dtype)))
-        gate_up, down = ctx.lora
+        grad_hidden = staging.to_device("grad_hidden", grad_hidden.to(ctx.hidden_dtype))
+        grad_weights = staging.to_device("grad_weights", grad_weights.to(ctx.weights_dtype))
+        gate_up, down = job.lora
         factor_grads = []
         for lora, grad_a, grad_b in ((gate_up, lora_grads.gate_up_A, lora_grads.gate_up_B),
                                      (down, lora_grads.down_A, lora_grads.down_B)):
@@ -120,13 +162,4 @@ class CpuExpertsFunction(torch.autograd.Function):
                 factor_grads += [None, None]
             else:
                 factor_grads += [grad_a.to(lora.A.dtype), grad_b.to(lora.B.dtype)]
-        return (grad_hidden, grad_weights, None, None, None, None, *factor_grads)
-
-
-def _into_buffer(staging: StagingBuffers, role: str, host: torch.Tensor) -> torch.Tensor:
-    """Copies a host result into the role's (pinned) staging buffer so the device copy can be asynchronous."""
-    if not staging.pinned:
-        return host
-    buffer = staging.view(role, tuple(host.shape), host.dtype)
-    buffer.copy_(host)
-    return buffer
+        return (grad_hidden, grad_weights, None, *factor_grads)
