@@ -25,6 +25,23 @@ TINY_CONFIGS: dict[str, dict] = {
         qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.5,
         max_position_embeddings=512,
     ),
+    "deepseek_v2": dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        n_shared_experts=2, num_experts_per_tok=3, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        routed_scaling_factor=1.5, max_position_embeddings=512,
+    ),
+    "mixtral": dict(
+        vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=6, num_experts_per_tok=2,
+        max_position_embeddings=512,
+    ),
+    "olmoe": dict(
+        vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False,
+        max_position_embeddings=512,
+    ),
 }
 
 

@@ -12,7 +12,7 @@ from moecc.tiny_models import tiny_model
 
 from .parity import TOLERANCE, batches, build_pair, lora_config, rel_err
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "deepseek_v3"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "mixtral", "olmoe"]
 DTYPES = [torch.float32, torch.bfloat16]
 
 

@@ -5,11 +5,17 @@ import torch
 
 from ..errors import UnsupportedModelError
 from .base import MoeFamily, install_block_forward
-from .deepseek_v3 import DeepseekV3Family
+from .deepseek_v3 import DeepseekV2Family, DeepseekV3Family
+from .mixtral import MixtralFamily
+from .olmoe import OlmoeFamily
 from .qwen2_moe import Qwen2MoeFamily
 from .qwen3_moe import Qwen3MoeFamily
 
-FAMILIES: dict[str, MoeFamily] = {f.model_type: f for f in (Qwen3MoeFamily(), Qwen2MoeFamily(), DeepseekV3Family())}
+FAMILIES: dict[str, MoeFamily] = {
+    family.model_type: family
+    for family in (Qwen3MoeFamily(), Qwen2MoeFamily(), DeepseekV3Family(), DeepseekV2Family(), MixtralFamily(),
+                   OlmoeFamily())
+}
 
 
 def family_for(model: torch.nn.Module) -> MoeFamily:

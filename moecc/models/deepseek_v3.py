@@ -1,5 +1,8 @@
-"""DeepSeek-V3: sigmoid router with correction bias, group-limited top-k and routed scaling (all inside the
-HF router module), shared experts, and dense first layers (left untouched on the device)."""
+"""DeepSeek-V2 and -V3: routed experts plus shared experts, dense first layers (left untouched on the device).
+
+V3 routes with a sigmoid, a correction bias, group-limited top-k and routed scaling; V2 with a softmax and
+greedy or group-limited-greedy top-k. Both live inside the Hugging Face router module, which runs unchanged.
+"""
 import torch
 
 from .base import MoeFamily
@@ -17,3 +20,9 @@ class DeepseekV3Family(MoeFamily):
         pending = layer.submit(hidden_states.view(-1, shape[-1]), top_k_index, top_k_weights)
         shared = block.shared_experts(hidden_states)  # [B, S, H], overlaps the CPU experts
         return pending.result().view(shape) + shared
+
+
+class DeepseekV2Family(DeepseekV3Family):
+    model_type = "deepseek_v2"
+    modeling_module = "transformers.models.deepseek_v2.modeling_deepseek_v2"
+    block_class_name = "DeepseekV2Moe"
