@@ -5,7 +5,7 @@
     model(input_ids=..., labels=...).loss.backward()
     model.save_pretrained("adapter/")
 """
-from .api import MoeccState, prepare
+from .api import MoeccState, from_pretrained, prepare
 from .config import MoeccConfig
 from .errors import (
     AdapterMismatchError,
@@ -28,5 +28,6 @@ __all__ = [
     "UnsupportedDtypeError",
     "UnsupportedLoraConfigError",
     "UnsupportedModelError",
+    "from_pretrained",
     "prepare",
 ]

@@ -141,3 +141,25 @@ def prepare(
     peft_model.to(device)
     peft_model.moecc = MoeccState(family, paradigm, device, engine, layers, config)
     return peft_model
+
+
+def from_pretrained(
+    path: str | Path,
+    lora_config: LoraConfig | None = None,
+    adapter: str | Path | None = None,
+    paradigm: str = "cocompute",
+    device: str | torch.device | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    config: MoeccConfig | None = None,
+) -> PeftModel:
+    """Loads a local MoE checkpoint directory and prepares it (see :func:`prepare` for the arguments).
+
+    Checkpoints may store experts per expert (as originally published) or fused. Experts are loaded once into
+    host memory; everything else moves to ``device``. Quantized checkpoints are refused with instructions.
+    """
+    from .loading import load_host_model
+
+    if dtype not in SUPPORTED_DTYPES:
+        raise UnsupportedDtypeError(f"dtype={dtype}; moecc supports torch.bfloat16, torch.float16, torch.float32")
+    model = load_host_model(path, dtype)
+    return prepare(model, lora_config=lora_config, adapter=adapter, paradigm=paradigm, device=device, config=config)

@@ -1,0 +1,60 @@
+"""moecc.from_pretrained on local checkpoints: per-expert and fused keys, shards, and clear errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import moecc
+from moecc.tiny_models import tiny_model
+
+from .parity import batches, rel_err
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral"])
+def test_sharded_checkpoint_loads_with_hf_logits(family, tmp_path):
+    original = tiny_model(family, seed=3)
+    original.save_pretrained(tmp_path, max_shard_size="100KB")  # per-expert keys, several shards
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert any(".experts.0." in key for key in index["weight_map"])
+
+    model = moecc.from_pretrained(tmp_path, device="cpu", dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    (ids, mask, _), = batches(hf.config.vocab_size, 1, seed=2)
+    model.eval()
+    with torch.no_grad():
+        assert rel_err(model(input_ids=ids, attention_mask=mask).logits,
+                       hf(input_ids=ids, attention_mask=mask).logits) <= 1e-6
+    assert model.moecc.expert_bytes > 0
+    assert all(p.device.type == "cpu" for n, p in model.named_parameters() if ".experts." in n)
+
+
+def test_checkpoint_errors(tmp_path):
+    with pytest.raises(moecc.MoeccError, match="does not exist"):
+        moecc.from_pretrained(tmp_path / "missing")
+    with pytest.raises(moecc.MoeccError, match="no config.json"):
+        moecc.from_pretrained(tmp_path)
+
+    tiny_model("qwen3_moe").save_pretrained(tmp_path, max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    first_shard = sorted(set(index["weight_map"].values()))[0]
+    (tmp_path / first_shard).rename(tmp_path / "moved.safetensors")
+    with pytest.raises(moecc.MoeccError, match=f"missing 1 of .* shards \\(first: {first_shard}\\)"):
+        moecc.from_pretrained(tmp_path)
+    (tmp_path / "moved.safetensors").rename(tmp_path / first_shard)
+
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(moecc.MoeccError, match="quantized \\(fp8\\)"):
+        moecc.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    with pytest.raises(moecc.UnsupportedModelError, match="'llama'.*supported: .*qwen3_moe"):
+        moecc.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 40}))
+    with pytest.raises(moecc.MoeccError, match="shape"):
+        moecc.from_pretrained(tmp_path, dtype=torch.float32)
+    with pytest.raises(moecc.UnsupportedDtypeError, match="float64"):
+        moecc.from_pretrained(tmp_path, dtype=torch.float64)
