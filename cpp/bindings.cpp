@@ -21,12 +21,12 @@ T* as_pointer(std::uintptr_t address) {
 // Fills out[i] = i * 2 + 1 on the pool, one task per element; a test of scheduling and coverage.
 void pool_fill_test(std::uintptr_t out_address, int64_t n) {
   int64_t* out = as_pointer<int64_t>(out_address);
-  moecc::pool::global_pool().run(n, [out](int64_t task, int) { out[task] = task * 2 + 1; });
+  moecc::pool::global_pool()->run(n, [out](int64_t task, int) { out[task] = task * 2 + 1; });
 }
 
 // Runs n tasks of which task `failing_task` throws; the error must reach Python and the pool must survive.
 void pool_raise_test(int64_t n, int64_t failing_task) {
-  moecc::pool::global_pool().run(n, [failing_task](int64_t task, int) {
+  moecc::pool::global_pool()->run(n, [failing_task](int64_t task, int) {
     if (task == failing_task) throw std::runtime_error("task " + std::to_string(task) + " failed on purpose");
   });
 }
@@ -37,8 +37,10 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "moecc native kernels and thread pool (raw-pointer interface; use moecc._ops)";
 
   m.def("available_cpus", &moecc::pool::available_cpus, "CPUs in this process's affinity mask.");
-  m.def("num_threads", [] { return moecc::pool::global_pool().num_threads(); },
+  m.def("num_threads", [] { return moecc::pool::global_pool()->num_threads(); },
         "Threads of the global pool, the caller included.");
+  m.def("pool_pinned", [] { return moecc::pool::global_pool()->pinned(); },
+        "Whether the global pool's workers are pinned to CPUs.");
   m.def("set_num_threads", &moecc::pool::reset_global_pool, py::arg("num_threads"), py::arg("pin_threads") = true,
         py::call_guard<py::gil_scoped_release>(), "Restart the global pool with this many threads (<1: all CPUs).");
   m.def("shutdown", &moecc::pool::shutdown_global_pool, py::call_guard<py::gil_scoped_release>(),
@@ -50,7 +52,7 @@ PYBIND11_MODULE(_C, m) {
          std::uintptr_t order) {
         moecc::kernels::group_tokens_by_expert(as_pointer<const int64_t>(top_k_index), num_tokens, top_k,
                                                num_experts, as_pointer<int64_t>(offsets), as_pointer<int64_t>(order),
-                                               moecc::pool::global_pool());
+                                               *moecc::pool::global_pool());
       },
       py::arg("top_k_index"), py::arg("num_tokens"), py::arg("top_k"), py::arg("num_experts"), py::arg("offsets"),
       py::arg("order"), py::call_guard<py::gil_scoped_release>(),

@@ -36,6 +36,8 @@ def group_tokens_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple
         raise ValueError(f"top_k_index must be [tokens, top_k], got shape {tuple(top_k_index.shape)}")
     if top_k_index.device.type != "cpu":
         raise ValueError(f"top_k_index must be in host memory, got a tensor on {top_k_index.device}")
+    if top_k_index.is_floating_point() or top_k_index.is_complex() or top_k_index.dtype == torch.bool:
+        raise ValueError(f"top_k_index must hold integer expert ids, got {top_k_index.dtype}")
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     index = top_k_index.to(torch.int64).contiguous()
@@ -55,6 +57,14 @@ def group_tokens_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple
 def set_num_threads(num_threads: int, pin_threads: bool = True) -> None:
     """Restart the native thread pool with ``num_threads`` threads (< 1: every CPU this process may use)."""
     _C.set_num_threads(int(num_threads), bool(pin_threads))
+
+
+def configure_pool(num_threads: int | None, pin_threads: bool) -> None:
+    """Makes the native pool have ``num_threads`` threads (None: every available CPU) and the given pinning,
+    restarting it only when it differs."""
+    wanted = num_threads or available_cpus()
+    if _C.num_threads() != wanted or bool(_C.pool_pinned()) != bool(pin_threads):
+        set_num_threads(wanted, pin_threads)
 
 
 def num_threads() -> int:

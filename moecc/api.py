@@ -9,12 +9,12 @@ from peft import LoraConfig, PeftModel, get_peft_model, load_peft_weights, set_p
 
 from . import _ops
 from .config import MoeccConfig
-from .errors import MoeccError, UnsupportedDtypeError, UnsupportedModelError
+from .errors import AdapterMismatchError, MoeccError, UnsupportedDtypeError, UnsupportedModelError
 from .lora import check_adapter_matches, check_lora_config, default_lora_config, expert_wrappers, read_adapter_config
 from .models import MoeFamily, family_for, install_block_forward
 from .paradigms import PARADIGMS
 from .paradigms.cocompute import CoComputeEngine, CoComputeLayer
-from .store import SUPPORTED_DTYPES, host_expert_weights, keep_on_host
+from .store import SUPPORTED_DTYPES, check_host_experts, keep_on_host
 
 ADAPTER_NAME = "default"
 
@@ -33,7 +33,7 @@ class MoeccState:
     @property
     def expert_bytes(self) -> int:
         """Bytes of frozen expert weights held in host memory."""
-        return sum(l.weights.gate_up.nbytes + l.weights.down.nbytes for l in self.layers)
+        return sum(layer.weights.gate_up.nbytes + layer.weights.down.nbytes for layer in self.layers)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -69,7 +69,9 @@ def _sparse_blocks(model: torch.nn.Module, family: MoeFamily) -> list[tuple[str,
     blocks = [(name, m) for name, m in model.named_modules() if isinstance(m, block_class)]
     if not blocks:
         raise UnsupportedModelError(
-            f"no {family.block_class_name} found in this {family.model_type} model; is every layer dense?"
+            f"no {family.block_class_name} found in this {family.model_type} model: either every layer is dense, "
+            "or the model was loaded with trust_remote_code and uses its own block classes; load it without "
+            "trust_remote_code so transformers' own implementation is used"
         )
     return blocks
 
@@ -83,7 +85,11 @@ def _apply_lora(model: torch.nn.Module, family: MoeFamily, lora_config: LoraConf
         config.inference_mode = False
         check_lora_config(config)
         peft_model = get_peft_model(model, config, adapter_name=ADAPTER_NAME)
-        check_adapter_matches(peft_model, adapter)
+        try:
+            check_adapter_matches(peft_model, adapter)
+        except AdapterMismatchError:
+            peft_model.unload()  # leave the caller's model as it was, so a retry with another adapter works
+            raise
         set_peft_model_state_dict(peft_model, load_peft_weights(str(adapter), device="cpu"),
                                   adapter_name=ADAPTER_NAME)
         return peft_model
@@ -128,14 +134,14 @@ def prepare(
         block.experts.to("cpu")  # LoRA factors get created next to the weights, in host memory
     peft_model = _apply_lora(model, family, lora_config, adapter)
 
-    if config.num_threads is not None or _ops.num_threads() != _ops.available_cpus():
-        _ops.set_num_threads(config.num_threads or 0, config.pin_threads)
+    _ops.configure_pool(config.num_threads, config.pin_threads)
     engine = CoComputeEngine(device, config.backend)
     layers = []
     for name, block in blocks:
         keep_on_host(block.experts)
         base_experts, wrappers = expert_wrappers(block.experts)
-        layer = CoComputeLayer(name, host_expert_weights(base_experts, name), wrappers, ADAPTER_NAME, engine)
+        check_host_experts(base_experts, name)
+        layer = CoComputeLayer(name, base_experts, wrappers, engine)
         install_block_forward(block, family, layer)
         layers.append(layer)
     peft_model.to(device)

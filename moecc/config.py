@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 BACKENDS = ("reference",)
 
@@ -22,7 +22,6 @@ class MoeccConfig:
     num_threads: int | None = None
     backend: str = "reference"
     pin_threads: bool = True
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -34,10 +33,17 @@ class MoeccConfig:
     def from_env(cls) -> "MoeccConfig":
         """Defaults, overridden by ``MOECC_NUM_THREADS``, ``MOECC_BACKEND`` and ``MOECC_PIN_THREADS``."""
         kwargs: dict = {}
-        if os.environ.get("MOECC_NUM_THREADS"):
-            kwargs["num_threads"] = int(os.environ["MOECC_NUM_THREADS"])
+        threads = os.environ.get("MOECC_NUM_THREADS")
+        if threads:
+            if not threads.strip().isdigit():
+                raise ValueError(f"MOECC_NUM_THREADS={threads!r} is not a whole number of threads")
+            kwargs["num_threads"] = int(threads)
         if os.environ.get("MOECC_BACKEND"):
             kwargs["backend"] = os.environ["MOECC_BACKEND"]
-        if os.environ.get("MOECC_PIN_THREADS"):
-            kwargs["pin_threads"] = os.environ["MOECC_PIN_THREADS"] not in ("0", "false", "False")
+        pin = os.environ.get("MOECC_PIN_THREADS")
+        if pin:
+            flags = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+            if pin.strip().lower() not in flags:
+                raise ValueError(f"MOECC_PIN_THREADS={pin!r}: use 1/true/yes or 0/false/no")
+            kwargs["pin_threads"] = flags[pin.strip().lower()]
         return cls(**kwargs)

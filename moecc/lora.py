@@ -76,16 +76,28 @@ def expert_wrappers(experts: torch.nn.Module) -> tuple[torch.nn.Module, dict[str
     return module, wrappers
 
 
-def expert_lora(wrapper: ParamWrapper | None, adapter_name: str) -> ExpertLora | None:
-    """The expert LoRA factors of ``adapter_name`` held by ``wrapper``, or None when it has none."""
-    if wrapper is None or adapter_name not in wrapper.lora_A:
+def expert_lora(wrapper: ParamWrapper | None) -> ExpertLora | None:
+    """The LoRA factors the wrapper would apply right now, or None when it applies none.
+
+    Follows PEFT's state: no LoRA while adapters are disabled (``disable_adapter()``) or merged into the base
+    weights (``merge_adapter()``, which writes into the very tensors the engine reads), and the factors of the
+    active adapter otherwise.
+    """
+    if wrapper is None or wrapper.disable_adapters or wrapper.merged:
         return None
-    if len([name for name in wrapper.lora_A if name in wrapper.active_adapters]) > 1:
-        raise UnsupportedLoraConfigError("several active adapters on routed experts; activate exactly one")
+    active = [name for name in wrapper.active_adapters if name in wrapper.lora_A]
+    if not active:
+        return None
+    if len(active) > 1:
+        raise UnsupportedLoraConfigError(
+            f"adapters {active} are active together on routed experts; moecc applies one at a time: "
+            "call model.set_adapter(name) with a single adapter"
+        )
+    name = active[0]
     return ExpertLora(
-        A=wrapper.lora_A[adapter_name].weight,
-        B=wrapper.lora_B[adapter_name].weight,
-        scaling=float(wrapper.scaling[adapter_name]),
+        A=wrapper.lora_A[name].weight,
+        B=wrapper.lora_B[name].weight,
+        scaling=float(wrapper.scaling[name]),
         num_experts=wrapper.num_experts,
     )
 

@@ -26,13 +26,16 @@ class StagingBuffers:
         pending = self._pending.pop(role, None)
         if pending is not None:
             pending.synchronize()  # the last device copy out of this buffer must finish before we overwrite it
-        nbytes = max(1, torch.Size(shape).numel() * dtype.itemsize)
+        numel = torch.Size(shape).numel()
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        nbytes = numel * dtype.itemsize
         buffer = self._buffers.get(role)
         if buffer is None or buffer.numel() < nbytes:
             size = max(nbytes, 2 * buffer.numel() if buffer is not None else 0)
             buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
             self._buffers[role] = buffer
-        return buffer[:nbytes].view(dtype)[: torch.Size(shape).numel()].view(shape)
+        return buffer[:nbytes].view(dtype).view(shape)
 
     def to_host(self, tensors: dict[str, torch.Tensor]) -> "HostCopy":
         """Starts copying each device tensor into its role's host buffer; returns a handle to wait on.

@@ -9,46 +9,59 @@ from __future__ import annotations
 
 import torch
 
-from .errors import UnsupportedDtypeError
-from .reference import ExpertWeights
+from .errors import UnsupportedDtypeError, UnsupportedModelError
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-class _StayOnHost:
-    """Replaces ``nn.Module._apply`` on a subtree: ``.to()``, ``.cuda()``, ``.half()`` leave it untouched."""
+_HOST_RESIDENT_CLASSES: dict[type, type] = {}
 
-    def __call__(self, fn, recurse: bool = True) -> None:
-        return None
+
+def _host_resident_class(cls: type) -> type:
+    """A subclass of ``cls`` whose ``_apply`` (behind ``.to()``, ``.cuda()``, ``.half()``) leaves it as it is."""
+    if cls not in _HOST_RESIDENT_CLASSES:
+
+        def _apply(self, fn, recurse: bool = True):
+            return self
+
+        # Same name as the original: PEFT recognises its wrappers by class name.
+        _HOST_RESIDENT_CLASSES[cls] = type(cls.__name__, (cls,), {"_apply": _apply, "__module__": cls.__module__})
+    return _HOST_RESIDENT_CLASSES[cls]
 
 
 def keep_on_host(module: torch.nn.Module) -> None:
-    """Moves ``module`` (and its subtree) to host memory and pins it there against later device moves."""
+    """Moves ``module`` (and its subtree) to host memory and keeps it there through later device moves.
+
+    Dtype casts of the whole model (``model.half()``) skip it too: expert weights keep their dtype and the
+    expert LoRA factors stay float32 masters.
+    """
     module.to("cpu")
-    module._apply = _StayOnHost()
+    module.__class__ = _host_resident_class(type(module))
 
 
 def is_kept_on_host(module: torch.nn.Module) -> bool:
     """Whether :func:`keep_on_host` was applied to ``module``."""
-    return isinstance(module.__dict__.get("_apply"), _StayOnHost)
+    return type(module) in _HOST_RESIDENT_CLASSES.values()
 
 
-def host_expert_weights(experts: torch.nn.Module, layer_name: str) -> ExpertWeights:
-    """Checks a fused experts module's weights and returns host views of them (no copy)."""
+def check_host_experts(experts: torch.nn.Module, layer_name: str) -> None:
+    """Checks a fused experts module's weights (host memory, dtype, shapes) and freezes them."""
     gate_up, down = experts.gate_up_proj, experts.down_proj
     for name, tensor in (("gate_up_proj", gate_up), ("down_proj", down)):
         if tensor.dtype not in SUPPORTED_DTYPES:
             raise UnsupportedDtypeError(
                 f"{layer_name}.{name} is {tensor.dtype}; moecc runs experts in bfloat16, float16 or float32. "
-                "Load the model with torch_dtype=torch.bfloat16 (dequantize FP8/MXFP4 checkpoints first)"
+                "Load the model with dtype=torch.bfloat16 (dequantize FP8/MXFP4 checkpoints first)"
             )
         if tensor.device.type != "cpu":
-            raise RuntimeError(f"{layer_name}.{name} must be in host memory before the engine uses it")
+            raise UnsupportedModelError(
+                f"{layer_name}.{name} is on {tensor.device} after moving experts to host memory; something "
+                "re-placed it (a device_map or hook?). Load the model without device_map"
+            )
     if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] != 2 * down.shape[2]:
-        raise UnsupportedDtypeError(
-            f"{layer_name}: expected gate_up_proj [E, 2I, H] and down_proj [E, H, I], got "
+        raise UnsupportedModelError(
+            f"{layer_name}: expected fused gate_up_proj [E, 2I, H] and down_proj [E, H, I], got "
             f"{tuple(gate_up.shape)} and {tuple(down.shape)}"
         )
     gate_up.requires_grad_(False)
     down.requires_grad_(False)
-    return ExpertWeights(gate_up=gate_up.data.contiguous(), down=down.data.contiguous())

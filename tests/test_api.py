@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 import moecc
 from moecc.tiny_models import tiny_model
 
-from .parity import TOLERANCE, batches, build_pair, lora_config, rel_err
+from .parity import TOLERANCE, batches, build_pair, lora_config, randomize_lora, rel_err
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "mixtral", "olmoe"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -197,3 +197,28 @@ def test_cuda_device_matches_cpu_reference(family):
             assert q.device.type == ("cpu" if ".experts." in name else "cuda"), name
             assert rel_err(q.grad, p.grad) <= 1e-4, name
     assert engine.moecc.engine.staging.pinned
+
+
+def test_peft_adapter_state_is_followed():
+    """disable_adapter(), merge_adapter() and set_adapter() act on the CPU experts as they do in PEFT."""
+    reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), seed=3)
+    (ids, _, labels), = batches(engine.config.vocab_size, 1, seed=5)
+    with torch.no_grad():
+        with reference.disable_adapter(), engine.disable_adapter():
+            assert rel_err(engine(input_ids=ids).logits, reference(input_ids=ids).logits) <= 1e-5
+        for model in (reference, engine):
+            model.add_adapter("second", lora_config("qwen3_moe"))
+        randomize_lora(reference, 11)
+        engine.load_state_dict(reference.state_dict())
+        for model in (reference, engine):
+            model.set_adapter("second")
+        assert rel_err(engine(input_ids=ids).logits, reference(input_ids=ids).logits) <= 1e-5
+        for model in (reference, engine):
+            model.merge_adapter()
+        assert rel_err(engine(input_ids=ids).logits, reference(input_ids=ids).logits) <= 1e-5
+        for model in (reference, engine):
+            model.unmerge_adapter()
+    engine(input_ids=ids, labels=labels).loss.backward()
+    second = [n for n, p in engine.named_parameters() if ".experts." in n and ".second." in n and p.grad is not None]
+    first = [n for n, p in engine.named_parameters() if ".experts." in n and ".default." in n and p.grad is not None]
+    assert second and not first

@@ -67,3 +67,25 @@ def test_adapter_from_another_model_is_rejected(tmp_path):
 def test_lora_config_and_adapter_together(tmp_path):
     with pytest.raises(moecc.MoeccError, match="either lora_config"):
         moecc.prepare(tiny_model("qwen3_moe"), lora_config=lora_config("qwen3_moe"), adapter=tmp_path, device="cpu")
+
+
+def test_failed_adapter_load_leaves_the_model_reusable(tmp_path):
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe", rank=2))
+    engine.save_pretrained(tmp_path / "good")
+    _, other = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe", rank=2), hidden_size=32)
+    other.save_pretrained(tmp_path / "bad")
+    model = tiny_model("qwen3_moe")
+    with pytest.raises(moecc.AdapterMismatchError):
+        moecc.prepare(model, adapter=tmp_path / "bad", device="cpu")
+    assert not any("lora_" in name for name, _ in model.named_parameters())
+    prepared = moecc.prepare(model, adapter=tmp_path / "good", device="cpu")
+    assert any("lora_" in name for name, _ in prepared.named_parameters())
+
+
+def test_second_backward_through_released_graph_is_explained():
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"))
+    ids = torch.randint(0, 256, (1, 6))
+    loss = engine(input_ids=ids, labels=ids).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="released after the first backward"):
+        loss.backward()

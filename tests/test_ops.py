@@ -47,3 +47,42 @@ def test_pool_can_be_resized():
     finally:
         _ops.set_num_threads(0)
     assert _ops.num_threads() == _ops.available_cpus()
+
+
+def test_pool_can_be_replaced_while_another_thread_runs_jobs():
+    import threading
+
+    stop = threading.Event()
+    failures = []
+
+    def run_jobs():
+        while not stop.is_set():
+            if not torch.equal(_ops.pool_fill_test(20_000), torch.arange(20_000) * 2 + 1):
+                failures.append("wrong result")
+
+    worker = threading.Thread(target=run_jobs)
+    worker.start()
+    try:
+        for threads in (1, 2, 3, 2, 1, 2) * 3:
+            _ops.set_num_threads(threads)
+    finally:
+        stop.set()
+        worker.join(timeout=30)
+        _ops.set_num_threads(0)
+    assert not worker.is_alive() and not failures
+
+
+def test_configure_pool_applies_pinning_choice():
+    try:
+        _ops.configure_pool(2, pin_threads=False)
+        assert _ops.num_threads() == 2
+        from moecc import _C
+
+        assert _C.pool_pinned() is False
+    finally:
+        _ops.configure_pool(None, pin_threads=True)
+
+
+def test_grouping_rejects_float_ids():
+    with pytest.raises(ValueError, match="integer expert ids"):
+        _ops.group_tokens_by_expert(torch.tensor([[0.0, 1.0]]), 4)

@@ -13,6 +13,10 @@ class ThreadPool;
 
 namespace moecc::kernels {
 
+// @param top_k_index [num_tokens, top_k] int64 expert ids, row-major.
+// @param offsets     out: [num_experts + 1] int64 start of each expert's run in `order`.
+// @param order       out: [num_tokens * top_k] int64 pair ids grouped by expert, ascending within an expert.
+// @param pool        threads to run on (chunks of pairs; below ~16k pairs one thread).
 // Throws std::out_of_range naming the first pair whose expert id is outside [0, num_experts).
 void group_tokens_by_expert(const int64_t* top_k_index, int64_t num_tokens, int64_t top_k, int64_t num_experts,
                             int64_t* offsets, int64_t* order, moecc::pool::ThreadPool& pool);

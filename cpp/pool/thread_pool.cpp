@@ -37,13 +37,13 @@ void pin_to_cpu(pthread_t thread, int cpu) {
 constexpr int kSpinPolls = 20000;
 
 std::mutex g_pool_mutex;
-std::unique_ptr<ThreadPool> g_pool;
+std::shared_ptr<ThreadPool> g_pool;
 
 }  // namespace
 
 int available_cpus() { return static_cast<int>(allowed_cpu_ids().size()); }
 
-ThreadPool::ThreadPool(int num_threads, bool pin_threads) {
+ThreadPool::ThreadPool(int num_threads, bool pin_threads) : pinned_(pin_threads) {
   const std::vector<int> cpus = allowed_cpu_ids();
   if (num_threads < 1) num_threads = static_cast<int>(cpus.size());
   workers_.reserve(num_threads - 1);
@@ -134,21 +134,29 @@ void ThreadPool::run(int64_t n_tasks, const TaskFunction& fn) {
   if (error_) std::rethrow_exception(error_);
 }
 
-ThreadPool& global_pool() {
+std::shared_ptr<ThreadPool> global_pool() {
   std::lock_guard<std::mutex> lock(g_pool_mutex);
-  if (!g_pool) g_pool = std::make_unique<ThreadPool>(0, true);
-  return *g_pool;
+  if (!g_pool) g_pool = std::make_shared<ThreadPool>(0, true);
+  return g_pool;
 }
 
 void reset_global_pool(int num_threads, bool pin_threads) {
-  std::lock_guard<std::mutex> lock(g_pool_mutex);
-  g_pool.reset();
-  g_pool = std::make_unique<ThreadPool>(num_threads, pin_threads);
+  auto fresh = std::make_shared<ThreadPool>(num_threads, pin_threads);
+  std::shared_ptr<ThreadPool> old;
+  {
+    std::lock_guard<std::mutex> lock(g_pool_mutex);
+    old.swap(g_pool);
+    g_pool = std::move(fresh);
+  }
+  // `old` is released here, outside the lock; a caller still running on it keeps it alive until it returns.
 }
 
 void shutdown_global_pool() {
-  std::lock_guard<std::mutex> lock(g_pool_mutex);
-  g_pool.reset();
+  std::shared_ptr<ThreadPool> old;
+  {
+    std::lock_guard<std::mutex> lock(g_pool_mutex);
+    old.swap(g_pool);
+  }
 }
 
 }  // namespace moecc::pool

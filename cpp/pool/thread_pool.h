@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -31,6 +32,7 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
+  bool pinned() const { return pinned_; }
 
   // Runs fn over every task index, blocking until all are done. Not re-entrant: one job at a time.
   void run(int64_t n_tasks, const TaskFunction& fn);
@@ -40,6 +42,7 @@ class ThreadPool {
   void drain(int thread_id);
 
   std::vector<std::thread> workers_;
+  bool pinned_ = false;
   std::mutex mutex_;
   std::condition_variable wake_;
   std::condition_variable done_;
@@ -56,11 +59,12 @@ class ThreadPool {
   std::exception_ptr error_;
 };
 
-// Process-wide pool, created on first use with default_threads() threads.
-ThreadPool& global_pool();
-// Replaces the global pool (joins the old threads first).
+// Process-wide pool, created on first use with one pinned thread per available CPU. Callers hold the returned
+// pointer while they run work, so replacing the pool never destroys one that is still in use.
+std::shared_ptr<ThreadPool> global_pool();
+// Replaces the global pool; the old one's threads are joined once its last user is done with it.
 void reset_global_pool(int num_threads, bool pin_threads);
-// Joins the global pool's threads; the next global_pool() call starts a fresh one.
+// Drops the global pool (joined once unused); the next global_pool() call starts a fresh one.
 void shutdown_global_pool();
 // Number of CPUs in this process's affinity mask.
 int available_cpus();

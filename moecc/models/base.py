@@ -12,6 +12,8 @@ import types
 
 import torch
 
+from ..errors import UnsupportedModelError
+
 
 class MoeFamily:
     """Base adapter: softmax-router families without shared experts (the Qwen3-MoE block)."""
@@ -27,8 +29,6 @@ class MoeFamily:
 
     def check_config(self, config) -> None:
         """Raises UnsupportedModelError for settings the engine cannot run (e.g. another activation)."""
-        from ..errors import UnsupportedModelError
-
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(

@@ -60,6 +60,7 @@ class ExpertJob:
 
     def __init__(self, layer: "CoComputeLayer", lora: tuple[ExpertLora | None, ExpertLora | None]) -> None:
         self.layer = layer
+        self.weights = layer.weights
         self.lora = lora
         self.future: Future | None = None
         self.saved: SavedState | None = None
@@ -69,7 +70,7 @@ class ExpertJob:
         views = staged.wait()
         start = time.perf_counter()
         with record_function("moecc.cpu_experts.forward"):
-            out, saved = engine.forward_fn(self.layer.weights, views["hidden"], views["top_k_index"],
+            out, saved = engine.forward_fn(self.weights, views["hidden"], views["top_k_index"],
                                            views["top_k_weights"], *self.lora)
         engine.metrics.cpu_forward_s += time.perf_counter() - start
         engine.metrics.tokens_routed += views["top_k_index"].numel()
@@ -99,18 +100,20 @@ class PendingExperts:
 class CoComputeLayer:
     """One MoE layer's routed experts on the CPU, with the PEFT wrappers that hold their LoRA."""
 
-    def __init__(self, name: str, weights: ExpertWeights, wrappers: dict, adapter_name: str,
-                 engine: CoComputeEngine) -> None:
+    def __init__(self, name: str, experts: torch.nn.Module, wrappers: dict, engine: CoComputeEngine) -> None:
         self.name = name
-        self.weights = weights
+        self.experts = experts  # the Hugging Face experts module holding the host-resident weights
         self.wrappers = wrappers
-        self.adapter_name = adapter_name
         self.engine = engine
 
+    @property
+    def weights(self) -> ExpertWeights:
+        """The experts' current base weights (read at call time: PEFT's merge may replace or update them)."""
+        return ExpertWeights(self.experts.gate_up_proj.data, self.experts.down_proj.data)
+
     def lora(self) -> tuple[ExpertLora | None, ExpertLora | None]:
-        """Current (gate_up, down) LoRA factors, or None where a projection has no adapter."""
-        return (expert_lora(self.wrappers.get("gate_up_proj"), self.adapter_name),
-                expert_lora(self.wrappers.get("down_proj"), self.adapter_name))
+        """(gate_up, down) LoRA factors PEFT would apply now, None where a projection applies none."""
+        return expert_lora(self.wrappers.get("gate_up_proj")), expert_lora(self.wrappers.get("down_proj"))
 
     def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> PendingExperts:
         """Starts the routed experts on ``hidden [T, H]``; queue independent device work, then call ``result()``."""
@@ -142,12 +145,16 @@ class CpuExpertsFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         job = ctx.job
         if job.saved is None:
-            raise RuntimeError("moecc: backward reached a CPU experts call whose result() was never taken")
+            raise RuntimeError(
+                "moecc: the CPU experts' saved activations are gone: they are released after the first backward "
+                "through a graph (backward(retain_graph=True) cannot run a second time), or result() was never "
+                "taken in forward. Run the forward pass again."
+            )
         engine = job.layer.engine
         views = engine.staging.to_host({"grad_out": grad_out.contiguous()}).wait()
         start = time.perf_counter()
         with record_function("moecc.cpu_experts.backward"):
-            grad_hidden, grad_weights, lora_grads = engine.backward_fn(job.layer.weights, job.saved,
+            grad_hidden, grad_weights, lora_grads = engine.backward_fn(job.weights, job.saved,
                                                                        views["grad_out"], *job.lora)
         engine.metrics.cpu_backward_s += time.perf_counter() - start
         job.saved = None  # release host activations as soon as they are used

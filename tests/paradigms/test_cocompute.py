@@ -1,0 +1,44 @@
+"""The co-compute layer on its own: empty batches, device moves and the overlap contract."""
+from __future__ import annotations
+
+import torch
+
+from ..parity import build_pair, lora_config, rel_err
+
+
+def test_zero_tokens_forward_and_backward():
+    _, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"))
+    layer = engine.moecc.layers[0]
+    hidden = torch.zeros(0, engine.config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    index = torch.zeros(0, 2, dtype=torch.int64)
+    weights = torch.zeros(0, 2, dtype=torch.bfloat16, requires_grad=True)
+    out = layer.submit(hidden, index, weights).result()
+    assert out.shape == (0, engine.config.hidden_size)
+    out.sum().backward()
+    assert hidden.grad.shape == hidden.shape
+
+
+def test_submit_overlaps_caller_work_and_matches_reference():
+    """Work queued between submit and result runs while the CPU experts compute; the result is unchanged."""
+    reference, engine = build_pair("qwen2_moe", torch.float32, lora_config("qwen2_moe"))
+    layer = engine.moecc.layers[0]
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(9, engine.config.hidden_size, generator=generator)
+    index = torch.randint(0, 8, (9, 2), generator=generator)
+    weights = torch.rand(9, 2, generator=generator)
+    pending = layer.submit(hidden, index, weights)
+    busy = sum(torch.randn(64, 64).sum().item() for _ in range(20))  # caller-side work in the window
+    out = pending.result()
+    block = [m for n, m in reference.named_modules() if n.endswith("layers.0.mlp")][0]
+    expected = block.experts(hidden, index, weights)
+    assert isinstance(busy, float)
+    assert rel_err(out, expected) <= 1e-5
+    assert engine.moecc.engine.metrics.tokens_routed >= 18
+
+
+def test_experts_module_survives_and_returns_from_device_moves():
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"))
+    experts = engine.moecc.layers[0].experts
+    wrapper = [m for n, m in engine.named_modules() if n.endswith("layers.0.mlp.experts")][0]
+    assert wrapper.to("meta") is wrapper and wrapper.half() is wrapper
+    assert experts.gate_up_proj.device.type == "cpu" and experts.gate_up_proj.dtype == torch.float32

@@ -1,0 +1,22 @@
+"""Engine options and their MOECC_* environment variables."""
+import pytest
+
+from moecc import MoeccConfig
+
+
+def test_environment_overrides(monkeypatch):
+    monkeypatch.setenv("MOECC_NUM_THREADS", "3")
+    monkeypatch.setenv("MOECC_PIN_THREADS", "no")
+    config = MoeccConfig.from_env()
+    assert config.num_threads == 3 and config.pin_threads is False
+
+
+@pytest.mark.parametrize("name,value,match", [
+    ("MOECC_NUM_THREADS", "abc", "whole number"),
+    ("MOECC_PIN_THREADS", "maybe", "1/true/yes"),
+    ("MOECC_BACKEND", "turbo", "unknown moecc backend"),
+])
+def test_bad_environment_values_are_named(monkeypatch, name, value, match):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=match):
+        MoeccConfig.from_env()
