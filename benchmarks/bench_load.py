@@ -43,6 +43,9 @@ def write(directory: Path, preset: str, layers: int) -> None:
         "lm_head.weight": _randn(fields["vocab_size"], hidden, generator=g),
         "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16),
     })
+    # One random draw of the expert tensors, rescaled per layer: random enough for loading, and fast to write.
+    base_gate_up = _randn(experts, 2 * inter, hidden, generator=g)
+    base_down = _randn(experts, hidden, inter, generator=g)
     for layer in tqdm(range(layers), desc="writing layers", unit="layer"):
         p = f"model.layers.{layer}."
         tensors = {
@@ -56,8 +59,8 @@ def write(directory: Path, preset: str, layers: int) -> None:
             p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
             p + "mlp.gate.weight": _randn(experts, hidden, generator=g),
         }
-        gate_up = _randn(experts, 2 * inter, hidden, generator=g)
-        down = _randn(experts, hidden, inter, generator=g)
+        scale = 1.0 + 0.01 * layer
+        gate_up, down = base_gate_up * scale, base_down * scale
         for e in range(experts):
             tensors[p + f"mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :inter].clone()
             tensors[p + f"mlp.experts.{e}.up_proj.weight"] = gate_up[e, inter:].clone()

@@ -160,12 +160,13 @@ def from_pretrained(
 ) -> PeftModel:
     """Loads a local MoE checkpoint directory and prepares it (see :func:`prepare` for the arguments).
 
-    Checkpoints may store experts per expert (as originally published) or fused. Experts are loaded once into
-    host memory; everything else moves to ``device``. Quantized checkpoints are refused with instructions.
+    Checkpoints may store experts per expert (as originally published) or fused. Shards are read one at a
+    time: experts go once into host memory, everything else straight to ``device``, so host memory peaks near
+    the experts' size plus one shard. Quantized checkpoints are refused with instructions.
     """
-    from .loading import load_host_model
+    from .loading import load_model
 
     if dtype not in SUPPORTED_DTYPES:
         raise UnsupportedDtypeError(f"dtype={dtype}; moecc supports torch.bfloat16, torch.float16, torch.float32")
-    model = load_host_model(path, dtype)
+    model = load_model(path, dtype, resolve_device(device))
     return prepare(model, lora_config=lora_config, adapter=adapter, paradigm=paradigm, device=device, config=config)

@@ -13,9 +13,12 @@ from moecc.tiny_models import tiny_model
 from .parity import batches, rel_err
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral"])
-def test_sharded_checkpoint_loads_with_hf_logits(family, tmp_path):
-    original = tiny_model(family, seed=3)
+@pytest.mark.parametrize("family,overrides", [
+    ("qwen3_moe", {}), ("qwen3_moe", dict(tie_word_embeddings=True)), ("qwen2_moe", {}), ("deepseek_v3", {}),
+    ("mixtral", {}), ("olmoe", {}),
+])
+def test_sharded_checkpoint_loads_with_hf_logits(family, overrides, tmp_path):
+    original = tiny_model(family, seed=3, **overrides)
     original.save_pretrained(tmp_path, max_shard_size="100KB")  # per-expert keys, several shards
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
@@ -30,6 +33,32 @@ def test_sharded_checkpoint_loads_with_hf_logits(family, tmp_path):
                        hf(input_ids=ids, attention_mask=mask).logits) <= 1e-6
     assert model.moecc.expert_bytes > 0
     assert all(p.device.type == "cpu" for n, p in model.named_parameters() if ".experts." in n)
+
+
+def test_fused_checkpoint_in_bf16(tmp_path):
+    from safetensors.torch import save_file
+
+    original = tiny_model("qwen3_moe", seed=4)
+    original.config.save_pretrained(tmp_path)
+    save_file({k: v.contiguous() for k, v in original.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    model = moecc.from_pretrained(tmp_path, device="cpu", dtype=torch.bfloat16)
+    experts = model.moecc.layers[0].experts
+    assert experts.gate_up_proj.dtype == torch.bfloat16
+    assert torch.equal(experts.gate_up_proj, original.model.layers[0].mlp.experts.gate_up_proj.to(torch.bfloat16))
+
+
+def test_missing_expert_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tiny_model("qwen3_moe").save_pretrained(tmp_path, max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    key = "model.layers.1.mlp.experts.3.up_proj.weight"
+    shard = tmp_path / index["weight_map"][key]
+    tensors = load_file(str(shard))
+    del tensors[key]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(moecc.MoeccError, match="15 of the 16 expert slices of model.layers.1.mlp.experts"):
+        moecc.from_pretrained(tmp_path, device="cpu")
 
 
 def test_checkpoint_errors(tmp_path):
@@ -54,7 +83,7 @@ def test_checkpoint_errors(tmp_path):
     with pytest.raises(moecc.UnsupportedModelError, match="'llama'.*supported: .*qwen3_moe"):
         moecc.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "moe_intermediate_size": 40}))
-    with pytest.raises(moecc.MoeccError, match="shape"):
+    with pytest.raises(moecc.MoeccError, match="does not match its config.json"):
         moecc.from_pretrained(tmp_path, dtype=torch.float32)
     with pytest.raises(moecc.UnsupportedDtypeError, match="float64"):
         moecc.from_pretrained(tmp_path, dtype=torch.float64)
