@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .errors import UnsupportedDtypeError, UnsupportedModelError
+from .reference import ExpertWeights
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -44,10 +45,30 @@ def is_kept_on_host(module: torch.nn.Module) -> bool:
     return type(module) in _HOST_RESIDENT_CLASSES.values()
 
 
+def expert_weights(experts: torch.nn.Module) -> ExpertWeights:
+    """Views of a Hugging Face fused experts module's weights, with the layout flags its class declares."""
+    bias = getattr(experts, "has_bias", False)
+    clamped = hasattr(experts, "limit") and hasattr(experts, "alpha")  # gpt-oss's clamped SwiGLU
+    return ExpertWeights(
+        gate_up=experts.gate_up_proj.data,
+        down=experts.down_proj.data,
+        gate_up_bias=experts.gate_up_proj_bias.data if bias else None,
+        down_bias=experts.down_proj_bias.data if bias else None,
+        transposed=getattr(experts, "is_transposed", False),
+        interleaved=not getattr(experts, "is_concatenated", True),
+        swiglu_alpha=float(experts.alpha) if clamped else None,
+        swiglu_limit=float(experts.limit) if clamped else None,
+    )
+
+
 def check_host_experts(experts: torch.nn.Module, layer_name: str) -> None:
     """Checks a fused experts module's weights (host memory, dtype, shapes) and freezes them."""
-    gate_up, down = experts.gate_up_proj, experts.down_proj
-    for name, tensor in (("gate_up_proj", gate_up), ("down_proj", down)):
+    weights = expert_weights(experts)
+    gate_up, down = weights.gate_up, weights.down
+    tensors = [("gate_up_proj", experts.gate_up_proj), ("down_proj", experts.down_proj)]
+    if weights.gate_up_bias is not None:
+        tensors += [("gate_up_proj_bias", experts.gate_up_proj_bias), ("down_proj_bias", experts.down_proj_bias)]
+    for name, tensor in tensors:
         if tensor.dtype not in SUPPORTED_DTYPES:
             raise UnsupportedDtypeError(
                 f"{layer_name}.{name} is {tensor.dtype}; moecc runs experts in bfloat16, float16 or float32. "
@@ -58,10 +79,12 @@ def check_host_experts(experts: torch.nn.Module, layer_name: str) -> None:
                 f"{layer_name}.{name} is on {tensor.device} after moving experts to host memory; something "
                 "re-placed it (a device_map or hook?). Load the model without device_map"
             )
-    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] != 2 * down.shape[2]:
+    expected = "[E, H, 2I] and [E, I, H]" if weights.transposed else "[E, 2I, H] and [E, H, I]"
+    inner = (gate_up.shape[2], down.shape[1]) if weights.transposed else (gate_up.shape[1], down.shape[2])
+    if gate_up.dim() != 3 or down.dim() != 3 or inner[0] != 2 * inner[1]:
         raise UnsupportedModelError(
-            f"{layer_name}: expected fused gate_up_proj [E, 2I, H] and down_proj [E, H, I], got "
+            f"{layer_name}: expected fused gate_up_proj and down_proj of shapes {expected}, got "
             f"{tuple(gate_up.shape)} and {tuple(down.shape)}"
         )
-    gate_up.requires_grad_(False)
-    down.requires_grad_(False)
+    for _, tensor in tensors:
+        tensor.requires_grad_(False)

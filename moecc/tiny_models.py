@@ -42,6 +42,11 @@ TINY_CONFIGS: dict[str, dict] = {
         num_key_value_heads=4, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False,
         max_position_embeddings=512,
     ),
+    "gpt_oss": dict(
+        vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
+    ),
 }
 
 
@@ -68,7 +73,7 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float32, seed: int = 0, r
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 param.copy_(torch.randn(param.shape, generator=generator) * router_scale)
             elif "experts.gate_up_proj" in name or "experts.down_proj" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * expert_scale)

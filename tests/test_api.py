@@ -12,7 +12,7 @@ from moecc.tiny_models import tiny_model
 
 from .parity import TOLERANCE, batches, build_pair, lora_config, randomize_lora, rel_err
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "mixtral", "olmoe"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "mixtral", "olmoe", "gpt_oss"]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -106,7 +106,7 @@ def test_router_receives_routing_weight_gradient(family):
     routers = {}
     for model in (reference, engine):
         for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 param.requires_grad_(True)
                 routers.setdefault(name, []).append(param)
     assert routers
@@ -135,6 +135,8 @@ def test_router_receives_routing_weight_gradient(family):
     ("qwen3_moe", dict(num_experts=5, num_hidden_layers=3)),
     ("qwen2_moe", dict(num_experts_per_tok=1, norm_topk_prob=True)),
     ("deepseek_v3", dict(n_group=2, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0)),
+    ("deepseek_v2", dict(topk_method="greedy", n_shared_experts=1)),
+    ("gpt_oss", dict(swiglu_limit=0.05, num_experts_per_tok=3)),  # the clamps are active
 ])
 def test_parity_holds_for_other_routing_settings(family, overrides, dtype):
     config = lora_config(family, rank=3, alpha=5, use_rslora=True)

@@ -56,6 +56,32 @@ def test_forward_and_backward_match_autograd(num_tokens, lora):
         assert grads.gate_up_A is None and grads.down_B is None
 
 
+@pytest.mark.parametrize("num_tokens", [1, 40])
+def test_gpt_oss_layout_matches_autograd(num_tokens):
+    """Transposed storage, interleaved gate/up, biases and an active clamp on both sides."""
+    weights, x, index, w, gate_up, down = _problem(num_tokens, seed=3)
+    g = torch.Generator().manual_seed(9)
+    weights = ExpertWeights(
+        gate_up=weights.gate_up.transpose(1, 2).contiguous(), down=weights.down.transpose(1, 2).contiguous(),
+        gate_up_bias=torch.randn(6, 20, generator=g) * 0.1, down_bias=torch.randn(6, 24, generator=g) * 0.1,
+        transposed=True, interleaved=True, swiglu_alpha=1.702, swiglu_limit=0.5,
+    )
+    out, saved = experts_forward(weights, x, index, w, gate_up, down)
+    x_ref, w_ref = x.clone().requires_grad_(), w.clone().requires_grad_()
+    expected = experts_autograd(weights, x_ref, index, w_ref, gate_up, down)
+    assert rel_err(out, expected) <= 1e-5
+    clamped = saved.gate_up_out.float()
+    assert (clamped[:, 0::2] > 0.5).any() and (clamped[:, 1::2].abs() > 0.5).any()
+    grad_out = torch.randn_like(expected)
+    expected.backward(grad_out)
+    grad_x, grad_w, grads = experts_backward(weights, saved, grad_out, gate_up, down)
+    assert rel_err(grad_x, x_ref.grad) <= 1e-5
+    assert rel_err(grad_w, w_ref.grad) <= 1e-5
+    for got, factors in ((grads.gate_up_A, gate_up.A), (grads.gate_up_B, gate_up.B), (grads.down_A, down.A),
+                         (grads.down_B, down.B)):
+        assert rel_err(got, factors.grad) <= 1e-5
+
+
 def test_bf16_forward_close_to_float32():
     weights, x, index, w, gate_up, down = _problem(33, dtype=torch.bfloat16)
     out, _ = experts_forward(weights, x, index, w, gate_up, down)

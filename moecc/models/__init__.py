@@ -6,6 +6,7 @@ import torch
 from ..errors import UnsupportedModelError
 from .base import MoeFamily, install_block_forward
 from .deepseek_v3 import DeepseekV2Family, DeepseekV3Family
+from .gpt_oss import GptOssFamily
 from .mixtral import MixtralFamily
 from .olmoe import OlmoeFamily
 from .qwen2_moe import Qwen2MoeFamily
@@ -14,7 +15,7 @@ from .qwen3_moe import Qwen3MoeFamily
 FAMILIES: dict[str, MoeFamily] = {
     family.model_type: family
     for family in (Qwen3MoeFamily(), Qwen2MoeFamily(), DeepseekV3Family(), DeepseekV2Family(), MixtralFamily(),
-                   OlmoeFamily())
+                   OlmoeFamily(), GptOssFamily())
 }
 
 

@@ -21,6 +21,7 @@ from torch.profiler import record_function
 from .. import reference
 from ..lora import expert_lora
 from ..reference import ExpertLora, ExpertWeights, SavedState
+from ..store import expert_weights
 from ..staging import HostCopy, StagingBuffers
 
 
@@ -109,7 +110,7 @@ class CoComputeLayer:
     @property
     def weights(self) -> ExpertWeights:
         """The experts' current base weights (read at call time: PEFT's merge may replace or update them)."""
-        return ExpertWeights(self.experts.gate_up_proj.data, self.experts.down_proj.data)
+        return expert_weights(self.experts)
 
     def lora(self) -> tuple[ExpertLora | None, ExpertLora | None]:
         """(gate_up, down) LoRA factors PEFT would apply now, None where a projection applies none."""
