@@ -137,11 +137,11 @@ def prepare(
     _ops.configure_pool(config.num_threads, config.pin_threads)
     engine = CoComputeEngine(device, config.backend)
     layers = []
-    for name, block in blocks:
+    for index, (name, block) in enumerate(blocks):
         keep_on_host(block.experts)
         base_experts, wrappers = expert_wrappers(block.experts)
         check_host_experts(base_experts, name)
-        layer = CoComputeLayer(name, base_experts, wrappers, engine)
+        layer = CoComputeLayer(name, base_experts, wrappers, engine, index)
         install_block_forward(block, family, layer)
         layers.append(layer)
     peft_model.to(device)

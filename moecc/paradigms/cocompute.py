@@ -31,14 +31,21 @@ class StepMetrics:
 
     cpu_forward_s: float = 0.0
     cpu_backward_s: float = 0.0
-    wait_s: float = 0.0  # time the caller blocked on CPU expert results
-    tokens_routed: int = 0
-    expert_token_counts: list = field(default_factory=list)
+    wait_s: float = 0.0  # time the caller blocked on CPU expert results in forward
+    tokens: int = 0  # tokens entering the first MoE layer (forward passes, not checkpoint recomputation)
+    tokens_routed: int = 0  # (token, expert) pairs over all layers
+    expert_token_counts: list = field(default_factory=list)  # one [E] list per layer call
 
     def reset(self) -> None:
         self.cpu_forward_s = self.cpu_backward_s = self.wait_s = 0.0
-        self.tokens_routed = 0
+        self.tokens = self.tokens_routed = 0
         self.expert_token_counts = []
+
+    @property
+    def routing_skew(self) -> float:
+        """Mean over layer calls of (most tokens on one expert) / (mean tokens per expert); 1 is perfectly even."""
+        skews = [max(c) * len(c) / sum(c) for c in self.expert_token_counts if sum(c) > 0]
+        return sum(skews) / len(skews) if skews else 0.0
 
 
 class CoComputeEngine:
@@ -52,8 +59,28 @@ class CoComputeEngine:
         self.forward_fn = reference.experts_forward
         self.backward_fn = reference.experts_backward
         self.metrics = StepMetrics()
+        self._bytes_mark = (0, 0)
         # One worker: layers are sequential, and the kernels parallelise inside a call.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecc-experts")
+
+
+    def reset_metrics(self) -> None:
+        """Starts a new measurement window for :meth:`metrics_since_reset`."""
+        self.metrics.reset()
+        self._bytes_mark = (self.staging.bytes_to_device, self.staging.bytes_to_host)
+
+    def metrics_since_reset(self) -> dict[str, float]:
+        """Totals since the last :meth:`reset_metrics`: seconds of CPU expert work, GB copied each way, seconds
+        the device waited on the CPU (forward blocking plus the synchronous backward), tokens, routing skew."""
+        m = self.metrics
+        return {
+            "cpu_experts_s": m.cpu_forward_s + m.cpu_backward_s,
+            "h2d_gb": (self.staging.bytes_to_device - self._bytes_mark[0]) / 1e9,
+            "d2h_gb": (self.staging.bytes_to_host - self._bytes_mark[1]) / 1e9,
+            "gpu_wait_s": m.wait_s + m.cpu_backward_s,
+            "tokens": float(m.tokens),
+            "routing_skew": m.routing_skew,
+        }
 
 
 class ExpertJob:
@@ -101,8 +128,10 @@ class PendingExperts:
 class CoComputeLayer:
     """One MoE layer's routed experts on the CPU, with the PEFT wrappers that hold their LoRA."""
 
-    def __init__(self, name: str, experts: torch.nn.Module, wrappers: dict, engine: CoComputeEngine) -> None:
+    def __init__(self, name: str, experts: torch.nn.Module, wrappers: dict, engine: CoComputeEngine,
+                 index: int = 0) -> None:
         self.name = name
+        self.index = index  # position among the model's MoE layers
         self.experts = experts  # the Hugging Face experts module holding the host-resident weights
         self.wrappers = wrappers
         self.engine = engine
@@ -124,6 +153,8 @@ class CoComputeLayer:
             "top_k_weights": top_k_weights.detach().contiguous(),
         })
         job = ExpertJob(self, self.lora())
+        if self.index == 0 and torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
+            self.engine.metrics.tokens += hidden.shape[0]
         job.future = self.engine.worker.submit(job.compute, staged)
         factors = [t for lora in job.lora for t in ((lora.A, lora.B) if lora else (None, None))]
         output = CpuExpertsFunction.apply(hidden, top_k_weights, job, *factors)

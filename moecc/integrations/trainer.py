@@ -1,0 +1,97 @@
+"""``MoeccCallback``: moecc inside a Hugging Face ``Trainer`` loop.
+
+It logs the engine's per-step metrics (``moecc/cpu_experts_s``, ``moecc/h2d_gb``, ``moecc/d2h_gb``,
+``moecc/tokens_per_s``, ``moecc/routing_skew``, ``moecc/gpu_wait_s``; per optimizer step, averaged over the
+logging window) into the printed logs, ``state.log_history`` and every reporting integration. Checkpoints hold
+the adapter in PEFT's format because the prepared model is a ``PeftModel``; resuming loads it back into the
+host-resident expert LoRA. The experts refuse device moves, so ``Trainer``/``accelerate`` may call
+``model.to(device)`` freely.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler
+
+from ..api import prepare
+from ..errors import MoeccError
+
+METRIC_PREFIX = "moecc/"
+
+
+class MoeccCallback(TrainerCallback):
+    """Trainer callback for models prepared by moecc.
+
+    Args:
+        prepare_kwargs: arguments for :func:`moecc.prepare` used by :meth:`prepare` (``lora_config``,
+            ``paradigm``, ``device``, ...), for when the callback should prepare the model itself.
+    """
+
+    def __init__(self, **prepare_kwargs) -> None:
+        self.prepare_kwargs = prepare_kwargs
+        self._engine = None
+        self._window_steps = 0
+        self._window_s = 0.0
+        self._totals: dict[str, float] = {}
+        self._step_start = 0.0
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Prepares a plain transformers model with the arguments this callback was built with."""
+        return prepare(model, **self.prepare_kwargs)
+
+    def _engine_of(self, model: torch.nn.Module):
+        state = getattr(model, "moecc", None)
+        if state is None:
+            raise MoeccError(
+                "MoeccCallback needs a model prepared by moecc: pass Trainer(model=moecc.prepare(model, ...)) or "
+                "Trainer(model=callback.prepare(model))"
+            )
+        return state.engine
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        self._engine = self._engine_of(model)
+        self._go_first()
+
+    def _go_first(self) -> None:
+        """Moves this callback to the front of the Trainer's callback list, so the metrics it adds to ``logs``
+        reach the reporting integrations that run after it. The running loop keeps iterating the old list."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            handler = frame.f_locals.get("self")
+            if isinstance(handler, CallbackHandler):
+                handler.callbacks = [self] + [c for c in handler.callbacks if c is not self]
+                return
+            frame = frame.f_back
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._engine.reset_metrics()  # what ran between steps (evaluation) is not training
+        self._step_start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if torch.cuda.is_available() and self._engine.device.type == "cuda":
+            torch.cuda.synchronize(self._engine.device)
+        self._window_s += time.perf_counter() - self._step_start
+        self._window_steps += 1
+        for key, value in self._engine.metrics_since_reset().items():
+            self._totals[key] = self._totals.get(key, 0.0) + value
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or self._window_steps == 0 or "loss" not in logs:
+            return
+        steps = self._window_steps
+        metrics = {
+            METRIC_PREFIX + "cpu_experts_s": self._totals["cpu_experts_s"] / steps,
+            METRIC_PREFIX + "h2d_gb": self._totals["h2d_gb"] / steps,
+            METRIC_PREFIX + "d2h_gb": self._totals["d2h_gb"] / steps,
+            METRIC_PREFIX + "gpu_wait_s": self._totals["gpu_wait_s"] / steps,
+            METRIC_PREFIX + "tokens_per_s": self._totals["tokens"] / self._window_s if self._window_s else 0.0,
+            METRIC_PREFIX + "routing_skew": self._totals["routing_skew"] / steps,
+        }
+        metrics = {key: round(value, 6) for key, value in metrics.items()}
+        logs.update(metrics)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(metrics)
+        self._window_steps, self._window_s, self._totals = 0, 0.0, {}

@@ -1,0 +1,139 @@
+"""MoeccCallback in a real Trainer loop: metrics, exact resume, accumulation and checkpointing parity."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import PeftModel, get_peft_model
+from safetensors.torch import load_file
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+import moecc
+from moecc.integrations import MoeccCallback
+from moecc.tiny_models import tiny_model
+
+from ..parity import lora_config, rel_err
+
+FAMILY = "qwen2_moe"
+
+
+class SequenceData(torch.utils.data.Dataset):
+    def __init__(self, count: int = 32, length: int = 10, vocab: int = 256) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.rows = torch.randint(0, vocab, (count, length), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def _args(tmp_path, **overrides) -> TrainingArguments:
+    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=6, learning_rate=5e-3,
+                    logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                    dataloader_num_workers=0, lr_scheduler_type="linear", warmup_steps=1, disable_tqdm=True)
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+class StopAfter(TrainerCallback):
+    """Interrupts training after ``step`` optimizer steps, as a crash or preemption would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_save = True
+            control.should_training_stop = True
+
+
+def _moecc_model():
+    return moecc.prepare(tiny_model(FAMILY, seed=1), lora_config=lora_config(FAMILY), device="cpu")
+
+
+def _losses(trainer: Trainer) -> dict[int, float]:
+    return {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
+
+
+def test_metrics_reach_log_history_and_trainable_count(tmp_path):
+    model = _moecc_model()
+    trainer = Trainer(model=model, args=_args(tmp_path, max_steps=3), train_dataset=SequenceData(),
+                      callbacks=[MoeccCallback()])
+    assert isinstance(trainer.callback_handler.callbacks[0], MoeccCallback)
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 3
+    for entry in logged:
+        assert entry["moecc/cpu_experts_s"] > 0
+        assert entry["moecc/d2h_gb"] > 0 and entry["moecc/h2d_gb"] > 0
+        assert entry["moecc/tokens_per_s"] > 0
+        assert entry["moecc/routing_skew"] >= 1.0
+        assert entry["moecc/gpu_wait_s"] >= 0
+    plain = get_peft_model(tiny_model(FAMILY, seed=1), lora_config(FAMILY))
+    assert model.get_nb_trainable_parameters() == plain.get_nb_trainable_parameters()
+    assert any(".experts." in n for n, p in model.named_parameters() if p.requires_grad)
+
+
+def test_callback_needs_a_prepared_model(tmp_path):
+    with pytest.raises(moecc.MoeccError, match="prepared by moecc"):
+        Trainer(model=tiny_model(FAMILY), args=_args(tmp_path), train_dataset=SequenceData(),
+                callbacks=[MoeccCallback()])
+    callback = MoeccCallback(lora_config=lora_config(FAMILY), device="cpu")
+    model = callback.prepare(tiny_model(FAMILY))
+    assert model.moecc.paradigm == "cocompute"
+
+
+def test_resume_from_checkpoint_continues_exactly(tmp_path):
+    full = Trainer(model=_moecc_model(), args=_args(tmp_path / "full"), train_dataset=SequenceData(),
+                   callbacks=[MoeccCallback()])
+    full.train()
+    first = Trainer(model=_moecc_model(), args=_args(tmp_path / "run", save_strategy="steps", save_steps=100),
+                    train_dataset=SequenceData(), callbacks=[MoeccCallback(), StopAfter(3)])
+    first.train()
+    checkpoint = tmp_path / "run" / "checkpoint-3"
+    saved = load_file(checkpoint / "adapter_model.safetensors")
+    assert any(".experts." in key for key in saved)
+
+    resumed = Trainer(model=_moecc_model(), args=_args(tmp_path / "run"), train_dataset=SequenceData(),
+                      callbacks=[MoeccCallback()])
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    expected, got = _losses(full), _losses(resumed)
+    assert {4, 5, 6} <= set(got)
+    for step in (4, 5, 6):
+        assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6)
+    final_full = {n: p for n, p in full.model.named_parameters() if p.requires_grad}
+    for name, param in resumed.model.named_parameters():
+        if param.requires_grad:
+            assert rel_err(param, final_full[name]) <= 1e-5, name
+
+    plain = PeftModel.from_pretrained(tiny_model(FAMILY, seed=1), checkpoint)
+    ids = SequenceData()[0]["input_ids"][None]
+    reference = _moecc_model()
+    reference.load_state_dict(first.model.state_dict())
+    with torch.no_grad():
+        assert rel_err(plain(input_ids=ids).logits, reference.eval()(input_ids=ids).logits) <= 1e-5
+
+
+@pytest.mark.parametrize("overrides", [dict(gradient_accumulation_steps=2),
+                                       dict(gradient_checkpointing=True),
+                                       dict(gradient_checkpointing=True,
+                                            gradient_checkpointing_kwargs={"use_reentrant": True})],
+                         ids=["accumulation", "checkpointing", "checkpointing-reentrant"])
+def test_trainer_matches_plain_hf_peft(tmp_path, overrides):
+    engine = _moecc_model()
+    plain = get_peft_model(tiny_model(FAMILY, seed=1), lora_config(FAMILY))
+    plain.load_state_dict(engine.state_dict())
+    runs = {}
+    for name, model, callbacks in (("plain", plain, []), ("moecc", engine, [MoeccCallback()])):
+        trainer = Trainer(model=model, args=_args(tmp_path / name, max_steps=4, **overrides),
+                          train_dataset=SequenceData(), callbacks=callbacks)
+        trainer.train()
+        runs[name] = (trainer, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+    losses_plain, losses_moecc = _losses(runs["plain"][0]), _losses(runs["moecc"][0])
+    for step, loss in losses_plain.items():
+        assert losses_moecc[step] == pytest.approx(loss, rel=1e-4)
+    for name, param in runs["plain"][1].items():
+        assert rel_err(runs["moecc"][1][name], param) <= 1e-4, name
