@@ -5,7 +5,7 @@
     model(input_ids=..., labels=...).loss.backward()
     model.save_pretrained("adapter/")
 """
-from .api import MoeccState, from_pretrained, prepare
+from .api import MoeccState, default_lora_config, from_pretrained, prepare
 from .config import MoeccConfig
 from .errors import (
     AdapterMismatchError,
@@ -28,6 +28,7 @@ __all__ = [
     "UnsupportedDtypeError",
     "UnsupportedLoraConfigError",
     "UnsupportedModelError",
+    "default_lora_config",
     "from_pretrained",
     "prepare",
 ]

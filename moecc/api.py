@@ -10,7 +10,8 @@ from peft import LoraConfig, PeftModel, get_peft_model, load_peft_weights, set_p
 from . import _ops
 from .config import MoeccConfig
 from .errors import AdapterMismatchError, MoeccError, UnsupportedDtypeError, UnsupportedModelError
-from .lora import check_adapter_matches, check_lora_config, default_lora_config, expert_wrappers, read_adapter_config
+from .lora import check_adapter_matches, check_lora_config, expert_wrappers, read_adapter_config
+from .lora import default_lora_config as _default_lora_config
 from .models import MoeFamily, family_for, install_block_forward
 from .paradigms import PARADIGMS
 from .paradigms.cocompute import CoComputeEngine, CoComputeLayer
@@ -34,6 +35,11 @@ class MoeccState:
     def expert_bytes(self) -> int:
         """Bytes of frozen expert weights held in host memory."""
         return sum(layer.weights.gate_up.nbytes + layer.weights.down.nbytes for layer in self.layers)
+
+
+def default_lora_config(model: torch.nn.Module, rank: int = 8) -> LoraConfig:
+    """LoRA of rank ``rank`` (alpha = 2·rank) on ``model``'s attention projections and on all routed experts."""
+    return _default_lora_config(family_for(model).attention_targets, rank=rank)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -93,7 +99,7 @@ def _apply_lora(model: torch.nn.Module, family: MoeFamily, lora_config: LoraConf
         set_peft_model_state_dict(peft_model, load_peft_weights(str(adapter), device="cpu"),
                                   adapter_name=ADAPTER_NAME)
         return peft_model
-    config = lora_config if lora_config is not None else default_lora_config(family.attention_targets)
+    config = lora_config if lora_config is not None else _default_lora_config(family.attention_targets)
     check_lora_config(config)
     return get_peft_model(model, config, adapter_name=ADAPTER_NAME)
 

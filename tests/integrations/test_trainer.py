@@ -77,6 +77,21 @@ def test_metrics_reach_log_history_and_trainable_count(tmp_path):
     assert any(".experts." in n for n, p in model.named_parameters() if p.requires_grad)
 
 
+def test_reporting_callbacks_registered_earlier_see_the_metrics(tmp_path):
+    class Reporter(TrainerCallback):  # stands in for a report_to integration, which Trainer registers first
+        seen: list = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.seen.append(dict(logs))
+
+    reporter = Reporter()
+    trainer = Trainer(model=_moecc_model(), args=_args(tmp_path, max_steps=2), train_dataset=SequenceData(),
+                      callbacks=[reporter, MoeccCallback()])
+    trainer.train()
+    with_loss = [logs for logs in reporter.seen if "loss" in logs]
+    assert with_loss and all("moecc/routing_skew" in logs for logs in with_loss)
+
+
 def test_callback_needs_a_prepared_model(tmp_path):
     with pytest.raises(moecc.MoeccError, match="prepared by moecc"):
         Trainer(model=tiny_model(FAMILY), args=_args(tmp_path), train_dataset=SequenceData(),
