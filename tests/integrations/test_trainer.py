@@ -152,3 +152,17 @@ def test_trainer_matches_plain_hf_peft(tmp_path, overrides):
         assert losses_moecc[step] == pytest.approx(loss, rel=1e-4)
     for name, param in runs["plain"][1].items():
         assert rel_err(runs["moecc"][1][name], param) <= 1e-4, name
+
+
+@pytest.mark.gpu
+def test_trainer_on_cuda_keeps_experts_in_host_memory(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = moecc.prepare(tiny_model(FAMILY, seed=1), lora_config=lora_config(FAMILY), device="cuda")
+    trainer = Trainer(model=model, args=_args(tmp_path, max_steps=3, use_cpu=False), train_dataset=SequenceData(),
+                      callbacks=[MoeccCallback()])
+    trainer.train()
+    for name, param in model.named_parameters():
+        assert param.device.type == ("cpu" if ".experts." in name else "cuda"), name
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logged and all(entry["moecc/h2d_gb"] > 0 and entry["moecc/d2h_gb"] > 0 for entry in logged)
