@@ -6,7 +6,10 @@
 #include <cstdint>
 #include <stdexcept>
 
+#include "kernels/cpu_features.h"
+#include "kernels/expert_ffn.h"
 #include "kernels/token_grouping.h"
+#include "kernels/weight_packing.h"
 #include "pool/thread_pool.h"
 
 namespace py = pybind11;
@@ -29,6 +32,15 @@ void pool_raise_test(int64_t n, int64_t failing_task) {
   moecc::pool::global_pool()->run(n, [failing_task](int64_t task, int) {
     if (task == failing_task) throw std::runtime_error("task " + std::to_string(task) + " failed on purpose");
   });
+}
+
+using moecc::kernels::Isa;
+using moecc::kernels::LoraFactors;
+
+LoraFactors lora_factors(std::uintptr_t a, std::uintptr_t b, int64_t rank, float scaling) {
+  LoraFactors lora;
+  if (a != 0) lora = {as_pointer<const float>(a), as_pointer<const float>(b), rank, scaling};
+  return lora;
 }
 
 }  // namespace
@@ -57,6 +69,86 @@ PYBIND11_MODULE(_C, m) {
       py::arg("top_k_index"), py::arg("num_tokens"), py::arg("top_k"), py::arg("num_experts"), py::arg("offsets"),
       py::arg("order"), py::call_guard<py::gil_scoped_release>(),
       "Stable counting sort of [num_tokens, top_k] int64 expert ids; writes offsets [E+1] and order [T*k].");
+
+  m.def("cpu_features", [] {
+    const auto& f = moecc::kernels::cpu_features();
+    py::dict d;
+    d["avx512f"] = f.avx512f;
+    d["avx512bw"] = f.avx512bw;
+    d["avx512vl"] = f.avx512vl;
+    d["avx512_bf16"] = f.avx512_bf16;
+    d["amx_tile"] = f.amx_tile;
+    d["amx_bf16"] = f.amx_bf16;
+    d["os_avx512"] = f.os_avx512;
+    d["os_amx"] = f.os_amx;
+    d["brand"] = f.brand;
+    return d;
+  }, "CPU features detected with cpuid/xgetbv (AMX also needs the kernel's permission, requested here).");
+
+  m.def("check_isa", [](int isa) { moecc::kernels::panel_gemm(static_cast<Isa>(isa)); }, py::arg("isa"),
+        "Raises ValueError if the kernels for `isa` (0 portable, 1 avx512_bf16, 2 amx) cannot run here.");
+
+  m.def("packed_elements", &moecc::kernels::packed_elements, py::arg("rows"), py::arg("cols"));
+  m.def(
+      "pack_experts",
+      [](std::uintptr_t src, int64_t experts, int64_t rows, int64_t cols, std::uintptr_t dst) {
+        moecc::kernels::pack_experts(as_pointer<const uint16_t>(src), experts, rows, cols, as_pointer<uint16_t>(dst),
+                                     *moecc::pool::global_pool());
+      },
+      py::arg("src"), py::arg("experts"), py::arg("rows"), py::arg("cols"), py::arg("dst"),
+      py::call_guard<py::gil_scoped_release>(),
+      "Packs [experts, rows, cols] bf16 weights into the panel layout (weight_packing.h).");
+
+  m.def(
+      "expert_ffn_forward",
+      [](int isa, int64_t experts, int64_t hidden_size, int64_t inter, int64_t tokens, int64_t top_k,
+         std::uintptr_t gate_up, std::uintptr_t down, std::uintptr_t gate_up_a, std::uintptr_t gate_up_b,
+         int64_t gate_up_rank, float gate_up_scaling, std::uintptr_t down_a, std::uintptr_t down_b, int64_t down_rank,
+         float down_scaling, std::uintptr_t offsets, std::uintptr_t order, std::uintptr_t routing_weights,
+         std::uintptr_t hidden, std::uintptr_t gate_up_out, std::uintptr_t out) {
+        moecc::kernels::expert_ffn_forward(
+            static_cast<Isa>(isa), {experts, hidden_size, inter, tokens, top_k},
+            {as_pointer<const uint16_t>(gate_up), as_pointer<const uint16_t>(down)},
+            lora_factors(gate_up_a, gate_up_b, gate_up_rank, gate_up_scaling),
+            lora_factors(down_a, down_b, down_rank, down_scaling),
+            {as_pointer<const int64_t>(offsets), as_pointer<const int64_t>(order), as_pointer<const float>(routing_weights)},
+            {as_pointer<const uint16_t>(hidden), as_pointer<uint16_t>(gate_up_out), as_pointer<float>(out)},
+            *moecc::pool::global_pool());
+      },
+      py::kw_only(), py::arg("isa"), py::arg("experts"), py::arg("hidden_size"), py::arg("inter"), py::arg("tokens"),
+      py::arg("top_k"), py::arg("gate_up"), py::arg("down"), py::arg("gate_up_a"), py::arg("gate_up_b"),
+      py::arg("gate_up_rank"), py::arg("gate_up_scaling"), py::arg("down_a"), py::arg("down_b"), py::arg("down_rank"),
+      py::arg("down_scaling"), py::arg("offsets"), py::arg("order"), py::arg("routing_weights"), py::arg("hidden"),
+      py::arg("gate_up_out"), py::arg("out"), py::call_guard<py::gil_scoped_release>(),
+      "Routed-expert SwiGLU forward with LoRA (expert_ffn.h); addresses of tensors checked by moecc._ops.");
+
+  m.def(
+      "expert_ffn_backward",
+      [](int isa, int64_t experts, int64_t hidden_size, int64_t inter, int64_t tokens, int64_t top_k,
+         std::uintptr_t gate_up, std::uintptr_t down, std::uintptr_t gate_up_a, std::uintptr_t gate_up_b,
+         int64_t gate_up_rank, float gate_up_scaling, std::uintptr_t down_a, std::uintptr_t down_b, int64_t down_rank,
+         float down_scaling, std::uintptr_t offsets, std::uintptr_t order, std::uintptr_t routing_weights,
+         std::uintptr_t hidden, std::uintptr_t gate_up_out, std::uintptr_t grad_out, std::uintptr_t grad_hidden,
+         std::uintptr_t grad_routing, std::uintptr_t grad_gate_up_a, std::uintptr_t grad_gate_up_b,
+         std::uintptr_t grad_down_a, std::uintptr_t grad_down_b) {
+        moecc::kernels::expert_ffn_backward(
+            static_cast<Isa>(isa), {experts, hidden_size, inter, tokens, top_k},
+            {as_pointer<const uint16_t>(gate_up), as_pointer<const uint16_t>(down)},
+            lora_factors(gate_up_a, gate_up_b, gate_up_rank, gate_up_scaling),
+            lora_factors(down_a, down_b, down_rank, down_scaling),
+            {as_pointer<const int64_t>(offsets), as_pointer<const int64_t>(order), as_pointer<const float>(routing_weights)},
+            {as_pointer<const uint16_t>(hidden), as_pointer<const uint16_t>(gate_up_out), as_pointer<const float>(grad_out),
+             as_pointer<float>(grad_hidden), as_pointer<float>(grad_routing), as_pointer<float>(grad_gate_up_a),
+             as_pointer<float>(grad_gate_up_b), as_pointer<float>(grad_down_a), as_pointer<float>(grad_down_b)},
+            *moecc::pool::global_pool());
+      },
+      py::kw_only(), py::arg("isa"), py::arg("experts"), py::arg("hidden_size"), py::arg("inter"), py::arg("tokens"),
+      py::arg("top_k"), py::arg("gate_up"), py::arg("down"), py::arg("gate_up_a"), py::arg("gate_up_b"),
+      py::arg("gate_up_rank"), py::arg("gate_up_scaling"), py::arg("down_a"), py::arg("down_b"), py::arg("down_rank"),
+      py::arg("down_scaling"), py::arg("offsets"), py::arg("order"), py::arg("routing_weights"), py::arg("hidden"),
+      py::arg("gate_up_out"), py::arg("grad_out"), py::arg("grad_hidden"), py::arg("grad_routing"),
+      py::arg("grad_gate_up_a"), py::arg("grad_gate_up_b"), py::arg("grad_down_a"), py::arg("grad_down_b"),
+      py::call_guard<py::gil_scoped_release>(), "Backward of expert_ffn_forward; LoRA gradients accumulate.");
 
   m.def("_pool_fill_test", &pool_fill_test, py::call_guard<py::gil_scoped_release>());
   m.def("_pool_raise_test", &pool_raise_test, py::call_guard<py::gil_scoped_release>());

@@ -90,3 +90,125 @@ def pool_raise_test(n: int, failing_task: int) -> None:
 
 
 atexit.register(_C.shutdown)
+
+
+ISAS = {"portable": 0, "avx512_bf16": 1, "amx": 2}
+
+
+def cpu_features() -> dict:
+    """CPU features detected at run time (cpuid, xgetbv; AMX includes the kernel's permission)."""
+    return dict(_C.cpu_features())
+
+
+def check_isa(isa: str) -> None:
+    """Raises ValueError naming the problem when the expert kernels for ``isa`` cannot run on this CPU."""
+    if isa not in ISAS:
+        raise ValueError(f"unknown ISA {isa!r}; choose one of {', '.join(ISAS)}")
+    _C.check_isa(ISAS[isa])
+
+
+def best_isa() -> str:
+    """The fastest kernel ISA this CPU runs: amx, then avx512_bf16, then portable."""
+    for isa in ("amx", "avx512_bf16"):
+        try:
+            check_isa(isa)
+            return isa
+        except ValueError:
+            continue
+    return "portable"
+
+
+def pack_experts(weights: torch.Tensor) -> torch.Tensor:
+    """Packs bf16 expert weights ``[E, N, K]`` into the kernels' panel layout (cpp/kernels/weight_packing.h)."""
+    if weights.dim() != 3:
+        raise ValueError(f"expert weights must be [experts, rows, cols], got shape {tuple(weights.shape)}")
+    source = weights.contiguous()
+    _check_host("expert weights", source, torch.bfloat16)
+    experts, rows, cols = source.shape
+    packed = torch.empty(experts * _C.packed_elements(rows, cols), dtype=torch.bfloat16)
+    if packed.data_ptr() % 64:
+        raise RuntimeError("packed expert weights must be 64-byte aligned")
+    _C.pack_experts(source.data_ptr(), experts, rows, cols, packed.data_ptr())
+    return packed
+
+
+def _address(tensor: torch.Tensor | None, name: str, dtype: torch.dtype, numel: int) -> int:
+    if tensor is None:
+        return 0
+    _check_host(name, tensor, dtype)
+    if tensor.numel() != numel:
+        raise ValueError(f"{name} has {tensor.numel()} elements, expected {numel}")
+    return tensor.data_ptr()
+
+
+def _lora_args(prefix: str, lora: tuple | None, experts: int, n_in: int, n_out: int) -> dict:
+    """``lora`` is ``(A [E, r, in], B [E, out, r], scaling)`` float32 or None."""
+    if lora is None:
+        return {f"{prefix}_a": 0, f"{prefix}_b": 0, f"{prefix}_rank": 0, f"{prefix}_scaling": 0.0}
+    a, b, scaling = lora
+    rank = a.shape[1]
+    return {f"{prefix}_a": _address(a, f"{prefix} LoRA A", torch.float32, experts * rank * n_in),
+            f"{prefix}_b": _address(b, f"{prefix} LoRA B", torch.float32, experts * n_out * rank),
+            f"{prefix}_rank": rank, f"{prefix}_scaling": float(scaling)}
+
+
+def expert_ffn_forward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int],
+                       hidden: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor, routing: torch.Tensor,
+                       gate_up_lora: tuple | None, down_lora: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs the CPU expert forward. ``shape = (E, H, I)``; ``hidden [T, H]`` bf16; ``routing [T*k]`` float32.
+
+    Returns ``(out [T, H] float32, gate_up_out [T*k, 2I] bf16 in grouped order)``.
+    """
+    experts, hidden_size, inter = shape
+    tokens, pairs = hidden.shape[0], order.numel()
+    top_k = pairs // max(tokens, 1) if tokens else 1
+    out = torch.empty(tokens, hidden_size, dtype=torch.float32)
+    gate_up_out = torch.empty(pairs, 2 * inter, dtype=torch.bfloat16)
+    _C.expert_ffn_forward(
+        isa=ISAS[isa], experts=experts, hidden_size=hidden_size, inter=inter, tokens=tokens, top_k=top_k,
+        gate_up=_address(packed[0], "packed gate_up", torch.bfloat16, experts * _C.packed_elements(2 * inter, hidden_size)),
+        down=_address(packed[1], "packed down", torch.bfloat16, experts * _C.packed_elements(hidden_size, inter)),
+        **_lora_args("gate_up", gate_up_lora, experts, hidden_size, 2 * inter),
+        **_lora_args("down", down_lora, experts, inter, hidden_size),
+        offsets=_address(offsets, "offsets", torch.int64, experts + 1),
+        order=_address(order, "order", torch.int64, tokens * top_k),
+        routing_weights=_address(routing, "routing weights", torch.float32, tokens * top_k),
+        hidden=_address(hidden, "hidden", torch.bfloat16, tokens * hidden_size),
+        gate_up_out=gate_up_out.data_ptr(), out=out.data_ptr(),
+    )
+    return out, gate_up_out
+
+
+def expert_ffn_backward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int],
+                        hidden: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor, routing: torch.Tensor,
+                        gate_up_lora: tuple | None, down_lora: tuple | None, gate_up_out: torch.Tensor,
+                        grad_out: torch.Tensor) -> tuple:
+    """Backward of :func:`expert_ffn_forward` with ``grad_out [T, H]`` float32.
+
+    Returns ``(grad_hidden [T, H], grad_routing [T*k], (dA_gu, dB_gu) or None, (dA_down, dB_down) or None)``,
+    float32, LoRA gradients as ``A [E, r, in]``, ``B [E, out, r]``.
+    """
+    experts, hidden_size, inter = shape
+    tokens, pairs = hidden.shape[0], order.numel()
+    top_k = pairs // max(tokens, 1) if tokens else 1
+    grad_hidden = torch.empty(tokens, hidden_size, dtype=torch.float32)
+    grad_routing = torch.empty(pairs, dtype=torch.float32)
+    lora_grads = [None if lora is None else (torch.zeros_like(lora[0]), torch.zeros_like(lora[1]))
+                  for lora in (gate_up_lora, down_lora)]
+    flat = [0 if g is None else g[i].data_ptr() for g in lora_grads for i in (0, 1)]
+    _C.expert_ffn_backward(
+        isa=ISAS[isa], experts=experts, hidden_size=hidden_size, inter=inter, tokens=tokens, top_k=top_k,
+        gate_up=_address(packed[0], "packed gate_up", torch.bfloat16, experts * _C.packed_elements(2 * inter, hidden_size)),
+        down=_address(packed[1], "packed down", torch.bfloat16, experts * _C.packed_elements(hidden_size, inter)),
+        **_lora_args("gate_up", gate_up_lora, experts, hidden_size, 2 * inter),
+        **_lora_args("down", down_lora, experts, inter, hidden_size),
+        offsets=_address(offsets, "offsets", torch.int64, experts + 1),
+        order=_address(order, "order", torch.int64, pairs),
+        routing_weights=_address(routing, "routing weights", torch.float32, pairs),
+        hidden=_address(hidden, "hidden", torch.bfloat16, tokens * hidden_size),
+        gate_up_out=_address(gate_up_out, "gate_up_out", torch.bfloat16, pairs * 2 * inter),
+        grad_out=_address(grad_out, "grad_out", torch.float32, tokens * hidden_size),
+        grad_hidden=grad_hidden.data_ptr(), grad_routing=grad_routing.data_ptr(),
+        grad_gate_up_a=flat[0], grad_gate_up_b=flat[1], grad_down_a=flat[2], grad_down_b=flat[3],
+    )
+    return grad_hidden, grad_routing, lora_grads[0], lora_grads[1]

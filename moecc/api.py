@@ -141,7 +141,7 @@ def prepare(
     peft_model = _apply_lora(model, family, lora_config, adapter)
 
     _ops.configure_pool(config.num_threads, config.pin_threads)
-    engine = CoComputeEngine(device, config.backend)
+    engine = CoComputeEngine(device, config.backend, config.isa)
     layers = []
     for index, (name, block) in enumerate(blocks):
         keep_on_host(block.experts)

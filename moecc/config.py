@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-BACKENDS = ("reference",)
+BACKENDS = ("reference", "native")
+ISAS = ("auto", "amx", "avx512_bf16", "portable")
 
 
 @dataclass
@@ -14,24 +15,30 @@ class MoeccConfig:
     Attributes:
         num_threads: CPU threads for expert work, the calling thread included; ``None`` uses every CPU this
             process may run on. Environment: ``MOECC_NUM_THREADS``.
-        backend: CPU expert math implementation. ``"reference"`` is the plain-PyTorch oracle.
-            Environment: ``MOECC_BACKEND``.
+        backend: CPU expert math implementation. ``"reference"``: the plain-PyTorch oracle, which matches
+            HF + PEFT bit for bit. ``"native"``: the C++ kernels on packed bf16 weights (bf16 models in the
+            standard expert layout; agrees with the reference to bf16 tolerance). Environment: ``MOECC_BACKEND``.
+        isa: instruction set of the native kernels: ``"auto"`` (the best this CPU runs), ``"amx"``,
+            ``"avx512_bf16"`` or ``"portable"``. Environment: ``MOECC_ISA``.
         pin_threads: pin pool threads to cores. Environment: ``MOECC_PIN_THREADS`` (0/1).
     """
 
     num_threads: int | None = None
     backend: str = "reference"
     pin_threads: bool = True
+    isa: str = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown moecc backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.isa not in ISAS:
+            raise ValueError(f"unknown ISA {self.isa!r}; choose one of {', '.join(ISAS)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None (all CPUs), got {self.num_threads}")
 
     @classmethod
     def from_env(cls) -> "MoeccConfig":
-        """Defaults, overridden by ``MOECC_NUM_THREADS``, ``MOECC_BACKEND`` and ``MOECC_PIN_THREADS``."""
+        """Defaults, overridden by ``MOECC_NUM_THREADS``, ``MOECC_BACKEND``, ``MOECC_ISA``, ``MOECC_PIN_THREADS``."""
         kwargs: dict = {}
         threads = os.environ.get("MOECC_NUM_THREADS")
         if threads:
@@ -40,6 +47,8 @@ class MoeccConfig:
             kwargs["num_threads"] = int(threads)
         if os.environ.get("MOECC_BACKEND"):
             kwargs["backend"] = os.environ["MOECC_BACKEND"]
+        if os.environ.get("MOECC_ISA"):
+            kwargs["isa"] = os.environ["MOECC_ISA"]
         pin = os.environ.get("MOECC_PIN_THREADS")
         if pin:
             flags = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}

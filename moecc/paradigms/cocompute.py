@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
-from .. import reference
+from .. import _ops, reference
 from ..lora import expert_lora
+from ..native_experts import NativeExperts
 from ..reference import ExpertLora, ExpertWeights, SavedState
 from ..store import expert_weights
 from ..staging import HostCopy, StagingBuffers
@@ -51,13 +52,16 @@ class StepMetrics:
 class CoComputeEngine:
     """Shared state of every co-compute layer: staging buffers, the CPU backend, the worker, metrics."""
 
-    def __init__(self, device: torch.device, backend: str = "reference") -> None:
-        if backend != "reference":
-            raise ValueError(f"unknown co-compute backend {backend!r}")
+    def __init__(self, device: torch.device, backend: str = "reference", isa: str = "auto") -> None:
         self.device = device
         self.staging = StagingBuffers(device)
-        self.forward_fn = reference.experts_forward
-        self.backward_fn = reference.experts_backward
+        if backend == "reference":
+            self.forward_fn, self.backward_fn = reference.experts_forward, reference.experts_backward
+        elif backend == "native":
+            native = NativeExperts(_ops.best_isa() if isa == "auto" else isa)
+            self.forward_fn, self.backward_fn = native.forward, native.backward
+        else:
+            raise ValueError(f"unknown co-compute backend {backend!r}; use 'reference' or 'native'")
         self.metrics = StepMetrics()
         self._bytes_mark = (0, 0)
         # One worker: layers are sequential, and the kernels parallelise inside a call.

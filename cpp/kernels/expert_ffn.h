@@ -1,0 +1,68 @@
+// Routed-expert SwiGLU FFN with LoRA on the CPU, forward and backward, over packed bf16 weights.
+//
+// Shapes: T tokens, k experts per token, E experts, hidden H, intermediate I. Pairs (token t, slot j) have id
+// p = t*k + j; `order` lists pair ids grouped by expert (token_grouping.h), grouped position g = index in
+// `order`. Base weights are packed per expert (weight_packing.h): gate_up [2I, H] (gate rows, then up rows)
+// and down [H, I]. LoRA factors are fp32, A [E, r, in] and B [E, out, r]; y = x W^T + s (x A^T) B^T.
+// Products take bf16 inputs and accumulate in fp32; gate/up outputs are kept in bf16 for backward.
+#pragma once
+
+#include <cstdint>
+
+#include "panel_gemm.h"
+
+namespace moecc::pool {
+class ThreadPool;
+}
+
+namespace moecc::kernels {
+
+struct ExpertShapes {
+  int64_t experts, hidden, inter, tokens, top_k;
+};
+
+struct PackedExperts {
+  const uint16_t* gate_up;  // experts x packed_elements(2I, H)
+  const uint16_t* down;     // experts x packed_elements(H, I)
+};
+
+struct LoraFactors {  // a == nullptr: no LoRA on this projection
+  const float* a = nullptr;  // [E, r, in]
+  const float* b = nullptr;  // [E, out, r]
+  int64_t rank = 0;
+  float scaling = 0.0f;
+};
+
+struct Routing {
+  const int64_t* offsets;  // [E+1]
+  const int64_t* order;    // [T*k] pair ids grouped by expert
+  const float* weights;    // [T*k] routing weight per pair id
+};
+
+struct ForwardIo {
+  const uint16_t* hidden;  // [T, H] bf16
+  uint16_t* gate_up_out;   // [T*k, 2I] bf16, grouped order: saved for backward
+  float* out;              // [T, H]
+};
+
+struct BackwardIo {
+  const uint16_t* hidden;       // [T, H] bf16
+  const uint16_t* gate_up_out;  // [T*k, 2I] bf16 from forward
+  const float* grad_out;        // [T, H]
+  float* grad_hidden;           // [T, H]
+  float* grad_routing;          // [T*k] per pair id
+  float* grad_gate_up_a;        // [E, r, H] or null
+  float* grad_gate_up_b;        // [E, 2I, r] or null
+  float* grad_down_a;           // [E, r, I] or null
+  float* grad_down_b;           // [E, H, r] or null
+};
+
+void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts& weights,
+                        const LoraFactors& gate_up_lora, const LoraFactors& down_lora, const Routing& routing,
+                        const ForwardIo& io, moecc::pool::ThreadPool& pool);
+
+void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExperts& weights,
+                         const LoraFactors& gate_up_lora, const LoraFactors& down_lora, const Routing& routing,
+                         const BackwardIo& io, moecc::pool::ThreadPool& pool);
+
+}  // namespace moecc::kernels

@@ -1,0 +1,44 @@
+// Matrix products against packed expert weights (weight_packing.h), one ISA variant per source file:
+// panel_gemm_portable.cpp (any x86-64 / C++ compiler) and panel_gemm_avx512bf16.cpp (AVX512-BF16).
+// Kernels compute a slice of the output and never own threads; the caller splits work into tasks.
+#pragma once
+
+#include <cstdint>
+
+namespace moecc::kernels {
+
+enum class Isa { kPortable = 0, kAvx512Bf16 = 1, kAmx = 2 };
+
+struct PanelGemm {
+  // out[t][j] = sum_k x[t][k] * W[16*p0 + j][k] for t < tokens, panels p0 <= p < p1 (j < 16*(p1-p0)).
+  // @param x      bf16 [tokens, ldx], ldx >= padded K, columns K..padded K zero.
+  // @param packed one packed matrix; k_padded its padded K.
+  // @param out    fp32 [tokens, ldo]; written, not accumulated.
+  void (*forward)(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed, int64_t k_padded,
+                  int64_t p0, int64_t p1, float* out, int64_t ldo);
+  // dx[t][k] = sum_n dy[t][n] * W[n][k] for t < tokens, even k0 <= k < k1 (a multiple of 2).
+  // @param dy     fp32 [tokens, ld_dy], ld_dy >= padded N, columns N..padded N zero.
+  // @param dx     fp32 [tokens, ld_dx]; written, not accumulated.
+  void (*input_grad)(const float* dy, int64_t ld_dy, int64_t tokens, const uint16_t* packed, int64_t n_padded,
+                     int64_t k_padded, int64_t k0, int64_t k1, float* dx, int64_t ld_dx);
+};
+
+const PanelGemm& panel_gemm_portable();
+const PanelGemm& panel_gemm_avx512bf16();
+
+// The variant for `isa`; throws std::invalid_argument if this build or CPU cannot run it.
+const PanelGemm& panel_gemm(Isa isa);
+
+// bf16 <-> fp32 helpers shared by all variants (round to nearest even, NaN kept quiet).
+inline float bf16_to_float(uint16_t bits) {
+  union { uint32_t u; float f; } v{static_cast<uint32_t>(bits) << 16};
+  return v.f;
+}
+inline uint16_t float_to_bf16(float value) {
+  union { float f; uint32_t u; } v{value};
+  if ((v.u & 0x7F800000u) == 0x7F800000u && (v.u & 0x007FFFFFu)) return static_cast<uint16_t>((v.u >> 16) | 0x40);
+  const uint32_t rounding = 0x7FFFu + ((v.u >> 16) & 1u);
+  return static_cast<uint16_t>((v.u + rounding) >> 16);
+}
+
+}  // namespace moecc::kernels

@@ -1,0 +1,65 @@
+// Portable variant of panel_gemm.h: plain C++ over the packed layout, for CPUs without AVX512-BF16, and the
+// reference the vector variants are tested against. Also the dispatcher.
+#include <stdexcept>
+
+#include "cpu_features.h"
+#include "panel_gemm.h"
+#include "weight_packing.h"
+
+namespace moecc::kernels {
+namespace {
+
+void forward(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed, int64_t k_padded, int64_t p0,
+             int64_t p1, float* out, int64_t ldo) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint16_t* panel = packed + p * kPanelRows * k_padded;
+      float acc[kPanelRows] = {};
+      for (int64_t kp = 0; kp < k_padded / 2; ++kp) {
+        const float x0 = bf16_to_float(x[t * ldx + 2 * kp]), x1 = bf16_to_float(x[t * ldx + 2 * kp + 1]);
+        const uint16_t* row = panel + kp * 2 * kPanelRows;
+        for (int64_t i = 0; i < kPanelRows; ++i) {
+          acc[i] += x0 * bf16_to_float(row[2 * i]) + x1 * bf16_to_float(row[2 * i + 1]);
+        }
+      }
+      for (int64_t i = 0; i < kPanelRows; ++i) out[t * ldo + (p - p0) * kPanelRows + i] = acc[i];
+    }
+  }
+}
+
+void input_grad(const float* dy, int64_t ld_dy, int64_t tokens, const uint16_t* packed, int64_t n_padded,
+                int64_t k_padded, int64_t k0, int64_t k1, float* dx, int64_t ld_dx) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t k = k0; k < k1; ++k) {
+      float acc = 0.0f;
+      for (int64_t n = 0; n < n_padded; ++n) acc += dy[t * ld_dy + n] * bf16_to_float(packed[packed_offset(n, k, k_padded)]);
+      dx[t * ld_dx + k] = acc;
+    }
+  }
+}
+
+}  // namespace
+
+const PanelGemm& panel_gemm_portable() {
+  static const PanelGemm gemm{forward, input_grad};
+  return gemm;
+}
+
+const PanelGemm& panel_gemm(Isa isa) {
+  const CpuFeatures& cpu = cpu_features();
+  switch (isa) {
+    case Isa::kPortable:
+      return panel_gemm_portable();
+    case Isa::kAvx512Bf16:
+      if (!(cpu.avx512f && cpu.avx512bw && cpu.avx512_bf16 && cpu.os_avx512)) {
+        throw std::invalid_argument("this CPU cannot run the AVX512-BF16 kernels (needs AVX512F/BW and AVX512_BF16: "
+                                    "Intel Cooper Lake, Sapphire Rapids or later, AMD Zen 4 or later)");
+      }
+      return panel_gemm_avx512bf16();
+    case Isa::kAmx:
+      throw std::invalid_argument("the AMX expert kernels are not built yet; use MOECC_ISA=avx512_bf16 or portable");
+  }
+  throw std::invalid_argument("unknown ISA");
+}
+
+}  // namespace moecc::kernels

@@ -1,0 +1,83 @@
+"""The native CPU expert backend: ``experts_forward`` / ``experts_backward`` with the same contract as
+``moecc.reference``, computed by the C++ kernels on packed bf16 weights.
+
+Supports the standard layout (``gate_up [E, 2I, H]``, ``down [E, H, I]``, SwiGLU, no biases) with bf16 weights
+and activations; anything else raises ``UnsupportedModelError`` naming the reference backend as the way out.
+Numerics: bf16 operands, float32 accumulation, LoRA computed factorised in float32 (not folded into the
+weight as PEFT does), so results agree with the reference to bf16 tolerance, not bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _ops
+from .errors import UnsupportedModelError
+from .reference import ExpertLora, ExpertWeights, LoraGrads, SavedState
+
+
+def _kernel_lora(lora: ExpertLora | None) -> tuple | None:
+    """PEFT's ``A [r*E, in]``, ``B [out, r*E]`` as the kernels' ``A [E, r, in]``, ``B [E, out, r]`` float32."""
+    if lora is None:
+        return None
+    experts, rank = lora.num_experts, lora.rank
+    a = lora.A.detach().float().reshape(experts, rank, -1).contiguous()
+    b = lora.B.detach().float().reshape(lora.B.shape[0], rank, experts).permute(2, 0, 1).contiguous()
+    return a, b, lora.scaling
+
+
+def _peft_grads(grads: tuple | None, lora: ExpertLora | None) -> tuple:
+    if grads is None:
+        return None, None
+    grad_a, grad_b = grads
+    experts, out, rank = grad_b.shape
+    return grad_a.reshape(experts * rank, -1), grad_b.permute(1, 2, 0).reshape(out, rank * experts)
+
+
+class NativeExperts:
+    """Packs each layer's weights once (repacking if PEFT merges into them) and runs the kernels."""
+
+    def __init__(self, isa: str) -> None:
+        _ops.check_isa(isa)
+        self.isa = isa
+        self._packed: dict[int, tuple] = {}
+
+    def _pack(self, weights: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        if (weights.transposed or weights.interleaved or weights.gate_up_bias is not None
+                or weights.swiglu_limit is not None or weights.gate_up.dtype != torch.bfloat16):
+            raise UnsupportedModelError(
+                "the native CPU expert kernels run bf16 SwiGLU experts in the standard layout; this model has "
+                f"{weights.gate_up.dtype} experts or gpt-oss-style experts. Use MOECC_BACKEND=reference"
+            )
+        key = weights.gate_up.data_ptr()
+        version = (weights.gate_up._version, weights.down._version, weights.down.data_ptr())
+        cached = self._packed.get(key)
+        if cached is None or cached[0] != version:
+            cached = (version, (_ops.pack_experts(weights.gate_up), _ops.pack_experts(weights.down)))
+            self._packed[key] = cached
+        return cached[1]
+
+    def forward(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor, gate_up_lora: ExpertLora | None,
+                down_lora: ExpertLora | None) -> tuple[torch.Tensor, SavedState]:
+        packed = self._pack(weights)
+        shape = (weights.num_experts, weights.hidden_size, weights.intermediate_size)
+        offsets, order = _ops.group_tokens_by_expert(top_k_index, weights.num_experts)
+        hidden_bf16 = hidden.to(torch.bfloat16).contiguous()
+        routing = top_k_weights.float().reshape(-1).contiguous()
+        out, gate_up_out = _ops.expert_ffn_forward(self.isa, packed, shape, hidden_bf16, offsets, order, routing,
+                                                   _kernel_lora(gate_up_lora), _kernel_lora(down_lora))
+        saved = SavedState(hidden_bf16.clone(), top_k_weights.float().clone(), offsets, order, gate_up_out,
+                           top_k_weights.dtype)
+        return out.to(hidden.dtype), saved
+
+    def backward(self, weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor,
+                 gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None):
+        packed = self._pack(weights)
+        shape = (weights.num_experts, weights.hidden_size, weights.intermediate_size)
+        routing = saved.top_k_weights.reshape(-1).contiguous()
+        grad_hidden, grad_routing, gu, down = _ops.expert_ffn_backward(
+            self.isa, packed, shape, saved.hidden, saved.offsets, saved.order, routing,
+            _kernel_lora(gate_up_lora), _kernel_lora(down_lora), saved.gate_up_out,
+            grad_out.float().contiguous())
+        grads = LoraGrads(*_peft_grads(gu, gate_up_lora), *_peft_grads(down, down_lora))
+        return grad_hidden, grad_routing.view(saved.top_k_weights.shape), grads

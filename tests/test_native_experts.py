@@ -1,0 +1,136 @@
+"""The native CPU expert kernels, on every ISA this machine runs, against the reference (bf16 tolerance)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moecc import _ops
+from moecc.native_experts import NativeExperts
+from moecc.reference import ExpertLora, ExpertWeights, experts_autograd, experts_backward, experts_forward
+
+from .parity import rel_err
+
+
+def _supported_isas() -> list[str]:
+    isas = []
+    for isa in ("portable", "avx512_bf16", "amx"):
+        try:
+            _ops.check_isa(isa)
+            isas.append(isa)
+        except ValueError:
+            pass
+    return isas
+
+
+ISAS = _supported_isas()
+
+
+def _problem(tokens, experts, hidden, inter, top_k, rank, seed, skew=False):
+    g = torch.Generator().manual_seed(seed)
+    weights = ExpertWeights((torch.randn(experts, 2 * inter, hidden, generator=g) * 0.1).bfloat16(),
+                            (torch.randn(experts, hidden, inter, generator=g) * 0.1).bfloat16())
+
+    def lora(n_in, n_out):
+        if rank == 0:
+            return None
+        return ExpertLora(torch.randn(rank * experts, n_in, generator=g) * 0.1,
+                          torch.randn(n_out, rank * experts, generator=g) * 0.1, 1.5, experts)
+
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    scores = torch.rand(tokens, experts, generator=g)
+    if skew:
+        scores[:, 0] += 2.0  # every token picks expert 0: one very hot expert
+    scores[:, experts - 1] = -1.0  # and one expert gets no token at all
+    index = scores.topk(top_k, dim=1).indices
+    weights_routing = torch.rand(tokens, top_k, generator=g)
+    return weights, x, index, weights_routing, lora(hidden, 2 * inter), lora(inter, hidden)
+
+
+CASES = [  # tokens, experts, hidden, inter, top_k, rank, skew
+    (1, 4, 32, 16, 2, 4, False),
+    (37, 6, 48, 40, 3, 2, False),     # H and I not multiples of 16/32
+    (64, 8, 64, 32, 2, 0, True),      # no LoRA, hot expert
+    (130, 5, 96, 24, 2, 8, True),     # more rows than one token block
+    (0, 4, 32, 16, 2, 4, False),
+]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}-E{c[1]}-H{c[2]}-I{c[3]}-k{c[4]}-r{c[5]}" for c in CASES])
+def test_native_matches_reference(isa, case):
+    tokens, experts, hidden, inter, top_k, rank, skew = case
+    weights, x, index, w, gate_up, down = _problem(tokens, experts, hidden, inter, top_k, rank, seed=tokens,
+                                                   skew=skew)
+    native = NativeExperts(isa)
+    out, saved = native.forward(weights, x, index, w, gate_up, down)
+    expected = experts_autograd(weights, x.float(), index, w, gate_up, down)
+    assert out.dtype == torch.bfloat16 and out.shape == (tokens, hidden)
+    if tokens == 0:
+        return
+    assert rel_err(out, expected) <= 2e-2
+
+    grad_out = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
+    ref_out, ref_saved = experts_forward(weights, x, index, w, gate_up, down)
+    ref_grads = experts_backward(weights, ref_saved, grad_out, gate_up, down)
+    grads = native.backward(weights, saved, grad_out, gate_up, down)
+    assert rel_err(grads[0], ref_grads[0]) <= 2e-2
+    assert rel_err(grads[1], ref_grads[1]) <= 2e-2
+    if rank:
+        for got, want in zip(vars(grads[2]).values(), vars(ref_grads[2]).values()):
+            assert rel_err(got, want) <= 2e-2
+
+
+def test_isa_variants_agree_closely():
+    if len(ISAS) < 2:
+        pytest.skip(f"this CPU runs only {ISAS}")
+    weights, x, index, w, gate_up, down = _problem(50, 6, 64, 48, 2, 4, seed=3)
+    outs = [NativeExperts(isa).forward(weights, x, index, w, gate_up, down)[0] for isa in ISAS]
+    for other in outs[1:]:
+        assert rel_err(other, outs[0]) <= 1e-2
+
+
+def test_unsupported_isa_and_layout_are_named():
+    with pytest.raises(ValueError, match="unknown ISA"):
+        NativeExperts("sse2")
+    if "amx" not in ISAS:
+        with pytest.raises(ValueError, match="AMX"):
+            NativeExperts("amx")
+    weights, x, index, w, gate_up, down = _problem(4, 4, 32, 16, 2, 0, seed=0)
+    weights.gate_up = weights.gate_up.float()
+    with pytest.raises(Exception, match="MOECC_BACKEND=reference"):
+        NativeExperts("portable").forward(weights, x, index, w, None, None)
+
+
+def test_packing_layout():
+    weights = torch.arange(2 * 20 * 40, dtype=torch.float32).reshape(2, 20, 40).bfloat16()
+    packed = _ops.pack_experts(weights)
+    per_expert = 32 * 64  # rows padded to 32, cols to 64
+    assert packed.numel() == 2 * per_expert
+    n, k = 17, 33  # element W[1][17][33]: panel 1, pair row 16, lane 1, odd
+    offset = per_expert + 16 * 64 + (k // 2) * 32 + (n % 16) * 2 + 1
+    assert packed[offset] == weights[1, n, k]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_native_backend_through_prepare_matches_hf_peft_in_bf16(isa):
+    import copy
+
+    from peft import get_peft_model
+
+    import moecc
+    from moecc.tiny_models import tiny_model
+
+    from .parity import lora_config, randomize_lora
+
+    base = tiny_model("qwen3_moe", dtype=torch.bfloat16, seed=2)
+    reference = get_peft_model(copy.deepcopy(base), lora_config("qwen3_moe"))
+    randomize_lora(reference, 5)
+    engine = moecc.prepare(copy.deepcopy(base), lora_config=lora_config("qwen3_moe"), device="cpu",
+                           config=moecc.MoeccConfig(backend="native", isa=isa))
+    engine.load_state_dict(reference.state_dict())
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    a = reference(input_ids=ids, labels=ids)
+    b = engine(input_ids=ids, labels=ids)
+    assert abs(a.loss.item() - b.loss.item()) <= 2e-2 * a.loss.item()
+    b.loss.backward()
+    assert all(p.grad is not None for n, p in engine.named_parameters() if p.requires_grad and ".experts." in n)
