@@ -40,5 +40,5 @@ setup(
         "safetensors",
         "tqdm",
     ],
-    extras_require={"test": ["pytest"]},
+    extras_require={"test": ["pytest"], "bench": ["matplotlib"]},
 )

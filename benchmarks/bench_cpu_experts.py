@@ -1,0 +1,179 @@
+"""One MoE layer of routed experts with LoRA on the CPU: moecc's native kernels against a PyTorch loop.
+
+For each shape, token count and routing (uniform, or Zipf(1.2) popularity: a few hot experts) it times the
+forward and backward of the native backend (median of --reps after a warm-up) and, in the same process, the
+per-expert PyTorch loop that Hugging Face's eager experts run. Prints one line per case and writes a markdown
+table, JSON and (with matplotlib) a PNG plot under --out.
+
+    python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 256,1024,4096,8192
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from moecc import _ops
+from moecc.native_experts import NativeExperts
+from moecc.reference import ExpertLora, ExpertWeights
+
+SHAPES = {  # experts, top_k, hidden, intermediate
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+    "deepseek-v2-lite": (64, 6, 2048, 1408),
+}
+DRAM_GBPS = 125.0  # measured host DRAM read rate, 16 threads (DESIGN.md)
+
+
+def routing(tokens: int, experts: int, top_k: int, kind: str, generator: torch.Generator):
+    if kind == "uniform":
+        scores = torch.rand(tokens, experts, generator=generator)
+        index = scores.topk(top_k, dim=1).indices
+    else:  # Zipf(1.2) popularity over a random expert order, k distinct experts per token
+        popularity = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** 1.2
+        popularity = popularity[torch.randperm(experts, generator=generator)]
+        index = torch.multinomial(popularity.expand(tokens, -1), top_k, replacement=False, generator=generator)
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=generator), dim=1)
+    return index, weights
+
+
+def torch_loop(weights: ExpertWeights, x, index, w, gate_up: ExpertLora, down: ExpertLora):
+    """Hugging Face eager experts with factorised LoRA, one expert at a time (autograd on)."""
+    out = torch.zeros_like(x)
+    for expert in range(weights.num_experts):
+        tokens, slots = torch.where(index == expert)
+        if tokens.numel() == 0:
+            continue
+        (a1, b1), (a2, b2) = gate_up.factors(expert), down.factors(expert)
+        h = x[tokens]
+        gu = h @ weights.gate_up[expert].T + (gate_up.scaling * (h.float() @ a1.T) @ b1.T).to(h.dtype)
+        gate, up = gu.chunk(2, dim=-1)
+        act = torch.nn.functional.silu(gate) * up
+        y = act @ weights.down[expert].T + (down.scaling * (act.float() @ a2.T) @ b2.T).to(h.dtype)
+        out.index_add_(0, tokens, y * w[tokens, slots, None].to(y.dtype))
+    return out
+
+
+def median_time(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: NativeExperts, baseline: bool):
+    experts, top_k, hidden, inter = SHAPES[shape]
+    g = torch.Generator().manual_seed(tokens)
+    weights = ExpertWeights((torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02).bfloat16(),
+                            (torch.randn(experts, hidden, inter, generator=g) * 0.02).bfloat16())
+    gate_up = ExpertLora(torch.randn(rank * experts, hidden, generator=g) * 0.01,
+                         torch.randn(2 * inter, rank * experts, generator=g) * 0.01, 2.0, experts)
+    down = ExpertLora(torch.randn(rank * experts, inter, generator=g) * 0.01,
+                      torch.randn(hidden, rank * experts, generator=g) * 0.01, 2.0, experts)
+    x = torch.randn(tokens, hidden, generator=g).bfloat16()
+    index, w = routing(tokens, experts, top_k, kind, g)
+    grad_out = torch.randn(tokens, hidden, generator=g)
+
+    state = {}
+
+    def forward():
+        state["out"], state["saved"] = native.forward(weights, x, index, w, gate_up, down)
+
+    forward_s = median_time(forward, reps)
+    backward_s = median_time(lambda: native.backward(weights, state["saved"], grad_out, gate_up, down), reps)
+    counts = torch.bincount(index.reshape(-1), minlength=experts)
+    active = int((counts > 0).sum())
+    weight_bytes = active * 3 * hidden * inter * 2
+    flops = 6 * tokens * top_k * hidden * inter  # per pass; backward does the same input-side products
+    row = dict(shape=shape, tokens=tokens, routing=kind, isa=native.isa, forward_ms=forward_s * 1e3,
+               backward_ms=backward_s * 1e3, forward_tflops=flops / forward_s / 1e12,
+               backward_tflops=flops / backward_s / 1e12, forward_gbps=weight_bytes / forward_s / 1e9,
+               dram_floor_ms=weight_bytes / DRAM_GBPS / 1e6, max_over_mean=float(counts.max() / counts.float().mean()))
+    if baseline:
+        xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loop_forward = median_time(lambda: torch_loop(weights, xb, index, wb, gate_up, down), 1)
+        out = torch_loop(weights, xb, index, wb, gate_up, down)
+        loop_backward = median_time(lambda: out.backward(grad_out.bfloat16(), retain_graph=True), 1)
+        row.update(loop_forward_ms=loop_forward * 1e3, loop_backward_ms=loop_backward * 1e3,
+                   speedup=(loop_forward + loop_backward) / (forward_s + backward_s))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v2-lite")
+    parser.add_argument("--tokens", default="256,1024,4096,8192")
+    parser.add_argument("--routing", default="uniform,zipf")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--isa", default="auto")
+    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+
+    isa = _ops.best_isa() if args.isa == "auto" else args.isa
+    native = NativeExperts(isa)
+    print(f"isa {isa}, {_ops.num_threads()} threads, cpu {_ops.cpu_features()['brand'].strip()}")
+    rows = []
+    for shape in args.shapes.split(","):
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            for kind in args.routing.split(","):
+                row = run_case(shape, tokens, kind, args.rank, args.reps, native, not args.no_baseline)
+                rows.append(row)
+                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    for row in rows:
+        uniform = [r for r in rows if r["shape"] == row["shape"] and r["tokens"] == row["tokens"]
+                   and r["routing"] == "uniform"]
+        if uniform:
+            total = row["forward_ms"] + row["backward_ms"]
+            row["skew_ratio"] = total / (uniform[0]["forward_ms"] + uniform[0]["backward_ms"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"cpu_experts_{isa}"
+    (out / f"{stem}.json").write_text(json.dumps(rows, indent=2))
+    columns = ["shape", "tokens", "routing", "forward_ms", "backward_ms", "forward_tflops", "backward_tflops",
+               "forward_gbps", "dram_floor_ms", "skew_ratio", "loop_forward_ms", "loop_backward_ms", "speedup"]
+    lines = [f"`python benchmarks/bench_cpu_experts.py --shapes {args.shapes} --tokens {args.tokens} "
+             f"--isa {args.isa}` ({isa}, {_ops.num_threads()} threads)", "",
+             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(f"{row[c]:.2f}" if isinstance(row.get(c), float) else str(row.get(c, ""))
+                                       for c in columns) + " |")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for shape in args.shapes.split(","):
+        for kind in args.routing.split(","):
+            sel = [r for r in rows if r["shape"] == shape and r["routing"] == kind]
+            ax.plot([r["tokens"] for r in sel], [r["forward_ms"] + r["backward_ms"] for r in sel], marker="o",
+                    label=f"moecc {shape} {kind}")
+            if sel and "loop_forward_ms" in sel[0]:
+                ax.plot([r["tokens"] for r in sel], [r["loop_forward_ms"] + r["loop_backward_ms"] for r in sel],
+                        linestyle="--", marker="x", label=f"PyTorch loop {shape} {kind}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per layer call")
+    ax.set_ylabel("forward + backward time per layer (ms)")
+    ax.set_title(f"CPU experts, one layer, LoRA r={args.rank} ({isa})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
