@@ -142,7 +142,7 @@ def _address(tensor: torch.Tensor | None, name: str, dtype: torch.dtype, numel: 
 
 
 def _lora_args(prefix: str, lora: tuple | None, experts: int, n_in: int, n_out: int) -> dict:
-    """``lora`` is ``(A [E, r, in], B [E, out, r], scaling)`` float32 or None."""
+    """``lora`` is ``(A [E, r, in], B^T [E, r, out], scaling)`` float32 or None."""
     if lora is None:
         return {f"{prefix}_a": 0, f"{prefix}_b": 0, f"{prefix}_rank": 0, f"{prefix}_scaling": 0.0}
     a, b, scaling = lora
@@ -186,7 +186,7 @@ def expert_ffn_backward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], sha
     """Backward of :func:`expert_ffn_forward` with ``grad_out [T, H]`` float32.
 
     Returns ``(grad_hidden [T, H], grad_routing [T*k], (dA_gu, dB_gu) or None, (dA_down, dB_down) or None)``,
-    float32, LoRA gradients as ``A [E, r, in]``, ``B [E, out, r]``.
+    float32, LoRA gradients as ``A [E, r, in]``, ``B^T [E, r, out]``.
     """
     experts, hidden_size, inter = shape
     tokens, pairs = hidden.shape[0], order.numel()

@@ -16,21 +16,21 @@ from .reference import ExpertLora, ExpertWeights, LoraGrads, SavedState
 
 
 def _kernel_lora(lora: ExpertLora | None) -> tuple | None:
-    """PEFT's ``A [r*E, in]``, ``B [out, r*E]`` as the kernels' ``A [E, r, in]``, ``B [E, out, r]`` float32."""
+    """PEFT's ``A [r*E, in]``, ``B [out, r*E]`` as the kernels' ``A [E, r, in]``, ``B^T [E, r, out]`` float32."""
     if lora is None:
         return None
     experts, rank = lora.num_experts, lora.rank
     a = lora.A.detach().float().reshape(experts, rank, -1).contiguous()
-    b = lora.B.detach().float().reshape(lora.B.shape[0], rank, experts).permute(2, 0, 1).contiguous()
-    return a, b, lora.scaling
+    b_t = lora.B.detach().float().reshape(lora.B.shape[0], rank, experts).permute(2, 1, 0).contiguous()
+    return a, b_t, lora.scaling
 
 
 def _peft_grads(grads: tuple | None, lora: ExpertLora | None) -> tuple:
     if grads is None:
         return None, None
-    grad_a, grad_b = grads
-    experts, out, rank = grad_b.shape
-    return grad_a.reshape(experts * rank, -1), grad_b.permute(1, 2, 0).reshape(out, rank * experts)
+    grad_a, grad_b_t = grads
+    experts, rank, out = grad_b_t.shape
+    return grad_a.reshape(experts * rank, -1), grad_b_t.permute(2, 1, 0).reshape(out, rank * experts)
 
 
 class NativeExperts:

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
 #include <vector>
 
 #include "../pool/thread_pool.h"
@@ -46,30 +47,70 @@ void run_tasks(moecc::pool::ThreadPool& pool, const std::vector<Task>& tasks, Fn
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
 
-// inner[g][r] = sum_c in(g, c) * a[r][c] for rows of one task; `in` reads a row element as float.
-template <typename Row>
-void lora_inner(const LoraFactors& lora, int64_t expert, int64_t in_features, const Task& task, Row&& row,
-                float* inner) {
+// Vector primitives for the rank-r LoRA terms and elementwise steps. target_clones builds an AVX512 and a
+// baseline copy of each and picks one at load time from the running CPU, so no code here assumes AVX512.
+#define MOECC_VECTOR_CLONES __attribute__((target_clones("avx512f", "default")))
+
+MOECC_VECTOR_CLONES float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+MOECC_VECTOR_CLONES float dot_bf16(const uint16_t* a, const float* b, int64_t n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += bf16_to_float(a[i]) * b[i];
+  return acc;
+}
+
+MOECC_VECTOR_CLONES void axpy(float coef, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += coef * x[i];
+}
+
+MOECC_VECTOR_CLONES void axpy_bf16(float coef, const uint16_t* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += coef * bf16_to_float(x[i]);
+}
+
+// inner[g][r] = sum_c rows[g][c] * a[r][c] for the task's rows (bf16 rows with leading dimension ld).
+void lora_inner(const LoraFactors& lora, int64_t expert, int64_t in_features, const Task& task, const uint16_t* rows,
+                int64_t ld, float* inner) {
   const float* a = lora.a + expert * lora.rank * in_features;
   for (int64_t g = task.begin; g < task.end; ++g) {
     for (int64_t r = 0; r < lora.rank; ++r) {
-      float acc = 0.0f;
-      const float* a_row = a + r * in_features;
-      for (int64_t c = 0; c < in_features; ++c) acc += row(g, c) * a_row[c];
-      inner[g * lora.rank + r] = acc;
+      inner[g * lora.rank + r] = dot_bf16(rows + g * ld, a + r * in_features, in_features);
     }
   }
 }
 
-// value + s * sum_r inner[g][r] * b[col][r], the LoRA term of one output.
-inline float add_lora(const LoraFactors& lora, int64_t expert, int64_t out_features, const float* inner_row,
-                      int64_t col, float value) {
-  if (lora.a == nullptr) return value;
-  const float* b = lora.b + (expert * out_features + col) * lora.rank;
-  float acc = 0.0f;
-  for (int64_t r = 0; r < lora.rank; ++r) acc += inner_row[r] * b[r];
-  return value + lora.scaling * acc;
+// block[g][col - col0] += s * sum_r inner[g][r] * B^T[r][col] for the task's rows and columns [col0, col1).
+void add_lora_block(const LoraFactors& lora, int64_t expert, int64_t out_features, const float* inner,
+                    const Task& task, int64_t col0, int64_t col1, float* block, int64_t width) {
+  if (lora.a == nullptr) return;
+  const float* b_t = lora.b + expert * lora.rank * out_features;
+  for (int64_t g = task.begin; g < task.end; ++g) {
+    float* row = block + (g - task.begin) * width;
+    for (int64_t r = 0; r < lora.rank; ++r) {
+      axpy(lora.scaling * inner[g * lora.rank + r], b_t + r * out_features + col0, row, col1 - col0);
+    }
+  }
 }
+
+// Buffers reused across calls: a fresh allocation of hundreds of MB would page-fault on every call.
+template <typename T>
+class Scratch {
+ public:
+  T* get(int64_t n) {
+    if (static_cast<int64_t>(buffer_.size()) < n) buffer_ = std::vector<T>(static_cast<size_t>(n));
+    return buffer_.data();
+  }
+
+ private:
+  std::vector<T> buffer_;
+};
 
 struct Dims {
   int64_t E, H, I, T, k, pairs, h_k, i_k, gu_packed, down_packed;
@@ -81,23 +122,22 @@ struct Dims {
 
 // Gathers each grouped row's hidden state (bf16, zero-padded to h_k) and its gate_up LoRA inner product.
 void gather_hidden(const Dims& d, const Routing& routing, const uint16_t* hidden, const LoraFactors& lora,
-                   const std::vector<Task>& rows, std::vector<uint16_t>& xg, std::vector<float>& inner,
-                   moecc::pool::ThreadPool& pool) {
+                   const std::vector<Task>& rows, uint16_t* xg, float* inner, moecc::pool::ThreadPool& pool) {
   run_tasks(pool, rows, [&](const Task& task) {
     for (int64_t g = task.begin; g < task.end; ++g) {
       const uint16_t* src = hidden + (routing.order[g] / d.k) * d.H;
-      std::copy(src, src + d.H, xg.data() + g * d.h_k);
+      std::copy(src, src + d.H, xg + g * d.h_k);
+      std::fill(xg + g * d.h_k + d.H, xg + (g + 1) * d.h_k, uint16_t{0});
     }
     if (lora.a) {
-      lora_inner(lora, task.expert, d.H, task, [&](int64_t g, int64_t c) { return bf16_to_float(xg[g * d.h_k + c]); },
-                 inner.data());
+      lora_inner(lora, task.expert, d.H, task, xg, d.h_k, inner);
     }
   });
 }
 
 // act = round(round(silu(gate)) * up) in bf16, as a bf16 pipeline computes it, plus its down LoRA inner product.
 void activate(const Dims& d, const uint16_t* gate_up_out, const LoraFactors& lora, const std::vector<Task>& rows,
-              std::vector<uint16_t>& act, std::vector<float>& inner, moecc::pool::ThreadPool& pool) {
+              uint16_t* act, float* inner, moecc::pool::ThreadPool& pool) {
   run_tasks(pool, rows, [&](const Task& task) {
     for (int64_t g = task.begin; g < task.end; ++g) {
       const uint16_t* gu = gate_up_out + g * 2 * d.I;
@@ -105,24 +145,23 @@ void activate(const Dims& d, const uint16_t* gate_up_out, const LoraFactors& lor
         const float gate = bf16_to_float(gu[i]), up = bf16_to_float(gu[d.I + i]);
         act[g * d.i_k + i] = float_to_bf16(round_bf16(silu(gate)) * up);
       }
+      std::fill(act + g * d.i_k + d.I, act + (g + 1) * d.i_k, uint16_t{0});
     }
     if (lora.a) {
-      lora_inner(lora, task.expert, d.I, task, [&](int64_t g, int64_t c) { return bf16_to_float(act[g * d.i_k + c]); },
-                 inner.data());
+      lora_inner(lora, task.expert, d.I, task, act, d.i_k, inner);
     }
   });
 }
 
 // out[t] = sum over the token's k slots (in slot order) of per_pair[t*k + j].
-void sum_slots(const Dims& d, const std::vector<float>& per_pair, float* out, moecc::pool::ThreadPool& pool) {
+void sum_slots(const Dims& d, const float* per_pair, float* out, moecc::pool::ThreadPool& pool) {
   const int64_t chunk = 16;
   pool.run((d.T + chunk - 1) / chunk, [&](int64_t c, int) {
     for (int64_t t = c * chunk; t < std::min(d.T, (c + 1) * chunk); ++t) {
       float* dst = out + t * d.H;
       std::fill(dst, dst + d.H, 0.0f);
       for (int64_t j = 0; j < d.k; ++j) {
-        const float* src = per_pair.data() + (t * d.k + j) * d.H;
-        for (int64_t h = 0; h < d.H; ++h) dst[h] += src[h];
+        axpy(1.0f, per_pair + (t * d.k + j) * d.H, dst, d.H);
       }
     }
   });
@@ -130,16 +169,31 @@ void sum_slots(const Dims& d, const std::vector<float>& per_pair, float* out, mo
 
 }  // namespace
 
+struct ForwardScratch {
+  std::mutex mutex;  // calls are serialised by the engine; this keeps concurrent callers correct anyway
+  Scratch<uint16_t> xg, act;
+  Scratch<float> inner_gu, inner_down, per_pair;
+};
+
+struct BackwardScratch {
+  std::mutex mutex;
+  Scratch<uint16_t> xg, act;
+  Scratch<float> inner_gu, inner_down, grad_inner_gu, grad_inner_down, dy, grad_act, grad_gu, per_pair;
+};
+
 void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts& weights,
                         const LoraFactors& gate_up_lora, const LoraFactors& down_lora, const Routing& routing,
                         const ForwardIo& io, moecc::pool::ThreadPool& pool) {
+  static ForwardScratch scratch;
+  std::lock_guard<std::mutex> lock(scratch.mutex);
   const PanelGemm& gemm = panel_gemm(isa);
   const Dims d(shapes);
   const std::vector<Task> rows = make_tasks(routing.offsets, d.E, 1, 1);
-  std::vector<uint16_t> xg(d.pairs * d.h_k, 0), act(d.pairs * d.i_k, 0);
-  std::vector<float> inner_gu(d.pairs * std::max<int64_t>(gate_up_lora.rank, 1));
-  std::vector<float> inner_down(d.pairs * std::max<int64_t>(down_lora.rank, 1));
-  std::vector<float> per_pair(d.pairs * d.H);
+  uint16_t* xg = scratch.xg.get(d.pairs * d.h_k);
+  uint16_t* act = scratch.act.get(d.pairs * d.i_k);
+  float* inner_gu = scratch.inner_gu.get(d.pairs * std::max<int64_t>(gate_up_lora.rank, 1));
+  float* inner_down = scratch.inner_down.get(d.pairs * std::max<int64_t>(down_lora.rank, 1));
+  float* per_pair = scratch.per_pair.get(d.pairs * d.H);
 
   gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool);
 
@@ -147,15 +201,14 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts
   run_tasks(pool, make_tasks(routing.offsets, d.E, gu_panels, kPanelsPerTask), [&](const Task& task) {
     thread_local std::vector<float> block;
     const int64_t n = task.end - task.begin, width = (task.col1 - task.col0) * kPanelRows;
+    const int64_t col0 = task.col0 * kPanelRows, col1 = std::min(2 * d.I, task.col1 * kPanelRows);
     block.resize(n * width);
-    gemm.forward(xg.data() + task.begin * d.h_k, d.h_k, n, weights.gate_up + task.expert * d.gu_packed, d.h_k,
-                 task.col0, task.col1, block.data(), width);
+    gemm.forward(xg + task.begin * d.h_k, d.h_k, n, weights.gate_up + task.expert * d.gu_packed, d.h_k, task.col0,
+                 task.col1, block.data(), width);
+    add_lora_block(gate_up_lora, task.expert, 2 * d.I, inner_gu, task, col0, col1, block.data(), width);
     for (int64_t g = task.begin; g < task.end; ++g) {
-      for (int64_t col = task.col0 * kPanelRows; col < std::min(2 * d.I, task.col1 * kPanelRows); ++col) {
-        const float value = add_lora(gate_up_lora, task.expert, 2 * d.I, inner_gu.data() + g * gate_up_lora.rank,
-                                     col, block[(g - task.begin) * width + col - task.col0 * kPanelRows]);
-        io.gate_up_out[g * 2 * d.I + col] = float_to_bf16(value);
-      }
+      const float* row = block.data() + (g - task.begin) * width;
+      for (int64_t col = col0; col < col1; ++col) io.gate_up_out[g * 2 * d.I + col] = float_to_bf16(row[col - col0]);
     }
   });
 
@@ -165,91 +218,143 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts
   run_tasks(pool, make_tasks(routing.offsets, d.E, down_panels, kPanelsPerTask), [&](const Task& task) {
     thread_local std::vector<float> block;
     const int64_t n = task.end - task.begin, width = (task.col1 - task.col0) * kPanelRows;
+    const int64_t col0 = task.col0 * kPanelRows, col1 = std::min(d.H, task.col1 * kPanelRows);
     block.resize(n * width);
-    gemm.forward(act.data() + task.begin * d.i_k, d.i_k, n, weights.down + task.expert * d.down_packed, d.i_k,
-                 task.col0, task.col1, block.data(), width);
+    gemm.forward(act + task.begin * d.i_k, d.i_k, n, weights.down + task.expert * d.down_packed, d.i_k, task.col0,
+                 task.col1, block.data(), width);
+    add_lora_block(down_lora, task.expert, d.H, inner_down, task, col0, col1, block.data(), width);
     for (int64_t g = task.begin; g < task.end; ++g) {
       const int64_t pair = routing.order[g];
-      for (int64_t col = task.col0 * kPanelRows; col < std::min(d.H, task.col1 * kPanelRows); ++col) {
-        const float y = add_lora(down_lora, task.expert, d.H, inner_down.data() + g * down_lora.rank, col,
-                                 block[(g - task.begin) * width + col - task.col0 * kPanelRows]);
-        per_pair[pair * d.H + col] = round_bf16(y) * routing.weights[pair];
-      }
+      const float w = routing.weights[pair];
+      const float* row = block.data() + (g - task.begin) * width;
+      for (int64_t col = col0; col < col1; ++col) per_pair[pair * d.H + col] = round_bf16(row[col - col0]) * w;
     }
   });
 
   sum_slots(d, per_pair, io.out, pool);
 }
 
+// Accumulates the four LoRA factor gradients; one task per (expert, factor), sums over the expert's rows.
+struct LoraGradInputs {
+  const float *inner_gu, *inner_down, *grad_inner_gu, *grad_inner_down, *dy, *grad_gu;
+  const uint16_t *xg, *act;
+  int64_t h_rows, gu_rows;
+};
+
+void lora_factor_grads(const Dims& d, const LoraFactors& gate_up_lora, const LoraFactors& down_lora,
+                       const Routing& routing, const LoraGradInputs& in, const BackwardIo& io,
+                       moecc::pool::ThreadPool& pool) {
+  pool.run(d.E * 4, [&](int64_t id, int) {
+    const int64_t e = id / 4, which = id % 4, begin = routing.offsets[e], end = routing.offsets[e + 1];
+    if (begin == end) return;
+    if (which == 0 && down_lora.a) {  // dA_down[r][i] = sum_g w (s dy B)[g][r] act[g][i]
+      float* out = io.grad_down_a + e * down_lora.rank * d.I;
+      for (int64_t g = begin; g < end; ++g) {
+        const float w = routing.weights[routing.order[g]];
+        for (int64_t r = 0; r < down_lora.rank; ++r) {
+          axpy_bf16(w * in.grad_inner_down[g * down_lora.rank + r], in.act + g * d.i_k, out + r * d.I, d.I);
+        }
+      }
+    } else if (which == 1 && down_lora.a) {  // dB_down^T[r][h] = s sum_g w (act A)[g][r] dy[g][h]
+      float* out = io.grad_down_b + e * down_lora.rank * d.H;
+      for (int64_t g = begin; g < end; ++g) {
+        const float w = routing.weights[routing.order[g]] * down_lora.scaling;
+        for (int64_t r = 0; r < down_lora.rank; ++r) {
+          axpy(w * in.inner_down[g * down_lora.rank + r], in.dy + g * in.h_rows, out + r * d.H, d.H);
+        }
+      }
+    } else if (which == 2 && gate_up_lora.a) {  // dA_gu[r][h] = sum_g (s dG B)[g][r] x[g][h]
+      float* out = io.grad_gate_up_a + e * gate_up_lora.rank * d.H;
+      for (int64_t g = begin; g < end; ++g) {
+        for (int64_t r = 0; r < gate_up_lora.rank; ++r) {
+          axpy_bf16(in.grad_inner_gu[g * gate_up_lora.rank + r], in.xg + g * d.h_k, out + r * d.H, d.H);
+        }
+      }
+    } else if (which == 3 && gate_up_lora.a) {  // dB_gu^T[r][c] = s sum_g (x A)[g][r] dG[g][c]
+      float* out = io.grad_gate_up_b + e * gate_up_lora.rank * 2 * d.I;
+      for (int64_t g = begin; g < end; ++g) {
+        for (int64_t r = 0; r < gate_up_lora.rank; ++r) {
+          axpy(gate_up_lora.scaling * in.inner_gu[g * gate_up_lora.rank + r], in.grad_gu + g * in.gu_rows,
+               out + r * 2 * d.I, 2 * d.I);
+        }
+      }
+    }
+  });
+}
+
+// inner[g][r] = s * sum_c grad[g][c] B^T[r][c]: the LoRA-B side of an input gradient.
+void lora_grad_inner(const LoraFactors& lora, int64_t expert, int64_t out_features, const float* grad, int64_t ld,
+                     int64_t g, float* inner) {
+  const float* b_t = lora.b + expert * lora.rank * out_features;
+  for (int64_t r = 0; r < lora.rank; ++r) {
+    inner[g * lora.rank + r] = lora.scaling * dot(grad + g * ld, b_t + r * out_features, out_features);
+  }
+}
+
 void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExperts& weights,
                          const LoraFactors& gate_up_lora, const LoraFactors& down_lora, const Routing& routing,
                          const BackwardIo& io, moecc::pool::ThreadPool& pool) {
+  static BackwardScratch scratch;
+  std::lock_guard<std::mutex> lock(scratch.mutex);
   const PanelGemm& gemm = panel_gemm(isa);
   const Dims d(shapes);
   const int64_t h_rows = padded_rows(d.H), gu_rows = padded_rows(2 * d.I);
   const int64_t r_gu = std::max<int64_t>(gate_up_lora.rank, 1), r_d = std::max<int64_t>(down_lora.rank, 1);
   const std::vector<Task> rows = make_tasks(routing.offsets, d.E, 1, 1);
-  std::vector<uint16_t> xg(d.pairs * d.h_k, 0), act(d.pairs * d.i_k, 0);
-  std::vector<float> inner_gu(d.pairs * r_gu), inner_down(d.pairs * r_d), grad_inner_down(d.pairs * r_d);
-  std::vector<float> grad_inner_gu(d.pairs * r_gu);
-  std::vector<float> dy(d.pairs * h_rows, 0.0f), grad_act(d.pairs * d.i_k, 0.0f), grad_gu(d.pairs * gu_rows, 0.0f);
-  std::vector<float> per_pair(d.pairs * d.H);
+  uint16_t* xg = scratch.xg.get(d.pairs * d.h_k);
+  uint16_t* act = scratch.act.get(d.pairs * d.i_k);
+  float* inner_gu = scratch.inner_gu.get(d.pairs * r_gu);
+  float* inner_down = scratch.inner_down.get(d.pairs * r_d);
+  float* grad_inner_gu = scratch.grad_inner_gu.get(d.pairs * r_gu);
+  float* grad_inner_down = scratch.grad_inner_down.get(d.pairs * r_d);
+  float* dy = scratch.dy.get(d.pairs * h_rows);
+  float* grad_act = scratch.grad_act.get(d.pairs * d.i_k);
+  float* grad_gu = scratch.grad_gu.get(d.pairs * gu_rows);
+  float* per_pair = scratch.per_pair.get(d.pairs * d.H);
 
   gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool);
   activate(d, io.gate_up_out, down_lora, rows, act, inner_down, pool);
-  // Unweighted output gradient per grouped row, and its down-LoRA inner product s * dy B.
+  // Unweighted output gradient per grouped row (zero-padded), and its down-LoRA inner product s dy B.
   run_tasks(pool, rows, [&](const Task& task) {
     for (int64_t g = task.begin; g < task.end; ++g) {
       const float* src = io.grad_out + (routing.order[g] / d.k) * d.H;
-      std::copy(src, src + d.H, dy.data() + g * h_rows);
-      if (!down_lora.a) continue;
-      const float* b = down_lora.b + task.expert * d.H * down_lora.rank;
-      for (int64_t r = 0; r < down_lora.rank; ++r) {
-        float acc = 0.0f;
-        for (int64_t h = 0; h < d.H; ++h) acc += dy[g * h_rows + h] * b[h * down_lora.rank + r];
-        grad_inner_down[g * down_lora.rank + r] = down_lora.scaling * acc;
-      }
+      std::copy(src, src + d.H, dy + g * h_rows);
+      std::fill(dy + g * h_rows + d.H, dy + (g + 1) * h_rows, 0.0f);
+      if (down_lora.a) lora_grad_inner(down_lora, task.expert, d.H, dy, h_rows, g, grad_inner_down);
     }
   });
 
   // d act (unweighted) = dy W_down + (s dy B) A.
   run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, kGradColumnsPerTask), [&](const Task& task) {
     const int64_t n = task.end - task.begin, k1 = std::min(d.i_k, (task.col1 + 1) / 2 * 2);
-    gemm.input_grad(dy.data() + task.begin * h_rows, h_rows, n, weights.down + task.expert * d.down_packed, h_rows,
-                    d.i_k, task.col0, k1, grad_act.data() + task.begin * d.i_k, d.i_k);
+    gemm.input_grad(dy + task.begin * h_rows, h_rows, n, weights.down + task.expert * d.down_packed, h_rows, d.i_k,
+                    task.col0, k1, grad_act + task.begin * d.i_k, d.i_k);
     if (!down_lora.a) return;
     const float* a = down_lora.a + task.expert * down_lora.rank * d.I;
     for (int64_t g = task.begin; g < task.end; ++g) {
-      for (int64_t i = task.col0; i < task.col1; ++i) {
-        float acc = 0.0f;
-        for (int64_t r = 0; r < down_lora.rank; ++r) acc += grad_inner_down[g * down_lora.rank + r] * a[r * d.I + i];
-        grad_act[g * d.i_k + i] += acc;
+      for (int64_t r = 0; r < down_lora.rank; ++r) {
+        axpy(grad_inner_down[g * down_lora.rank + r], a + r * d.I + task.col0, grad_act + g * d.i_k + task.col0,
+             task.col1 - task.col0);
       }
     }
   });
 
-  // Routing-weight gradient, then d gate_up through the SwiGLU, and its gate_up-LoRA inner product s dG B.
+  // Routing-weight gradient, then d gate_up through the SwiGLU (zero-padded), and s dG B.
   run_tasks(pool, rows, [&](const Task& task) {
     for (int64_t g = task.begin; g < task.end; ++g) {
       const int64_t pair = routing.order[g];
       const float w = routing.weights[pair];
-      float dot = 0.0f;
-      for (int64_t i = 0; i < d.I; ++i) dot += grad_act[g * d.i_k + i] * bf16_to_float(act[g * d.i_k + i]);
-      io.grad_routing[pair] = dot;
+      io.grad_routing[pair] = dot_bf16(act + g * d.i_k, grad_act + g * d.i_k, d.I);
       const uint16_t* gu = io.gate_up_out + g * 2 * d.I;
+      float* dg = grad_gu + g * gu_rows;
       for (int64_t i = 0; i < d.I; ++i) {
         const float gate = bf16_to_float(gu[i]), up = bf16_to_float(gu[d.I + i]), ga = grad_act[g * d.i_k + i] * w;
         const float sig = 1.0f / (1.0f + std::exp(-gate));
-        grad_gu[g * gu_rows + i] = ga * up * sig * (1.0f + gate * (1.0f - sig));
-        grad_gu[g * gu_rows + d.I + i] = ga * gate * sig;
+        dg[i] = ga * up * sig * (1.0f + gate * (1.0f - sig));
+        dg[d.I + i] = ga * gate * sig;
       }
-      if (!gate_up_lora.a) continue;
-      const float* b = gate_up_lora.b + task.expert * 2 * d.I * gate_up_lora.rank;
-      for (int64_t r = 0; r < gate_up_lora.rank; ++r) {
-        float acc = 0.0f;
-        for (int64_t c = 0; c < 2 * d.I; ++c) acc += grad_gu[g * gu_rows + c] * b[c * gate_up_lora.rank + r];
-        grad_inner_gu[g * gate_up_lora.rank + r] = gate_up_lora.scaling * acc;
-      }
+      std::fill(dg + 2 * d.I, dg + gu_rows, 0.0f);
+      if (gate_up_lora.a) lora_grad_inner(gate_up_lora, task.expert, 2 * d.I, grad_gu, gu_rows, g, grad_inner_gu);
     }
   });
 
@@ -257,65 +362,27 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
   run_tasks(pool, make_tasks(routing.offsets, d.E, d.H, kGradColumnsPerTask), [&](const Task& task) {
     thread_local std::vector<float> block;
     const int64_t n = task.end - task.begin, width = task.col1 - task.col0;
-    block.assign(n * d.h_k, 0.0f);
-    gemm.input_grad(grad_gu.data() + task.begin * gu_rows, gu_rows, n, weights.gate_up + task.expert * d.gu_packed,
-                    gu_rows, d.h_k, task.col0, task.col0 + (width + 1) / 2 * 2, block.data(), d.h_k);
+    block.resize(n * d.h_k);
+    gemm.input_grad(grad_gu + task.begin * gu_rows, gu_rows, n, weights.gate_up + task.expert * d.gu_packed, gu_rows,
+                    d.h_k, task.col0, task.col0 + (width + 1) / 2 * 2, block.data(), d.h_k);
     const float* a = gate_up_lora.a ? gate_up_lora.a + task.expert * gate_up_lora.rank * d.H : nullptr;
     for (int64_t g = task.begin; g < task.end; ++g) {
-      const int64_t pair = routing.order[g];
-      for (int64_t h = task.col0; h < task.col1; ++h) {
-        float value = block[(g - task.begin) * d.h_k + h];
-        if (a) {
-          for (int64_t r = 0; r < gate_up_lora.rank; ++r) value += grad_inner_gu[g * gate_up_lora.rank + r] * a[r * d.H + h];
+      float* row = block.data() + (g - task.begin) * d.h_k;
+      if (a) {
+        for (int64_t r = 0; r < gate_up_lora.rank; ++r) {
+          axpy(grad_inner_gu[g * gate_up_lora.rank + r], a + r * d.H + task.col0, row + task.col0,
+               task.col1 - task.col0);
         }
-        per_pair[pair * d.H + h] = value;
       }
+      std::copy(row + task.col0, row + task.col1, per_pair + routing.order[g] * d.H + task.col0);
     }
   });
 
-  // LoRA factor gradients, one task per (expert, factor): sums over the expert's rows.
   if (gate_up_lora.a || down_lora.a) {
-    pool.run(d.E * 4, [&](int64_t id, int) {
-      const int64_t e = id / 4, which = id % 4, begin = routing.offsets[e], end = routing.offsets[e + 1];
-      if (begin == end) return;
-      if (which == 0 && down_lora.a) {  // dA_down[r][i] = sum_g w * (s dy B)[g][r] * act[g][i]
-        float* out = io.grad_down_a + e * down_lora.rank * d.I;
-        for (int64_t g = begin; g < end; ++g) {
-          const float w = routing.weights[routing.order[g]];
-          for (int64_t r = 0; r < down_lora.rank; ++r) {
-            const float coef = w * grad_inner_down[g * down_lora.rank + r];
-            for (int64_t i = 0; i < d.I; ++i) out[r * d.I + i] += coef * bf16_to_float(act[g * d.i_k + i]);
-          }
-        }
-      } else if (which == 1 && down_lora.a) {  // dB_down[h][r] = s sum_g w * dy[g][h] * (act A)[g][r]
-        float* out = io.grad_down_b + e * d.H * down_lora.rank;
-        for (int64_t g = begin; g < end; ++g) {
-          const float w = routing.weights[routing.order[g]] * down_lora.scaling;
-          for (int64_t h = 0; h < d.H; ++h) {
-            const float coef = w * dy[g * h_rows + h];
-            for (int64_t r = 0; r < down_lora.rank; ++r) out[h * down_lora.rank + r] += coef * inner_down[g * down_lora.rank + r];
-          }
-        }
-      } else if (which == 2 && gate_up_lora.a) {  // dA_gu[r][h] = sum_g (s dG B)[g][r] * x[g][h]
-        float* out = io.grad_gate_up_a + e * gate_up_lora.rank * d.H;
-        for (int64_t g = begin; g < end; ++g) {
-          for (int64_t r = 0; r < gate_up_lora.rank; ++r) {
-            const float coef = grad_inner_gu[g * gate_up_lora.rank + r];
-            for (int64_t h = 0; h < d.H; ++h) out[r * d.H + h] += coef * bf16_to_float(xg[g * d.h_k + h]);
-          }
-        }
-      } else if (which == 3 && gate_up_lora.a) {  // dB_gu[c][r] = s sum_g dG[g][c] * (x A)[g][r]
-        float* out = io.grad_gate_up_b + e * 2 * d.I * gate_up_lora.rank;
-        for (int64_t g = begin; g < end; ++g) {
-          for (int64_t c = 0; c < 2 * d.I; ++c) {
-            const float coef = gate_up_lora.scaling * grad_gu[g * gu_rows + c];
-            for (int64_t r = 0; r < gate_up_lora.rank; ++r) out[c * gate_up_lora.rank + r] += coef * inner_gu[g * gate_up_lora.rank + r];
-          }
-        }
-      }
-    });
+    lora_factor_grads(d, gate_up_lora, down_lora, routing,
+                      {inner_gu, inner_down, grad_inner_gu, grad_inner_down, dy, grad_gu, xg, act, h_rows, gu_rows},
+                      io, pool);
   }
-
   sum_slots(d, per_pair, io.grad_hidden, pool);
 }
 

@@ -31,8 +31,10 @@ const PanelGemm& panel_gemm(Isa isa);
 
 // bf16 <-> fp32 helpers shared by all variants (round to nearest even, NaN kept quiet).
 inline float bf16_to_float(uint16_t bits) {
-  union { uint32_t u; float f; } v{static_cast<uint32_t>(bits) << 16};
-  return v.f;
+  const uint32_t widened = static_cast<uint32_t>(bits) << 16;
+  float value;
+  __builtin_memcpy(&value, &widened, sizeof(value));
+  return value;
 }
 inline uint16_t float_to_bf16(float value) {
   union { float f; uint32_t u; } v{value};
