@@ -44,7 +44,6 @@ void run_tasks(moecc::pool::ThreadPool& pool, const std::vector<Task>& tasks, Fn
   pool.run(static_cast<int64_t>(tasks.size()), [&](int64_t i, int) { fn(tasks[i]); });
 }
 
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
 
 // Vector primitives for the rank-r LoRA terms and elementwise steps. target_clones builds an AVX512 and a
@@ -68,6 +67,32 @@ MOECC_VECTOR_CLONES float dot_bf16(const uint16_t* a, const float* b, int64_t n)
 MOECC_VECTOR_CLONES void axpy(float coef, const float* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += coef * x[i];
+}
+
+MOECC_VECTOR_CLONES void to_bf16(const float* src, uint16_t* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+}
+
+// act[i] = round(round(silu(gate[i])) * up[i]) from one row of bf16 gate/up outputs.
+MOECC_VECTOR_CLONES void swiglu_row(const uint16_t* gate, const uint16_t* up, uint16_t* act, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = bf16_to_float(gate[i]);
+    act[i] = float_to_bf16(round_bf16(g / (1.0f + std::exp(-g))) * bf16_to_float(up[i]));
+  }
+}
+
+// d gate, d up of act = silu(gate) * up, for the weighted act gradient w * grad_act.
+MOECC_VECTOR_CLONES void swiglu_grad_row(const uint16_t* gate, const uint16_t* up, const float* grad_act, float w,
+                                         float* grad_gate, float* grad_up, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = bf16_to_float(gate[i]), u = bf16_to_float(up[i]), ga = grad_act[i] * w;
+    const float sig = 1.0f / (1.0f + std::exp(-g));
+    grad_gate[i] = ga * u * sig * (1.0f + g * (1.0f - sig));
+    grad_up[i] = ga * g * sig;
+  }
 }
 
 MOECC_VECTOR_CLONES void axpy_bf16(float coef, const uint16_t* x, float* y, int64_t n) {
@@ -141,10 +166,7 @@ void activate(const Dims& d, const uint16_t* gate_up_out, const LoraFactors& lor
   run_tasks(pool, rows, [&](const Task& task) {
     for (int64_t g = task.begin; g < task.end; ++g) {
       const uint16_t* gu = gate_up_out + g * 2 * d.I;
-      for (int64_t i = 0; i < d.I; ++i) {
-        const float gate = bf16_to_float(gu[i]), up = bf16_to_float(gu[d.I + i]);
-        act[g * d.i_k + i] = float_to_bf16(round_bf16(silu(gate)) * up);
-      }
+      swiglu_row(gu, gu + d.I, act + g * d.i_k, d.I);
       std::fill(act + g * d.i_k + d.I, act + (g + 1) * d.i_k, uint16_t{0});
     }
     if (lora.a) {
@@ -177,7 +199,7 @@ struct ForwardScratch {
 
 struct BackwardScratch {
   std::mutex mutex;
-  Scratch<uint16_t> xg, act;
+  Scratch<uint16_t> xg, act, dy_bf16, grad_gu_bf16;
   Scratch<float> inner_gu, inner_down, grad_inner_gu, grad_inner_down, dy, grad_act, grad_gu, per_pair;
 };
 
@@ -308,6 +330,8 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
   float* grad_inner_gu = scratch.grad_inner_gu.get(d.pairs * r_gu);
   float* grad_inner_down = scratch.grad_inner_down.get(d.pairs * r_d);
   float* dy = scratch.dy.get(d.pairs * h_rows);
+  uint16_t* dy_bf16 = scratch.dy_bf16.get(d.pairs * h_rows);
+  uint16_t* grad_gu_bf16 = scratch.grad_gu_bf16.get(d.pairs * gu_rows);
   float* grad_act = scratch.grad_act.get(d.pairs * d.i_k);
   float* grad_gu = scratch.grad_gu.get(d.pairs * gu_rows);
   float* per_pair = scratch.per_pair.get(d.pairs * d.H);
@@ -320,15 +344,16 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
       const float* src = io.grad_out + (routing.order[g] / d.k) * d.H;
       std::copy(src, src + d.H, dy + g * h_rows);
       std::fill(dy + g * h_rows + d.H, dy + (g + 1) * h_rows, 0.0f);
+      to_bf16(dy + g * h_rows, dy_bf16 + g * h_rows, h_rows);
       if (down_lora.a) lora_grad_inner(down_lora, task.expert, d.H, dy, h_rows, g, grad_inner_down);
     }
   });
 
   // d act (unweighted) = dy W_down + (s dy B) A.
   run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, kGradColumnsPerTask), [&](const Task& task) {
-    const int64_t n = task.end - task.begin, k1 = std::min(d.i_k, (task.col1 + 1) / 2 * 2);
-    gemm.input_grad(dy + task.begin * h_rows, h_rows, n, weights.down + task.expert * d.down_packed, h_rows, d.i_k,
-                    task.col0, k1, grad_act + task.begin * d.i_k, d.i_k);
+    const int64_t n = task.end - task.begin;
+    gemm.input_grad(dy_bf16 + task.begin * h_rows, h_rows, n, weights.down + task.expert * d.down_packed, h_rows,
+                    d.i_k, task.col0, task.col1, grad_act + task.begin * d.i_k, d.i_k);
     if (!down_lora.a) return;
     const float* a = down_lora.a + task.expert * down_lora.rank * d.I;
     for (int64_t g = task.begin; g < task.end; ++g) {
@@ -347,13 +372,9 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
       io.grad_routing[pair] = dot_bf16(act + g * d.i_k, grad_act + g * d.i_k, d.I);
       const uint16_t* gu = io.gate_up_out + g * 2 * d.I;
       float* dg = grad_gu + g * gu_rows;
-      for (int64_t i = 0; i < d.I; ++i) {
-        const float gate = bf16_to_float(gu[i]), up = bf16_to_float(gu[d.I + i]), ga = grad_act[g * d.i_k + i] * w;
-        const float sig = 1.0f / (1.0f + std::exp(-gate));
-        dg[i] = ga * up * sig * (1.0f + gate * (1.0f - sig));
-        dg[d.I + i] = ga * gate * sig;
-      }
+      swiglu_grad_row(gu, gu + d.I, grad_act + g * d.i_k, w, dg, dg + d.I, d.I);
       std::fill(dg + 2 * d.I, dg + gu_rows, 0.0f);
+      to_bf16(dg, grad_gu_bf16 + g * gu_rows, gu_rows);
       if (gate_up_lora.a) lora_grad_inner(gate_up_lora, task.expert, 2 * d.I, grad_gu, gu_rows, g, grad_inner_gu);
     }
   });
@@ -361,10 +382,10 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
   // d hidden per pair = dG W_gate_up + (s dG B) A.
   run_tasks(pool, make_tasks(routing.offsets, d.E, d.H, kGradColumnsPerTask), [&](const Task& task) {
     thread_local std::vector<float> block;
-    const int64_t n = task.end - task.begin, width = task.col1 - task.col0;
+    const int64_t n = task.end - task.begin;
     block.resize(n * d.h_k);
-    gemm.input_grad(grad_gu + task.begin * gu_rows, gu_rows, n, weights.gate_up + task.expert * d.gu_packed, gu_rows,
-                    d.h_k, task.col0, task.col0 + (width + 1) / 2 * 2, block.data(), d.h_k);
+    gemm.input_grad(grad_gu_bf16 + task.begin * gu_rows, gu_rows, n, weights.gate_up + task.expert * d.gu_packed,
+                    gu_rows, d.h_k, task.col0, task.col1, block.data(), d.h_k);
     const float* a = gate_up_lora.a ? gate_up_lora.a + task.expert * gate_up_lora.rank * d.H : nullptr;
     for (int64_t g = task.begin; g < task.end; ++g) {
       float* row = block.data() + (g - task.begin) * d.h_k;

@@ -16,10 +16,11 @@ struct PanelGemm {
   // @param out    fp32 [tokens, ldo]; written, not accumulated.
   void (*forward)(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed, int64_t k_padded,
                   int64_t p0, int64_t p1, float* out, int64_t ldo);
-  // dx[t][k] = sum_n dy[t][n] * W[n][k] for t < tokens, even k0 <= k < k1 (a multiple of 2).
-  // @param dy     fp32 [tokens, ld_dy], ld_dy >= padded N, columns N..padded N zero.
-  // @param dx     fp32 [tokens, ld_dx]; written, not accumulated.
-  void (*input_grad)(const float* dy, int64_t ld_dy, int64_t tokens, const uint16_t* packed, int64_t n_padded,
+  // dx[t][k] = sum_n dy[t][n] * W[n][k] for t < tokens and k0 <= k < k1; k0 a multiple of 16. Columns up to
+  // the next multiple of 16 past k1 may be written too (they lie in dx's padding).
+  // @param dy     bf16 [tokens, ld_dy], ld_dy >= padded N, columns N..padded N zero.
+  // @param dx     fp32 [tokens, ld_dx], ld_dx >= padded K; written, not accumulated.
+  void (*input_grad)(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* packed, int64_t n_padded,
                      int64_t k_padded, int64_t k0, int64_t k1, float* dx, int64_t ld_dx);
 };
 
@@ -37,10 +38,11 @@ inline float bf16_to_float(uint16_t bits) {
   return value;
 }
 inline uint16_t float_to_bf16(float value) {
-  union { float f; uint32_t u; } v{value};
-  if ((v.u & 0x7F800000u) == 0x7F800000u && (v.u & 0x007FFFFFu)) return static_cast<uint16_t>((v.u >> 16) | 0x40);
-  const uint32_t rounding = 0x7FFFu + ((v.u >> 16) & 1u);
-  return static_cast<uint16_t>((v.u + rounding) >> 16);
+  uint32_t bits;
+  __builtin_memcpy(&bits, &value, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);  // a select: vectorises
 }
 
 }  // namespace moecc::kernels

@@ -6,6 +6,8 @@
 // the row's bf16 pairs split into two fp32 vectors (k even / k odd) by shift and mask.
 #include <immintrin.h>
 
+#include <vector>
+
 #include "panel_gemm.h"
 #include "weight_packing.h"
 
@@ -15,7 +17,6 @@ namespace moecc::kernels {
 namespace {
 
 constexpr int kTokenBlock = 8;
-constexpr int kGradTokenBlock = 4;
 
 MOECC_AVX512BF16 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
@@ -73,47 +74,55 @@ MOECC_AVX512BF16 void forward(const uint16_t* x, int64_t ldx, int64_t tokens, co
   }
 }
 
-// dx for TOKENS rows and one pair of k columns: the 16 outputs of each panel row are the reduction lanes.
-template <int TOKENS>
-MOECC_AVX512BF16 void input_grad_pair(const float* dy, int64_t ld_dy, const uint16_t* row, int64_t panels,
-                                      int64_t panel_stride, float* dx_even, float* dx_odd, int64_t ld_dx) {
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  __m512 even[TOKENS], odd[TOKENS];
-  for (int t = 0; t < TOKENS; ++t) even[t] = odd[t] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < panels; ++p, row += panel_stride) {
-    const __m512i w = _mm512_loadu_si512(row);
-    const __m512 w_even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-    const __m512 w_odd = _mm512_castsi512_ps(_mm512_and_si512(w, high_half));
-    for (int t = 0; t < TOKENS; ++t) {
-      const __m512 d = _mm512_loadu_ps(dy + t * ld_dy + p * kPanelRows);
-      even[t] = _mm512_fmadd_ps(d, w_even, even[t]);
-      odd[t] = _mm512_fmadd_ps(d, w_odd, odd[t]);
-    }
+// Transposes an 8x8 matrix of qwords held in 8 registers (row i = r[i]); result column j lands in r[j].
+MOECC_AVX512BF16 inline void transpose_8x8_qwords(__m512i r[8]) {
+  __m512i lo[4], hi[4];
+  for (int i = 0; i < 4; ++i) {
+    lo[i] = _mm512_unpacklo_epi64(r[2 * i], r[2 * i + 1]);  // lane l: (r2i[2l],   r2i+1[2l])
+    hi[i] = _mm512_unpackhi_epi64(r[2 * i], r[2 * i + 1]);  // lane l: (r2i[2l+1], r2i+1[2l+1])
   }
-  for (int t = 0; t < TOKENS; ++t) {
-    dx_even[t * ld_dx] = _mm512_reduce_add_ps(even[t]);
-    dx_odd[t * ld_dx] = _mm512_reduce_add_ps(odd[t]);
+  for (int parity = 0; parity < 2; ++parity) {
+    const __m512i* v = parity ? hi : lo;
+    const __m512i x0 = _mm512_shuffle_i64x2(v[0], v[1], 0x88), y0 = _mm512_shuffle_i64x2(v[0], v[1], 0xDD);
+    const __m512i x1 = _mm512_shuffle_i64x2(v[2], v[3], 0x88), y1 = _mm512_shuffle_i64x2(v[2], v[3], 0xDD);
+    r[parity + 0] = _mm512_shuffle_i64x2(x0, x1, 0x88);
+    r[parity + 4] = _mm512_shuffle_i64x2(x0, x1, 0xDD);
+    r[parity + 2] = _mm512_shuffle_i64x2(y0, y1, 0x88);
+    r[parity + 6] = _mm512_shuffle_i64x2(y0, y1, 0xDD);
   }
 }
 
-MOECC_AVX512BF16 void input_grad(const float* dy, int64_t ld_dy, int64_t tokens, const uint16_t* packed,
-                                 int64_t n_padded, int64_t k_padded, int64_t k0, int64_t k1, float* dx,
-                                 int64_t ld_dx) {
-  const int64_t panels = n_padded / kPanelRows, panel_stride = kPanelRows * k_padded;
-  for (int64_t t0 = 0; t0 < tokens; t0 += kGradTokenBlock) {
-    const int block = static_cast<int>(tokens - t0 < kGradTokenBlock ? tokens - t0 : kGradTokenBlock);
-    const float* d = dy + t0 * ld_dy;
-    for (int64_t kp = k0 / 2; kp < k1 / 2; ++kp) {
-      const uint16_t* row = packed + kp * 2 * kPanelRows;
-      float* even = dx + t0 * ld_dx + 2 * kp;
-      switch (block) {
-        case 4: input_grad_pair<4>(d, ld_dy, row, panels, panel_stride, even, even + 1, ld_dx); break;
-        case 3: input_grad_pair<3>(d, ld_dy, row, panels, panel_stride, even, even + 1, ld_dx); break;
-        case 2: input_grad_pair<2>(d, ld_dy, row, panels, panel_stride, even, even + 1, ld_dx); break;
-        default: input_grad_pair<1>(d, ld_dy, row, panels, panel_stride, even, even + 1, ld_dx); break;
-      }
+// Re-lays columns [k0, k0 + 16*chunks) of a packed matrix as the packed matrix of its transpose: chunk c is a
+// panel of 16 k-lanes whose row np holds the pairs (W[2np][k], W[2np+1][k]). Per panel, 8 consecutive 64-byte
+// rows (16 k) are an 8x8 qword matrix whose qword j covers outputs 2j, 2j+1; transposing it gives one output
+// row per j, and swapping the middle words of every qword, (a_k, a_k+1, b_k, b_k+1) -> (a_k, b_k, a_k+1, b_k+1),
+// gives the pairs.
+MOECC_AVX512BF16 void transpose_columns(const uint16_t* packed, int64_t n_padded, int64_t k_padded, int64_t k0,
+                                        int64_t chunks, uint16_t* out) {
+  const __m512i swap_middle = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15));
+  const int64_t panels = n_padded / kPanelRows;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t kp0 = (k0 + 16 * c) / 2;
+    uint16_t* dst = out + c * n_padded * kPanelRows;
+    for (int64_t p = 0; p < panels; ++p) {
+      const uint16_t* rows = packed + p * kPanelRows * k_padded + kp0 * 2 * kPanelRows;
+      __m512i r[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm512_loadu_si512(rows + i * 32);
+      transpose_8x8_qwords(r);
+      for (int j = 0; j < 8; ++j) _mm512_storeu_si512(dst + (p * 8 + j) * 32, _mm512_shuffle_epi8(r[j], swap_middle));
     }
   }
+}
+
+// dx = dy W through the forward kernel on a transposed copy of the needed columns (kept per thread, L2-sized).
+MOECC_AVX512BF16 void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* packed,
+                                 int64_t n_padded, int64_t k_padded, int64_t k0, int64_t k1, float* dx,
+                                 int64_t ld_dx) {
+  thread_local std::vector<uint16_t> transposed;
+  const int64_t chunks = (k1 - k0 + 15) / 16;
+  transposed.resize(static_cast<size_t>(chunks * n_padded * kPanelRows));
+  transpose_columns(packed, n_padded, k_padded, k0, chunks, transposed.data());
+  forward(dy, ld_dy, tokens, transposed.data(), n_padded, 0, chunks, dx + k0, ld_dx);
 }
 
 }  // namespace

@@ -27,12 +27,14 @@ void forward(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* pac
   }
 }
 
-void input_grad(const float* dy, int64_t ld_dy, int64_t tokens, const uint16_t* packed, int64_t n_padded,
+void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* packed, int64_t n_padded,
                 int64_t k_padded, int64_t k0, int64_t k1, float* dx, int64_t ld_dx) {
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t k = k0; k < k1; ++k) {
       float acc = 0.0f;
-      for (int64_t n = 0; n < n_padded; ++n) acc += dy[t * ld_dy + n] * bf16_to_float(packed[packed_offset(n, k, k_padded)]);
+      for (int64_t n = 0; n < n_padded; ++n) {
+        acc += bf16_to_float(dy[t * ld_dy + n]) * bf16_to_float(packed[packed_offset(n, k, k_padded)]);
+      }
       dx[t * ld_dx + k] = acc;
     }
   }
