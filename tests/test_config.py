@@ -20,3 +20,11 @@ def test_bad_environment_values_are_named(monkeypatch, name, value, match):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=match):
         MoeccConfig.from_env()
+
+
+def test_isa_option(monkeypatch):
+    monkeypatch.setenv("MOECC_ISA", "portable")
+    assert MoeccConfig.from_env().isa == "portable"
+    monkeypatch.setenv("MOECC_ISA", "neon")
+    with pytest.raises(ValueError, match="unknown ISA 'neon'"):
+        MoeccConfig.from_env()

@@ -86,3 +86,12 @@ def test_configure_pool_applies_pinning_choice():
 def test_grouping_rejects_float_ids():
     with pytest.raises(ValueError, match="integer expert ids"):
         _ops.group_tokens_by_expert(torch.tensor([[0.0, 1.0]]), 4)
+
+
+def test_cpu_features_and_best_isa_agree():
+    features = _ops.cpu_features()
+    assert {"avx512_bf16", "amx_bf16", "os_amx", "brand"} <= set(features)
+    best = _ops.best_isa()
+    _ops.check_isa(best)
+    if features["avx512_bf16"] and features["os_avx512"]:
+        assert best in ("avx512_bf16", "amx")
