@@ -43,4 +43,5 @@ setup(
         "tqdm",
     ],
     extras_require={"test": ["pytest"], "bench": ["matplotlib"]},
+    entry_points={"console_scripts": ["moecc = moecc.cli:main"]},
 )
