@@ -146,13 +146,28 @@ def _lora_args(prefix: str, lora: tuple | None, experts: int, n_in: int, n_out: 
     if lora is None:
         return {f"{prefix}_a": 0, f"{prefix}_b": 0, f"{prefix}_rank": 0, f"{prefix}_scaling": 0.0}
     a, b, scaling = lora
-    rank = a.shape[1]
+    rank = a.shape[1] if a.dim() == 3 else -1
+    if a.dim() != 3 or tuple(a.shape) != (experts, rank, n_in) or tuple(b.shape) != (experts, rank, n_out):
+        raise ValueError(f"{prefix} LoRA factors must be A [{experts}, r, {n_in}] and B^T [{experts}, r, {n_out}], "
+                         f"got {tuple(a.shape)} and {tuple(b.shape)}")
     return {f"{prefix}_a": _address(a, f"{prefix} LoRA A", torch.float32, experts * rank * n_in),
             f"{prefix}_b": _address(b, f"{prefix} LoRA B", torch.float32, experts * n_out * rank),
             f"{prefix}_rank": rank, f"{prefix}_scaling": float(scaling)}
 
 
-def expert_ffn_forward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int],
+def _check_grouping(offsets: torch.Tensor, order: torch.Tensor, experts: int, pairs: int) -> None:
+    """The kernels index with these: offsets must bound a partition of [0, pairs), order be a permutation."""
+    _address(offsets, "offsets", torch.int64, experts + 1)
+    _address(order, "order", torch.int64, pairs)
+    if offsets[0] != 0 or offsets[-1] != pairs or bool((offsets[1:] < offsets[:-1]).any()):
+        raise ValueError(f"offsets must rise from 0 to {pairs} (the number of routed pairs)")
+    if pairs:
+        in_range = bool(order.min() >= 0) and bool(order.max() < pairs)
+        if not in_range or not bool(torch.bincount(order, minlength=pairs).eq(1).all()):
+            raise ValueError(f"order must be a permutation of the {pairs} pair ids")
+
+
+def expert_ffn_forward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int], top_k: int,
                        hidden: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor, routing: torch.Tensor,
                        gate_up_lora: tuple | None, down_lora: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the CPU expert forward. ``shape = (E, H, I)``; ``hidden [T, H]`` bf16; ``routing [T*k]`` float32.
@@ -160,8 +175,9 @@ def expert_ffn_forward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], shap
     Returns ``(out [T, H] float32, gate_up_out [T*k, 2I] bf16 in grouped order)``.
     """
     experts, hidden_size, inter = shape
-    tokens, pairs = hidden.shape[0], order.numel()
-    top_k = pairs // max(tokens, 1) if tokens else 1
+    tokens = hidden.shape[0]
+    pairs = tokens * top_k
+    _check_grouping(offsets, order, experts, pairs)
     out = torch.empty(tokens, hidden_size, dtype=torch.float32)
     gate_up_out = torch.empty(pairs, 2 * inter, dtype=torch.bfloat16)
     _C.expert_ffn_forward(
@@ -179,7 +195,7 @@ def expert_ffn_forward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], shap
     return out, gate_up_out
 
 
-def expert_ffn_backward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int],
+def expert_ffn_backward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int], top_k: int,
                         hidden: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor, routing: torch.Tensor,
                         gate_up_lora: tuple | None, down_lora: tuple | None, gate_up_out: torch.Tensor,
                         grad_out: torch.Tensor) -> tuple:
@@ -189,8 +205,9 @@ def expert_ffn_backward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], sha
     float32, LoRA gradients as ``A [E, r, in]``, ``B^T [E, r, out]``.
     """
     experts, hidden_size, inter = shape
-    tokens, pairs = hidden.shape[0], order.numel()
-    top_k = pairs // max(tokens, 1) if tokens else 1
+    tokens = hidden.shape[0]
+    pairs = tokens * top_k
+    _check_grouping(offsets, order, experts, pairs)
     grad_hidden = torch.empty(tokens, hidden_size, dtype=torch.float32)
     grad_routing = torch.empty(pairs, dtype=torch.float32)
     lora_grads = [None if lora is None else (torch.zeros_like(lora[0]), torch.zeros_like(lora[1]))

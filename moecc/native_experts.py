@@ -33,13 +33,19 @@ def _peft_grads(grads: tuple | None, lora: ExpertLora | None) -> tuple:
     return grad_a.reshape(experts * rank, -1), grad_b_t.permute(2, 1, 0).reshape(out, rank * experts)
 
 
+_PACKED_ATTRIBUTE = "_moecc_packed_experts"
+
+
 class NativeExperts:
-    """Packs each layer's weights once (repacking if PEFT merges into them) and runs the kernels."""
+    """Packs each layer's weights once (repacking when PEFT merges into them) and runs the kernels.
+
+    Packed copies live on ``weights.cache_owner`` (the experts module), so they go away with the model; weights
+    without an owner are packed on every call.
+    """
 
     def __init__(self, isa: str) -> None:
         _ops.check_isa(isa)
         self.isa = isa
-        self._packed: dict[int, tuple] = {}
 
     def _pack(self, weights: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
         if (weights.transposed or weights.interleaved or weights.gate_up_bias is not None
@@ -48,12 +54,14 @@ class NativeExperts:
                 "the native CPU expert kernels run bf16 SwiGLU experts in the standard layout; this model has "
                 f"{weights.gate_up.dtype} experts or gpt-oss-style experts. Use MOECC_BACKEND=reference"
             )
-        key = weights.gate_up.data_ptr()
-        version = (weights.gate_up._version, weights.down._version, weights.down.data_ptr())
-        cached = self._packed.get(key)
-        if cached is None or cached[0] != version:
-            cached = (version, (_ops.pack_experts(weights.gate_up), _ops.pack_experts(weights.down)))
-            self._packed[key] = cached
+        key = (weights.gate_up.data_ptr(), weights.down.data_ptr(), weights.gate_up._version,
+               weights.down._version, weights.revision)
+        owner = weights.cache_owner
+        cached = getattr(owner, _PACKED_ATTRIBUTE, None) if owner is not None else None
+        if cached is None or cached[0] != key:
+            cached = (key, (_ops.pack_experts(weights.gate_up), _ops.pack_experts(weights.down)))
+            if owner is not None:
+                owner.__dict__[_PACKED_ATTRIBUTE] = cached
         return cached[1]
 
     def forward(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_index: torch.Tensor,
@@ -64,8 +72,9 @@ class NativeExperts:
         offsets, order = _ops.group_tokens_by_expert(top_k_index, weights.num_experts)
         hidden_bf16 = hidden.to(torch.bfloat16).contiguous()
         routing = top_k_weights.float().reshape(-1).contiguous()
-        out, gate_up_out = _ops.expert_ffn_forward(self.isa, packed, shape, hidden_bf16, offsets, order, routing,
-                                                   _kernel_lora(gate_up_lora), _kernel_lora(down_lora))
+        out, gate_up_out = _ops.expert_ffn_forward(self.isa, packed, shape, top_k_index.shape[1], hidden_bf16,
+                                                   offsets, order, routing, _kernel_lora(gate_up_lora),
+                                                   _kernel_lora(down_lora))
         saved = SavedState(hidden_bf16.clone(), top_k_weights.float().clone(), offsets, order, gate_up_out,
                            top_k_weights.dtype)
         return out.to(hidden.dtype), saved
@@ -76,7 +85,7 @@ class NativeExperts:
         shape = (weights.num_experts, weights.hidden_size, weights.intermediate_size)
         routing = saved.top_k_weights.reshape(-1).contiguous()
         grad_hidden, grad_routing, gu, down = _ops.expert_ffn_backward(
-            self.isa, packed, shape, saved.hidden, saved.offsets, saved.order, routing,
+            self.isa, packed, shape, saved.top_k_weights.shape[1], saved.hidden, saved.offsets, saved.order, routing,
             _kernel_lora(gate_up_lora), _kernel_lora(down_lora), saved.gate_up_out,
             grad_out.float().contiguous())
         grads = LoraGrads(*_peft_grads(gu, gate_up_lora), *_peft_grads(down, down_lora))

@@ -63,6 +63,11 @@ class ExpertWeights:
     interleaved: bool = False
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
+    # For backends that keep derived copies (packed layouts): the object to keep them on, and a value that
+    # changes whenever the weights do (PEFT's merged adapters), since in-place writes through ``.data`` do not
+    # advance a tensor's version counter.
+    cache_owner: object | None = None
+    revision: tuple = ()
 
     @property
     def num_experts(self) -> int:

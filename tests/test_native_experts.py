@@ -134,3 +134,51 @@ def test_native_backend_through_prepare_matches_hf_peft_in_bf16(isa):
     assert abs(a.loss.item() - b.loss.item()) <= 2e-2 * a.loss.item()
     b.loss.backward()
     assert all(p.grad is not None for n, p in engine.named_parameters() if p.requires_grad and ".experts." in n)
+
+
+def test_native_follows_merge_adapter():
+    import copy
+
+    from peft import get_peft_model
+
+    import moecc
+    from moecc.tiny_models import tiny_model
+
+    from .parity import lora_config, randomize_lora
+
+    base = tiny_model("qwen3_moe", dtype=torch.bfloat16, seed=4)
+    reference = get_peft_model(copy.deepcopy(base), lora_config("qwen3_moe"))
+    randomize_lora(reference, 6)
+    engine = moecc.prepare(copy.deepcopy(base), lora_config=lora_config("qwen3_moe"), device="cpu",
+                           config=moecc.MoeccConfig(backend="native", isa=ISAS[-1]))
+    engine.load_state_dict(reference.state_dict())
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for step in ("before", "merged", "unmerged"):
+            if step == "merged":
+                reference.merge_adapter(), engine.merge_adapter()
+            elif step == "unmerged":
+                reference.unmerge_adapter(), engine.unmerge_adapter()
+            assert rel_err(engine(input_ids=ids).logits, reference(input_ids=ids).logits) <= 5e-2, step
+
+
+def test_kernel_inputs_are_checked_before_crossing():
+    weights, x, index, w, gate_up, down = _problem(4, 4, 32, 16, 2, 2, seed=0)
+    packed = (_ops.pack_experts(weights.gate_up), _ops.pack_experts(weights.down))
+    offsets, order = _ops.group_tokens_by_expert(index, 4)
+    routing = w.reshape(-1).contiguous()
+    bad_offsets = offsets.clone()
+    bad_offsets[-1] = 1000
+    with pytest.raises(ValueError, match="offsets must rise"):
+        _ops.expert_ffn_forward("portable", packed, (4, 32, 16), 2, x, bad_offsets, order, routing, None, None)
+    bad_order = order.clone()
+    bad_order[0] = bad_order[1]
+    with pytest.raises(ValueError, match="permutation"):
+        _ops.expert_ffn_forward("portable", packed, (4, 32, 16), 2, x, offsets, bad_order, routing, None, None)
+    with pytest.raises(ValueError, match="order has 8 elements, expected 6"):
+        _ops.expert_ffn_forward("portable", packed, (4, 32, 16), 2, x[:3], offsets, order, routing, None, None)
+    a = gate_up.A.reshape(4, 2, 32).contiguous()
+    b_untransposed = gate_up.B.reshape(32, 2, 4).permute(2, 0, 1).contiguous()  # [E, out, r], not [E, r, out]
+    with pytest.raises(ValueError, match="B\\^T"):
+        _ops.expert_ffn_forward("portable", packed, (4, 32, 16), 2, x, offsets, order, routing, (a, b_untransposed, 1.0),
+                                None)

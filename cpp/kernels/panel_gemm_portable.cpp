@@ -53,7 +53,7 @@ const PanelGemm& panel_gemm(Isa isa) {
     case Isa::kPortable:
       return panel_gemm_portable();
     case Isa::kAvx512Bf16:
-      if (!(cpu.avx512f && cpu.avx512bw && cpu.avx512_bf16 && cpu.os_avx512)) {
+      if (!(cpu.avx512f && cpu.avx512bw && cpu.avx512vl && cpu.avx512_bf16 && cpu.os_avx512)) {
         throw std::invalid_argument("this CPU cannot run the AVX512-BF16 kernels (needs AVX512F/BW and AVX512_BF16: "
                                     "Intel Cooper Lake, Sapphire Rapids or later, AMD Zen 4 or later)");
       }

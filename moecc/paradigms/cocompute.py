@@ -143,7 +143,10 @@ class CoComputeLayer:
     @property
     def weights(self) -> ExpertWeights:
         """The experts' current base weights (read at call time: PEFT's merge may replace or update them)."""
-        return expert_weights(self.experts)
+        weights = expert_weights(self.experts)
+        weights.cache_owner = self.experts
+        weights.revision = tuple((name, tuple(w.merged_adapters)) for name, w in sorted(self.wrappers.items()))
+        return weights
 
     def lora(self) -> tuple[ExpertLora | None, ExpertLora | None]:
         """(gate_up, down) LoRA factors PEFT would apply now, None where a projection applies none."""
