@@ -1,8 +1,9 @@
 """Compare where expert work runs, for your own model, from the Python API.
 
 Times LoRA training steps of the same model and batch under each paradigm that can run here and prints a
-table: ``cocompute`` (moecc: routed experts on the CPU) and ``gpu`` (plain Hugging Face + PEFT with the whole
-model on the GPU, when there is one and it fits). The ``offload`` paradigm joins this table when it lands.
+table: ``cocompute`` (moecc: routed experts on the CPU), ``offload`` (moecc: experts copied to the device and
+computed there) and ``gpu`` (plain Hugging Face + PEFT with the whole model on the GPU, when there is one and
+it fits).
 
     python examples/compare_paradigms.py                       # a small built-in model
     python examples/compare_paradigms.py --model path/to/ckpt --tokens 2048 --steps 3
@@ -70,8 +71,10 @@ def main() -> None:
             rows["gpu"] = "does not fit on the GPU"
     else:
         rows["gpu"] = "no GPU"
-    rows["cocompute"] = time_steps(moecc.prepare(base, lora_config=lora, device=device), device, args.tokens,
-                                   args.steps)
+    for paradigm in ("cocompute", "offload"):
+        model = moecc.prepare(copy.deepcopy(base), lora_config=copy.deepcopy(lora), device=device, paradigm=paradigm)
+        rows[paradigm] = time_steps(model, device, args.tokens, args.steps)
+        del model
     print(f"{'paradigm':<10} {'step s':>8} {'tokens/s':>10} {'peak GPU GB':>12}")
     for name, row in rows.items():
         if isinstance(row, str):

@@ -15,6 +15,7 @@ from .lora import default_lora_config as _default_lora_config
 from .models import MoeFamily, family_for, install_block_forward
 from .paradigms import PARADIGMS
 from .paradigms.cocompute import CoComputeEngine, CoComputeLayer
+from .paradigms.offload import OffloadEngine, OffloadLayer
 from .store import SUPPORTED_DTYPES, check_host_experts, keep_on_host
 
 ADAPTER_NAME = "default"
@@ -27,8 +28,8 @@ class MoeccState:
     family: MoeFamily
     paradigm: str
     device: torch.device
-    engine: CoComputeEngine
-    layers: list[CoComputeLayer]
+    engine: CoComputeEngine | OffloadEngine
+    layers: list
     config: MoeccConfig
 
     @property
@@ -119,7 +120,8 @@ def prepare(
         lora_config: LoRA for attention/dense (``target_modules``) and experts (``target_parameters``, e.g.
             ``["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``). Default: rank 8 on attention + experts.
         adapter: path of a PEFT adapter directory to keep training instead of a new LoRA.
-        paradigm: ``"cocompute"``: routed experts computed on the CPU.
+        paradigm: ``"cocompute"``: routed experts computed on the CPU; ``"offload"``: copied to the device and
+            computed there.
         device: device for attention, dense layers, routers and shared experts; default CUDA if available.
         config: engine options (threads, backend); default from ``MOECC_*`` environment variables.
 
@@ -141,18 +143,56 @@ def prepare(
     peft_model = _apply_lora(model, family, lora_config, adapter)
 
     _ops.configure_pool(config.num_threads, config.pin_threads)
-    engine = CoComputeEngine(device, config.backend, config.isa)
+    if paradigm == "offload":
+        engine = OffloadEngine(device, config.offload_slots)
+    else:
+        engine = CoComputeEngine(device, config.backend, config.isa)
     layers = []
     for index, (name, block) in enumerate(blocks):
         keep_on_host(block.experts)
         base_experts, wrappers = expert_wrappers(block.experts)
         check_host_experts(base_experts, name)
-        layer = CoComputeLayer(name, base_experts, wrappers, engine, index)
+        if paradigm == "offload":
+            if device.type == "cuda":
+                pin_experts(base_experts)
+            layer = OffloadLayer(name, base_experts, wrappers, engine, index)
+            engine.layers.append(layer)
+        else:
+            layer = CoComputeLayer(name, base_experts, wrappers, engine, index)
         install_block_forward(block, family, layer)
         layers.append(layer)
+    apply_gpu_budget(peft_model, layers, paradigm, device, config)
     peft_model.to(device)
     peft_model.moecc = MoeccState(family, paradigm, device, engine, layers, config)
     return peft_model
+
+
+def pin_experts(experts: torch.nn.Module) -> None:
+    """Moves one experts module's weights into page-locked host memory (the copy replaces the original)."""
+    for param in experts.parameters(recurse=False):
+        if not param.is_pinned():
+            param.data = param.data.pin_memory()
+
+
+def apply_gpu_budget(model: torch.nn.Module, layers: list, paradigm: str, device: torch.device,
+                     config: MoeccConfig) -> None:
+    """Checks that what stays on the GPU fits ``config.gpu_memory_budget_gb`` and caps the allocator there."""
+    budget = config.gpu_memory_budget_gb
+    if budget is None or device.type != "cuda":
+        return
+    resident = sum(p.nbytes for n, p in model.named_parameters() if ".experts." not in n)
+    if paradigm == "offload":
+        resident += config.offload_slots * max(layer.experts.gate_up_proj.nbytes + layer.experts.down_proj.nbytes
+                                               for layer in layers)
+    needed_gb = resident / 1e9 * 1.1  # 10% for activations of a small batch and allocator slack
+    if needed_gb > budget:
+        raise MoeccError(
+            f"gpu_memory_budget_gb={budget:g} is too small: the parts that stay on the GPU ({paradigm}) need about "
+            f"{needed_gb:.1f} GB before activations; raise the budget"
+            + (" or lower offload_slots" if paradigm == "offload" else "")
+        )
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget * 1e9 / total), device)
 
 
 def from_pretrained(

@@ -21,16 +21,27 @@ class MoeccConfig:
         isa: instruction set of the native kernels: ``"auto"`` (the best this CPU runs), ``"amx"``,
             ``"avx512_bf16"`` or ``"portable"``. Environment: ``MOECC_ISA``.
         pin_threads: pin pool threads to cores. Environment: ``MOECC_PIN_THREADS`` (0/1).
+        gpu_memory_budget_gb: cap on this process's GPU memory (enforced with the allocator's per-process
+            fraction); ``prepare`` fails up front, saying how much is needed, when the resident parts do not
+            fit. None: no cap. Environment: ``MOECC_GPU_BUDGET_GB``.
+        offload_slots: layers of experts the offload paradigm keeps on the device at once (2 = the current
+            layer plus the one being prefetched).
     """
 
     num_threads: int | None = None
     backend: str = "reference"
     pin_threads: bool = True
     isa: str = "auto"
+    gpu_memory_budget_gb: float | None = None
+    offload_slots: int = 2
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown moecc backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
+        if self.gpu_memory_budget_gb is not None and self.gpu_memory_budget_gb <= 0:
+            raise ValueError(f"gpu_memory_budget_gb must be positive, got {self.gpu_memory_budget_gb}")
+        if self.offload_slots < 1:
+            raise ValueError(f"offload_slots must be >= 1, got {self.offload_slots}")
         if self.isa not in ISAS:
             raise ValueError(f"unknown ISA {self.isa!r}; choose one of {', '.join(ISAS)}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -49,6 +60,12 @@ class MoeccConfig:
             kwargs["backend"] = os.environ["MOECC_BACKEND"]
         if os.environ.get("MOECC_ISA"):
             kwargs["isa"] = os.environ["MOECC_ISA"]
+        budget = os.environ.get("MOECC_GPU_BUDGET_GB")
+        if budget:
+            try:
+                kwargs["gpu_memory_budget_gb"] = float(budget)
+            except ValueError:
+                raise ValueError(f"MOECC_GPU_BUDGET_GB={budget!r} is not a number of GB") from None
         pin = os.environ.get("MOECC_PIN_THREADS")
         if pin:
             flags = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}

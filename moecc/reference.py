@@ -1,5 +1,8 @@
 """The slow, obviously-correct routed-expert math with LoRA: the oracle every fast path is tested against.
 
+Works on any device: host tensors for co-compute, device tensors for offload (weights, activations and LoRA
+factors on the same device).
+
 Layouts (Hugging Face fused experts, PEFT ``target_parameters`` LoRA):
     gate_up  [E, 2I, H]   rows [0, I) are the gate projection, [I, 2I) the up projection
     down     [E, H, I]
@@ -192,6 +195,17 @@ def _activation_grads(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, 
     return grad_gate_c * (gate <= limit), grad_up
 
 
+def group_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(offsets [E+1], order [T*k])``: pair ids grouped by expert, stable; the native sort in host memory."""
+    if top_k_index.device.type == "cpu":
+        return _ops.group_tokens_by_expert(top_k_index, num_experts)
+    flat = top_k_index.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=num_experts)
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    return offsets, order
+
+
 def _bias(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
     return None if bias is None else bias[expert]
 
@@ -212,12 +226,13 @@ def experts_forward(
         ``(y [T, H] in hidden's dtype, state for experts_backward)``.
     """
     num_tokens, top_k = top_k_index.shape
-    offsets, order = _ops.group_tokens_by_expert(top_k_index, weights.num_experts)
+    offsets, order = group_by_expert(top_k_index, weights.num_experts)
     routing = top_k_weights.float().reshape(-1)  # [T*k]
     dtype, transposed = hidden.dtype, weights.transposed
     weighted_dtype = torch.promote_types(dtype, top_k_weights.dtype)  # the dtype of y * w in PyTorch
-    weighted = torch.zeros(num_tokens * top_k, weights.hidden_size, dtype=weighted_dtype)  # per (token, slot)
-    gate_up_out = torch.empty(num_tokens * top_k, 2 * weights.intermediate_size, dtype=dtype)
+    device = hidden.device
+    weighted = torch.zeros(num_tokens * top_k, weights.hidden_size, dtype=weighted_dtype, device=device)
+    gate_up_out = torch.empty(num_tokens * top_k, 2 * weights.intermediate_size, dtype=dtype, device=device)
     bounds = offsets.tolist()
     for expert in range(weights.num_experts):
         start, end = bounds[expert], bounds[expert + 1]
@@ -240,7 +255,8 @@ def experts_forward(
 
 def _new_lora_grads(gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None) -> LoraGrads:
     def zeros(lora, name):
-        return None if lora is None else torch.zeros(getattr(lora, name).shape, dtype=torch.float32)
+        factor = None if lora is None else getattr(lora, name)
+        return None if factor is None else torch.zeros(factor.shape, dtype=torch.float32, device=factor.device)
 
     return LoraGrads(zeros(gate_up_lora, "A"), zeros(gate_up_lora, "B"), zeros(down_lora, "A"), zeros(down_lora, "B"))
 
@@ -287,8 +303,9 @@ def experts_backward(
     weighted_dtype = torch.promote_types(dtype, saved.weights_dtype)
     num_tokens, top_k = saved.top_k_weights.shape
     routing = saved.top_k_weights.reshape(-1)
-    grad_hidden = torch.zeros(num_tokens, weights.hidden_size, dtype=torch.float32)
-    grad_routing = torch.zeros(num_tokens * top_k, dtype=torch.float32)
+    device = saved.hidden.device
+    grad_hidden = torch.zeros(num_tokens, weights.hidden_size, dtype=torch.float32, device=device)
+    grad_routing = torch.zeros(num_tokens * top_k, dtype=torch.float32, device=device)
     grads = _new_lora_grads(gate_up_lora, down_lora)
     bounds = saved.offsets.tolist()
     for expert in range(weights.num_experts):

@@ -28,10 +28,11 @@ def _train(model, data, lr=0.05):
     return losses
 
 
+@pytest.mark.parametrize("paradigm", ["cocompute", "offload"])
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_forward_and_grads_match_hf_peft(family, dtype):
-    reference, engine = build_pair(family, dtype, lora_config(family))
+def test_forward_and_grads_match_hf_peft(family, dtype, paradigm):
+    reference, engine = build_pair(family, dtype, lora_config(family), paradigm=paradigm)
     (ids, mask, labels), = batches(reference.config.vocab_size, 1, pad=True)
     out_ref = reference(input_ids=ids, attention_mask=mask, labels=labels)
     out_eng = engine(input_ids=ids, attention_mask=mask, labels=labels)
@@ -51,13 +52,14 @@ def test_forward_and_grads_match_hf_peft(family, dtype):
         assert rel_err(eng_grads[name], grad) <= grad_tol, name
 
 
+@pytest.mark.parametrize("paradigm", ["cocompute", "offload"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_sgd_steps_then_saved_adapters_match(family, dtype, tmp_path):
+def test_sgd_steps_then_saved_adapters_match(family, dtype, paradigm, tmp_path):
     config = lora_config(family, rank=4, alpha=16)
     # PEFT's default init (B = 0): in bf16 the first updates of a zero B are dominated by rounding (HF + PEFT in
     # bf16 differs from itself in float32 by >20% there), so this only passes if bf16 rounds like HF + PEFT.
-    reference, engine = build_pair(family, dtype, config, seed=1, random_lora=False)
+    reference, engine = build_pair(family, dtype, config, seed=1, random_lora=False, paradigm=paradigm)
     data = batches(reference.config.vocab_size, 4, seed=3)
     losses_ref = _train(reference, data)
     losses_eng = _train(engine, data)

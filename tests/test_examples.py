@@ -31,7 +31,7 @@ def test_hf_trainer_logs_moecc_metrics_and_checkpoints(tmp_path):
 
 def test_compare_paradigms_prints_a_row_per_paradigm(tmp_path):
     out = _run("compare_paradigms.py", "--steps", "1", cwd=tmp_path)
-    assert "cocompute" in out and "gpu" in out
+    assert "cocompute" in out and "offload" in out and "gpu" in out
 
 
 def test_demo_data_is_what_its_script_writes(tmp_path):

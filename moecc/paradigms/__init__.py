@@ -1,3 +1,4 @@
-"""Where routed-expert math runs: ``cocompute`` (on the CPU, in place); ``offload`` comes later."""
+"""Where routed-expert math runs: ``cocompute`` (on the CPU, in place) or ``offload`` (on the device, after
+copying the weights there)."""
 
-PARADIGMS = ("cocompute",)
+PARADIGMS = ("cocompute", "offload")

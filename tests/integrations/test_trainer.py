@@ -166,3 +166,14 @@ def test_trainer_on_cuda_keeps_experts_in_host_memory(tmp_path):
         assert param.device.type == ("cpu" if ".experts." in name else "cuda"), name
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert logged and all(entry["moecc/h2d_gb"] > 0 and entry["moecc/d2h_gb"] > 0 for entry in logged)
+
+
+def test_callback_logs_offload_metrics(tmp_path):
+    model = moecc.prepare(tiny_model(FAMILY, seed=1), lora_config=lora_config(FAMILY), device="cpu",
+                          paradigm="offload")
+    trainer = Trainer(model=model, args=_args(tmp_path, max_steps=2), train_dataset=SequenceData(),
+                      callbacks=[MoeccCallback()])
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logged and all(entry["moecc/tokens_per_s"] > 0 for entry in logged)
+    assert logged[0]["moecc/h2d_gb"] > 0  # later steps may find every routed expert already on the device

@@ -1,0 +1,232 @@
+"""Offload paradigm: routed experts computed on the device after their weights are copied there.
+
+Expert weights stay in host memory (pinned on CUDA), one copy. Per MoE layer the engine copies the experts the
+batch routes to (all of them when most are hit) into a device slot on a dedicated copy stream. While a layer
+computes, the next layer's experts are already being copied when the batch is large enough to touch most
+experts; in backward, where every layer's routed experts are known from forward, the previous layer's experts
+are copied while the current one computes. Slots are bounded (by the GPU memory budget) and reused.
+
+The expert math is the reference (``moecc.reference``) on device tensors: the same numerics as co-compute and
+as HF + PEFT; LoRA factors stay host-resident parameters and travel with the activations.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import torch
+from torch.profiler import record_function
+
+from .. import reference
+from ..lora import expert_lora
+from ..reference import ExpertLora, ExpertWeights
+from ..store import expert_weights
+from .cocompute import StepMetrics
+
+
+class _Slot:
+    """Device copies of one layer's experts; ``present`` says which experts hold valid data."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        self.gate_up, self.down = gate_up, down
+        self.layer: int | None = None
+        self.revision: tuple = ()  # PEFT merge state the copies were made under
+        self.present: set[int] = set()
+        self.ready: torch.cuda.Event | None = None  # copies into the slot done
+        self.released: torch.cuda.Event | None = None  # compute reading the slot done
+
+
+class OffloadEngine:
+    """Copy stream, device slots (LRU over layers), metrics, and the layer list for prefetching."""
+
+    def __init__(self, device: torch.device, slots: int = 2) -> None:
+        self.device = device
+        self.capacity = max(1, slots)
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.slots: OrderedDict[int, _Slot] = OrderedDict()
+        self.layers: list[OffloadLayer] = []
+        self.metrics = StepMetrics()
+        self.h2d_bytes = 0
+        self.copy_s = 0.0
+        self._mark = 0
+
+    def reset_metrics(self) -> None:
+        self.metrics.reset()
+        self._mark = self.h2d_bytes
+        self.copy_s = 0.0
+
+    def metrics_since_reset(self) -> dict[str, float]:
+        """Same keys as the co-compute engine's; ``cpu_experts_s`` is 0 and ``gpu_wait_s`` the copy time
+        the compute stream could not hide."""
+        m = self.metrics
+        return {"cpu_experts_s": 0.0, "h2d_gb": (self.h2d_bytes - self._mark) / 1e9, "d2h_gb": 0.0,
+                "gpu_wait_s": m.wait_s, "tokens": float(m.tokens), "routing_skew": m.routing_skew,
+                "copy_s": self.copy_s, "expert_compute_s": m.cpu_forward_s + m.cpu_backward_s}
+
+    def _slot_for(self, layer: "OffloadLayer") -> _Slot:
+        if layer.index in self.slots:
+            self.slots.move_to_end(layer.index)
+            return self.slots[layer.index]
+        host = layer.host_weights
+        if len(self.slots) < self.capacity:
+            slot = _Slot(torch.empty(host.gate_up.shape, dtype=host.gate_up.dtype, device=self.device),
+                         torch.empty(host.down.shape, dtype=host.down.dtype, device=self.device))
+        else:
+            _, slot = self.slots.popitem(last=False)
+            if slot.gate_up.shape != host.gate_up.shape or slot.gate_up.dtype != host.gate_up.dtype:
+                slot = _Slot(torch.empty_like(host.gate_up, device=self.device),
+                             torch.empty_like(host.down, device=self.device))
+            elif slot.released is not None and self.copy_stream is not None:
+                self.copy_stream.wait_event(slot.released)  # the last reader of this slot must finish first
+        slot.layer, slot.present, slot.ready = layer.index, set(), None
+        self.slots[layer.index] = slot
+        return slot
+
+    def fetch(self, layer: "OffloadLayer", experts: list[int]) -> _Slot:
+        """Starts copying the experts the slot lacks; returns the slot (wait on ``slot.ready`` before use)."""
+        slot = self._slot_for(layer)
+        if slot.revision != layer.revision():
+            slot.present, slot.revision = set(), layer.revision()  # merged into: device copies are stale
+        missing = [e for e in experts if e not in slot.present]
+        if not missing:
+            return slot
+        host = layer.host_weights
+        start = time.perf_counter()
+        with record_function("moecc.offload.copy_experts"):
+            if self.copy_stream is None:
+                for e in missing:
+                    slot.gate_up[e].copy_(host.gate_up[e])
+                    slot.down[e].copy_(host.down[e])
+            else:
+                with torch.cuda.stream(self.copy_stream):
+                    for e in missing:
+                        slot.gate_up[e].copy_(host.gate_up[e], non_blocking=True)
+                        slot.down[e].copy_(host.down[e], non_blocking=True)
+                    slot.ready = self.copy_stream.record_event()
+        self.copy_s += time.perf_counter() - start
+        self.h2d_bytes += len(missing) * (host.gate_up[0].nbytes + host.down[0].nbytes)
+        slot.present.update(missing)
+        return slot
+
+    def use(self, slot: _Slot) -> None:
+        """Makes the current stream wait for the slot's copies (time counted as waiting)."""
+        if slot.ready is not None and self.device.type == "cuda":
+            start = time.perf_counter()
+            torch.cuda.current_stream(self.device).wait_event(slot.ready)
+            self.metrics.wait_s += time.perf_counter() - start
+
+    def done_with(self, slot: _Slot) -> None:
+        if self.device.type == "cuda":
+            slot.released = torch.cuda.current_stream(self.device).record_event()
+
+    def prefetch(self, index: int, experts: list[int] | None) -> None:
+        """Starts copying layer ``index``'s experts (all when ``experts`` is None), if that layer exists."""
+        if 0 <= index < len(self.layers) and self.capacity > 1:
+            layer = self.layers[index]
+            self.fetch(layer, experts if experts is not None else list(range(layer.host_weights.num_experts)))
+
+
+class _Done:
+    """``submit`` computes at once on the device (asynchronously there); ``result`` just hands it over."""
+
+    def __init__(self, output: torch.Tensor) -> None:
+        self._output = output
+
+    def result(self) -> torch.Tensor:
+        return self._output
+
+
+class OffloadLayer:
+    """One MoE layer's routed experts, computed on the device from copied weights."""
+
+    def __init__(self, name: str, experts: torch.nn.Module, wrappers: dict, engine: OffloadEngine,
+                 index: int) -> None:
+        self.name, self.experts, self.wrappers, self.engine, self.index = name, experts, wrappers, engine, index
+        self.last_experts: list[int] | None = None  # routed in the latest forward; backward prefetches them
+
+    def revision(self) -> tuple:
+        """Changes when PEFT merges adapters into (or out of) the host weights."""
+        return tuple((name, tuple(w.merged_adapters)) for name, w in sorted(self.wrappers.items()))
+
+    @property
+    def host_weights(self) -> ExpertWeights:
+        return expert_weights(self.experts)
+
+    def lora(self) -> tuple[ExpertLora | None, ExpertLora | None]:
+        return expert_lora(self.wrappers.get("gate_up_proj")), expert_lora(self.wrappers.get("down_proj"))
+
+    def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> _Done:
+        gate_up, down = self.lora()
+        factors = [t for lora in (gate_up, down) for t in ((lora.A, lora.B) if lora else (None, None))]
+        if self.index == 0 and torch._C._current_graph_task_id() == -1:
+            self.engine.metrics.tokens += hidden.shape[0]
+        out = OffloadExpertsFunction.apply(hidden, top_k_weights, top_k_index, self, (gate_up, down), *factors)
+        return _Done(out)
+
+    def device_weights(self, slot: _Slot) -> ExpertWeights:
+        host = self.host_weights
+        to = self.engine.device
+        return ExpertWeights(
+            slot.gate_up, slot.down,
+            None if host.gate_up_bias is None else host.gate_up_bias.to(to),
+            None if host.down_bias is None else host.down_bias.to(to),
+            host.transposed, host.interleaved, host.swiglu_alpha, host.swiglu_limit,
+        )
+
+
+def _on_device(lora: ExpertLora | None, device: torch.device) -> ExpertLora | None:
+    if lora is None:
+        return None
+    return ExpertLora(lora.A.detach().to(device), lora.B.detach().to(device), lora.scaling, lora.num_experts)
+
+
+class OffloadExpertsFunction(torch.autograd.Function):
+    """Autograd node of one offloaded layer; backward copies the layer's experts again (prefetched)."""
+
+    @staticmethod
+    def forward(ctx, hidden, top_k_weights, top_k_index, layer, lora, *lora_tensors):
+        engine = layer.engine
+        experts = torch.unique(top_k_index).tolist()
+        layer.last_experts = experts
+        slot = engine.fetch(layer, experts)
+        many = len(experts) * 2 >= layer.host_weights.num_experts
+        engine.prefetch(layer.index + 1, None if many else [])  # next layer's routing is unknown: all or none
+        engine.use(slot)
+        start = time.perf_counter()
+        device_lora = tuple(_on_device(part, engine.device) for part in lora)
+        with record_function("moecc.offload.forward"):
+            out, saved = reference.experts_forward(layer.device_weights(slot), hidden, top_k_index, top_k_weights,
+                                                   *device_lora)
+        engine.done_with(slot)
+        engine.metrics.cpu_forward_s += time.perf_counter() - start
+        engine.metrics.expert_token_counts.append((saved.offsets[1:] - saved.offsets[:-1]).tolist())
+        ctx.layer, ctx.saved, ctx.lora, ctx.experts = layer, saved, lora, experts
+        ctx.dtypes = (hidden.dtype, top_k_weights.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        layer, engine = ctx.layer, ctx.layer.engine
+        if ctx.saved is None:
+            raise RuntimeError("moecc: offloaded experts' saved activations were released after the first backward")
+        slot = engine.fetch(layer, ctx.experts)
+        previous = engine.layers[layer.index - 1] if layer.index > 0 else None
+        if previous is not None and getattr(previous, "last_experts", None) is not None:
+            engine.prefetch(layer.index - 1, previous.last_experts)
+        engine.use(slot)
+        start = time.perf_counter()
+        device_lora = tuple(_on_device(part, engine.device) for part in ctx.lora)
+        with record_function("moecc.offload.backward"):
+            grad_hidden, grad_weights, grads = reference.experts_backward(layer.device_weights(slot), ctx.saved,
+                                                                          grad_out, *device_lora)
+        engine.done_with(slot)
+        engine.metrics.cpu_backward_s += time.perf_counter() - start
+        ctx.saved = None
+        factor_grads = []
+        for lora, grad_a, grad_b in ((ctx.lora[0], grads.gate_up_A, grads.gate_up_B),
+                                     (ctx.lora[1], grads.down_A, grads.down_B)):
+            if lora is None:
+                factor_grads += [None, None]
+            else:
+                factor_grads += [grad_a.to(lora.A.device, lora.A.dtype), grad_b.to(lora.B.device, lora.B.dtype)]
+        return (grad_hidden.to(ctx.dtypes[0]), grad_weights.to(ctx.dtypes[1]), None, None, None, *factor_grads)
