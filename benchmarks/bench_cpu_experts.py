@@ -13,6 +13,7 @@ import argparse
 import json
 import statistics
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -57,6 +58,21 @@ def torch_loop(weights: ExpertWeights, x, index, w, gate_up: ExpertLora, down: E
     return out
 
 
+def measure_peaks() -> dict[str, float]:
+    """Per-core and all-thread bf16 FLOP/s of the matrix units this CPU has (register-only loops)."""
+    from moecc import _C
+
+    peaks = {}
+    for isa in ("avx512_bf16", "amx"):
+        try:
+            peaks[f"{isa}_core"] = _C.peak_flops(isa, 2_000_000 if isa == "avx512_bf16" else 200_000)
+            peaks[f"{isa}_all"] = _C.peak_flops(isa, 2_000_000 if isa == "avx512_bf16" else 200_000,
+                                                _ops.num_threads())
+        except ValueError:
+            continue
+    return peaks
+
+
 def median_time(fn, reps: int) -> float:
     fn()
     times = []
@@ -71,7 +87,8 @@ def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: N
     experts, top_k, hidden, inter = SHAPES[shape]
     g = torch.Generator().manual_seed(tokens)
     weights = ExpertWeights((torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02).bfloat16(),
-                            (torch.randn(experts, hidden, inter, generator=g) * 0.02).bfloat16())
+                            (torch.randn(experts, hidden, inter, generator=g) * 0.02).bfloat16(),
+                            cache_owner=types.SimpleNamespace())  # keeps the packed copy between calls
     gate_up = ExpertLora(torch.randn(rank * experts, hidden, generator=g) * 0.01,
                          torch.randn(2 * inter, rank * experts, generator=g) * 0.01, 2.0, experts)
     down = ExpertLora(torch.randn(rank * experts, inter, generator=g) * 0.01,
@@ -120,6 +137,8 @@ def main() -> None:
     isa = _ops.best_isa() if args.isa == "auto" else args.isa
     native = NativeExperts(isa)
     print(f"isa {isa}, {_ops.num_threads()} threads, cpu {_ops.cpu_features()['brand'].strip()}")
+    peaks = measure_peaks()
+    print("register-only bf16 peaks, TFLOP/s:", {k: round(v / 1e12, 3) for k, v in peaks.items()})
     rows = []
     for shape in args.shapes.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):
@@ -139,8 +158,16 @@ def main() -> None:
     (out / f"{stem}.json").write_text(json.dumps(rows, indent=2))
     columns = ["shape", "tokens", "routing", "forward_ms", "backward_ms", "forward_tflops", "backward_tflops",
                "forward_gbps", "dram_floor_ms", "skew_ratio", "loop_forward_ms", "loop_backward_ms", "speedup"]
+    peak_all = peaks.get(f"{isa}_all")
+    for row in rows:
+        if peak_all:
+            row["efficiency"] = max(row["forward_tflops"], row["backward_tflops"]) * 1e12 / peak_all
+    columns.append("efficiency")
+    peak_text = ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s" for k, v in peaks.items()) or "none measured"
     lines = [f"`python benchmarks/bench_cpu_experts.py --shapes {args.shapes} --tokens {args.tokens} "
              f"--isa {args.isa}` ({isa}, {_ops.num_threads()} threads)", "",
+             f"Register-only bf16 peaks: {peak_text}. efficiency = best pass TFLOP/s / the {isa} all-thread peak.",
+             "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         lines.append("| " + " | ".join(f"{row[c]:.2f}" if isinstance(row.get(c), float) else str(row.get(c, ""))

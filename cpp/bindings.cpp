@@ -5,9 +5,12 @@
 
 #include <cstdint>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "kernels/cpu_features.h"
 #include "kernels/expert_ffn.h"
+#include "kernels/peak_rate.h"
 #include "kernels/token_grouping.h"
 #include "kernels/weight_packing.h"
 #include "pool/thread_pool.h"
@@ -149,6 +152,25 @@ PYBIND11_MODULE(_C, m) {
       py::arg("gate_up_out"), py::arg("grad_out"), py::arg("grad_hidden"), py::arg("grad_routing"),
       py::arg("grad_gate_up_a"), py::arg("grad_gate_up_b"), py::arg("grad_down_a"), py::arg("grad_down_b"),
       py::call_guard<py::gil_scoped_release>(), "Backward of expert_ffn_forward; LoRA gradients accumulate.");
+
+  m.def(
+      "peak_flops",
+      [](const std::string& isa, int64_t iterations, int threads) {
+        auto one = [&]() {
+          return isa == "amx" ? moecc::kernels::peak_flops_amx(iterations)
+                              : moecc::kernels::peak_flops_avx512bf16(iterations);
+        };
+        if (threads <= 1) return one();
+        auto pool = moecc::pool::global_pool();
+        std::vector<double> rates(static_cast<size_t>(pool->num_threads()), 0.0);
+        pool->run(pool->num_threads(), [&](int64_t task, int) { rates[static_cast<size_t>(task)] = one(); });
+        double total = 0.0;
+        for (double r : rates) total += r;
+        return total;
+      },
+      py::arg("isa"), py::arg("iterations"), py::arg("threads") = 1, py::call_guard<py::gil_scoped_release>(),
+      "Register-only bf16 FLOP/s of one thread (threads=1) or the sum over the pool's threads "
+      "('avx512_bf16' or 'amx'); ValueError if the CPU cannot run it.");
 
   m.def("_pool_fill_test", &pool_fill_test, py::call_guard<py::gil_scoped_release>());
   m.def("_pool_raise_test", &pool_raise_test, py::call_guard<py::gil_scoped_release>());

@@ -95,3 +95,17 @@ def test_cpu_features_and_best_isa_agree():
     _ops.check_isa(best)
     if features["avx512_bf16"] and features["os_avx512"]:
         assert best in ("avx512_bf16", "amx")
+
+
+def test_peak_rate_micro_benchmark():
+    from moecc import _C
+
+    features = _ops.cpu_features()
+    if features["avx512_bf16"] and features["os_avx512"]:
+        assert _C.peak_flops("avx512_bf16", 100_000) > 1e9
+    else:
+        with pytest.raises(ValueError, match="AVX512-BF16"):
+            _C.peak_flops("avx512_bf16", 10)
+    if not features["os_amx"]:
+        with pytest.raises(ValueError, match="AMX"):
+            _C.peak_flops("amx", 10)

@@ -1,0 +1,94 @@
+// Register-only matrix-unit rate micro-benchmarks (see peak_rate.h); per-ISA code behind target attributes,
+// reached only after cpu_features() says the instructions may run.
+#include "peak_rate.h"
+
+#include <immintrin.h>
+
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+
+#include "cpu_features.h"
+
+namespace moecc::kernels {
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) double avx512bf16_loop(int64_t iterations) {
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+  __m512i a_bits = _mm512_set1_epi32(0x3F803F80), b_bits = _mm512_set1_epi32(0x3F003F00);  // 1.0, 0.5 pairs
+  const __m512bh a = reinterpret_cast<__m512bh&>(a_bits), b = reinterpret_cast<__m512bh&>(b_bits);
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t it = 0; it < iterations; ++it) {
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+  }
+  const double elapsed = seconds_since(start);
+  float sink = 0.0f;
+  for (int i = 0; i < 16; ++i) sink += _mm512_reduce_add_ps(acc[i]);
+  volatile float keep = sink;  // the loop's result is used, so it is not optimised away
+  (void)keep;
+  return static_cast<double>(iterations) * 16 * 16 * 2 * 2 / elapsed;  // 16 lanes x 2 pairs-products x 2 flops
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile,amx-bf16"))) double amx_loop(int64_t iterations) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  alignas(64) static uint16_t operand[16 * 32];
+  for (auto& v : operand) v = 0x3F80;  // 1.0
+  alignas(64) static float result[16 * 16];
+  _tile_loadconfig(&config);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, operand, 64);
+  _tile_loadd(5, operand, 64);
+  _tile_loadd(6, operand, 64);
+  _tile_loadd(7, operand, 64);
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t it = 0; it < iterations; ++it) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  const double elapsed = seconds_since(start);
+  _tile_stored(0, result, 64);
+  _tile_release();
+  volatile float keep = result[0];
+  (void)keep;
+  return static_cast<double>(iterations) * 4 * 16 * 16 * 32 * 2 / elapsed;  // 16x16 outputs, K = 32 per tile op
+}
+
+}  // namespace
+
+double peak_flops_avx512bf16(int64_t iterations) {
+  const CpuFeatures& cpu = cpu_features();
+  if (!(cpu.avx512f && cpu.avx512vl && cpu.avx512_bf16 && cpu.os_avx512)) {
+    throw std::invalid_argument("this CPU has no usable AVX512-BF16");
+  }
+  return avx512bf16_loop(iterations);
+}
+
+double peak_flops_amx(int64_t iterations) {
+  const CpuFeatures& cpu = cpu_features();
+  if (!(cpu.amx_tile && cpu.amx_bf16 && cpu.os_amx)) {
+    throw std::invalid_argument("this CPU (or kernel) offers no AMX-BF16 tiles");
+  }
+  return amx_loop(iterations);
+}
+
+}  // namespace moecc::kernels

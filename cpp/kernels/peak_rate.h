@@ -1,0 +1,15 @@
+// Register-only micro-benchmarks of the matrix units one core can drive: the ceilings kernel efficiency is
+// reported against. No memory traffic: operands live in registers (AVX512-BF16) or tiles (AMX).
+#pragma once
+
+#include <cstdint>
+
+namespace moecc::kernels {
+
+// bf16 FLOP/s of one thread running `iterations` rounds of independent VDPBF16PS (16 accumulators).
+double peak_flops_avx512bf16(int64_t iterations);
+// bf16 FLOP/s of one thread running `iterations` rounds of TDPBF16PS on 4 accumulator tiles.
+// Throws std::invalid_argument if AMX is unavailable (see cpu_features()).
+double peak_flops_amx(int64_t iterations);
+
+}  // namespace moecc::kernels
