@@ -41,7 +41,8 @@ setup(
         "accelerate",
         "safetensors",
         "tqdm",
+        "matplotlib",
     ],
-    extras_require={"test": ["pytest"], "bench": ["matplotlib"]},
+    extras_require={"test": ["pytest"]},
     entry_points={"console_scripts": ["moecc = moecc.cli:main"]},
 )

@@ -1,6 +1,7 @@
 """The ``moecc`` command line. Library code never parses arguments; this module does.
 
     moecc info      CPU features and kernel ISA, threads, GPU, library versions
+    moecc bench     time training steps per paradigm on a real-shaped random model; table, JSON, plots
 """
 from __future__ import annotations
 
@@ -36,14 +37,51 @@ def info() -> dict:
     }
 
 
+def bench(args: argparse.Namespace) -> list[dict]:
+    """Runs ``moecc bench``: every paradigm at every token count, then writes the report."""
+    from pathlib import Path
+
+    import torch
+    from tqdm import tqdm
+
+    from .bench.report import write_report
+    from .bench.runner import run_case
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    paradigms = args.paradigms.split(",")
+    rows = []
+    for paradigm in tqdm(paradigms, desc="paradigms", unit="paradigm"):
+        rows += run_case(args.preset, args.layers, paradigm, tokens, args.steps, args.rank, device, args.gpu_budget)
+    for row in rows:
+        print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
+    command = "moecc bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])
+    title = f"{args.preset}, {args.layers or 'all'} layers, LoRA r={args.rank}, {device}"
+    files = write_report(rows, Path(args.out), title, command)
+    print("wrote", ", ".join(str(f) for f in files))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moecc", description="LoRA fine-tuning of MoE models with CPU experts")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="CPU features and kernel ISA, threads, GPU, versions")
+    bench_parser = commands.add_parser("bench", help="compare paradigms on a real-shaped random model")
+    bench_parser.add_argument("--preset", default="qwen3-30b-a3b",
+                              help="qwen3-30b-a3b, deepseek-v2-lite, olmoe-1b-7b, mixtral-8x7b, gpt-oss-20b, tiny")
+    bench_parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: all)")
+    bench_parser.add_argument("--tokens", default="512,2048,8192", help="tokens per step, comma-separated")
+    bench_parser.add_argument("--paradigms", default="cocompute,offload,gpu")
+    bench_parser.add_argument("--gpu-budget", type=float, default=24.0, help="GPU memory budget in GB")
+    bench_parser.add_argument("--steps", type=int, default=3)
+    bench_parser.add_argument("--rank", type=int, default=8)
+    bench_parser.add_argument("--out", default="benchmarks/results/bench")
     args = parser.parse_args(argv)
     if args.command == "info":
         for key, value in info().items():
             print(f"{key:>14}: {value}")
+    elif args.command == "bench":
+        bench(args)
     return 0
 
 

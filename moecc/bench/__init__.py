@@ -1,0 +1,1 @@
+"""Paradigm comparison: real-shaped random models, timed training steps, reports (used by ``moecc bench``)."""

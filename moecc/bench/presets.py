@@ -1,0 +1,83 @@
+"""Real MoE architecture shapes (from the published configs) with random weights, and a tiny one for CI."""
+from __future__ import annotations
+
+import torch
+
+PRESETS: dict[str, dict] = {
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, rope_theta=1e6,
+        tie_word_embeddings=False,
+    ),
+    "deepseek-v2-lite": dict(
+        model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+        moe_intermediate_size=1408, num_hidden_layers=27, first_k_dense_replace=1, num_attention_heads=16,
+        num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, kv_lora_rank=512,
+        q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, topk_method="greedy",
+        routed_scaling_factor=1.0, tie_word_embeddings=False,
+    ),
+    "olmoe-1b-7b": dict(
+        model_type="olmoe", vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+        norm_topk_prob=False, tie_word_embeddings=False,
+    ),
+    "mixtral-8x7b": dict(
+        model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    ),
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+        sliding_window=128, tie_word_embeddings=False,
+    ),
+    "tiny": dict(
+        model_type="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True,
+    ),
+}
+
+
+def preset_config(name: str, layers: int | None = None):
+    """The transformers config of preset ``name``, shortened to ``layers`` decoder layers if given."""
+    from transformers import AutoConfig
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    fields = dict(PRESETS[name])
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+    if fields["model_type"] == "gpt_oss":
+        fields["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                 for i in range(fields["num_hidden_layers"])]
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def random_model(name: str, layers: int | None = None, dtype: torch.dtype = torch.bfloat16,
+                 seed: int = 0) -> torch.nn.Module:
+    """A preset's causal LM in host memory with random weights, built without transformers' slow init.
+
+    Linear-like weights get N(0, 0.02), norms 1, biases 0; non-persistent buffers (rotary tables) are
+    computed as usual.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = preset_config(name, layers)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.fill_(1.0 if "norm" in param_name else 0.0)
+            else:
+                for chunk in param.view(param.shape[0], -1).split(4096):
+                    chunk.copy_(torch.randn(chunk.shape, generator=generator) * 0.02)
+    for module_name, module in list(model.named_modules()):
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            parent, _, attr = module_name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, type(module)(config=model.config))
+    return model.train()
