@@ -155,6 +155,13 @@ def _lora_args(prefix: str, lora: tuple | None, experts: int, n_in: int, n_out: 
             f"{prefix}_rank": rank, f"{prefix}_scaling": float(scaling)}
 
 
+def _packed_args(packed: tuple[torch.Tensor, torch.Tensor], experts: int, hidden: int, inter: int) -> dict:
+    gate_up_elements = experts * _C.packed_elements(2 * inter, hidden)
+    down_elements = experts * _C.packed_elements(hidden, inter)
+    return {"gate_up": _address(packed[0], "packed gate_up", torch.bfloat16, gate_up_elements),
+            "down": _address(packed[1], "packed down", torch.bfloat16, down_elements)}
+
+
 def _check_grouping(offsets: torch.Tensor, order: torch.Tensor, experts: int, pairs: int) -> None:
     """The kernels index with these: offsets must bound a partition of [0, pairs), order be a permutation."""
     _address(offsets, "offsets", torch.int64, experts + 1)
@@ -182,8 +189,7 @@ def expert_ffn_forward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], shap
     gate_up_out = torch.empty(pairs, 2 * inter, dtype=torch.bfloat16)
     _C.expert_ffn_forward(
         isa=ISAS[isa], experts=experts, hidden_size=hidden_size, inter=inter, tokens=tokens, top_k=top_k,
-        gate_up=_address(packed[0], "packed gate_up", torch.bfloat16, experts * _C.packed_elements(2 * inter, hidden_size)),
-        down=_address(packed[1], "packed down", torch.bfloat16, experts * _C.packed_elements(hidden_size, inter)),
+        **_packed_args(packed, experts, hidden_size, inter),
         **_lora_args("gate_up", gate_up_lora, experts, hidden_size, 2 * inter),
         **_lora_args("down", down_lora, experts, inter, hidden_size),
         offsets=_address(offsets, "offsets", torch.int64, experts + 1),
@@ -215,8 +221,7 @@ def expert_ffn_backward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], sha
     flat = [0 if g is None else g[i].data_ptr() for g in lora_grads for i in (0, 1)]
     _C.expert_ffn_backward(
         isa=ISAS[isa], experts=experts, hidden_size=hidden_size, inter=inter, tokens=tokens, top_k=top_k,
-        gate_up=_address(packed[0], "packed gate_up", torch.bfloat16, experts * _C.packed_elements(2 * inter, hidden_size)),
-        down=_address(packed[1], "packed down", torch.bfloat16, experts * _C.packed_elements(hidden_size, inter)),
+        **_packed_args(packed, experts, hidden_size, inter),
         **_lora_args("gate_up", gate_up_lora, experts, hidden_size, 2 * inter),
         **_lora_args("down", down_lora, experts, inter, hidden_size),
         offsets=_address(offsets, "offsets", torch.int64, experts + 1),

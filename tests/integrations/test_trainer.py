@@ -1,7 +1,6 @@
 """MoeccCallback in a real Trainer loop: metrics, exact resume, accumulation and checkpointing parity."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
