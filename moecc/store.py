@@ -40,11 +40,6 @@ def keep_on_host(module: torch.nn.Module) -> None:
     module.__class__ = _host_resident_class(type(module))
 
 
-def is_kept_on_host(module: torch.nn.Module) -> bool:
-    """Whether :func:`keep_on_host` was applied to ``module``."""
-    return type(module) in _HOST_RESIDENT_CLASSES.values()
-
-
 def expert_weights(experts: torch.nn.Module) -> ExpertWeights:
     """Views of a Hugging Face fused experts module's weights, with the layout flags its class declares."""
     bias = getattr(experts, "has_bias", False)
