@@ -2,6 +2,7 @@
 
     moecc info      CPU features and kernel ISA, threads, GPU, library versions
     moecc bench     time training steps per paradigm on a real-shaped random model; table, JSON, plots
+    moecc plan      predict each paradigm's step time from measured machine rates; the crossover point
 """
 from __future__ import annotations
 
@@ -50,9 +51,15 @@ def bench(args: argparse.Namespace) -> list[dict]:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     tokens = [int(t) for t in args.tokens.split(",")]
     paradigms = args.paradigms.split(",")
+    from .bench.plan import predict
+    from .bench.rates import measure
+
+    rates = measure()
     rows = []
     for paradigm in tqdm(paradigms, desc="paradigms", unit="paradigm"):
         rows += run_case(args.preset, args.layers, paradigm, tokens, args.steps, args.rank, device, args.gpu_budget)
+    for row in rows:
+        row["predicted_step_s"] = predict(args.preset, row["tokens"], rates, args.layers).get(row["paradigm"])
     for row in rows:
         print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
     command = "moecc bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])
@@ -60,6 +67,25 @@ def bench(args: argparse.Namespace) -> list[dict]:
     files = write_report(rows, Path(args.out), title, command)
     print("wrote", ", ".join(str(f) for f in files))
     return rows
+
+
+def plan(args: argparse.Namespace) -> dict:
+    """Runs ``moecc plan``: rates (measured or cached), predicted step time per paradigm, the crossover."""
+    from .bench.plan import crossover, predict
+    from .bench.rates import measure
+
+    rates = measure(remeasure=args.remeasure)
+    print("machine rates:", {k: round(v, 2) for k, v in rates.items()})
+    table = {}
+    for count in (int(t) for t in args.tokens.split(",")):
+        table[count] = predict(args.preset, count, rates, args.layers)
+        print(f"{count:>7} tokens/step: " + ", ".join(f"{p} {s:.3f} s" for p, s in table[count].items()))
+    point = crossover(args.preset, rates, args.layers)
+    if "gpu_tflops" not in rates:
+        print("no GPU here: only co-compute (everything on the CPU) applies")
+    else:
+        print("offload overtakes co-compute at", f"~{point} tokens per step" if point else "no batch size tried")
+    return {"rates": rates, "predictions": table, "crossover_tokens": point}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,8 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     bench_parser.add_argument("--steps", type=int, default=3)
     bench_parser.add_argument("--rank", type=int, default=8)
     bench_parser.add_argument("--out", default="benchmarks/results/bench")
+    plan_parser = commands.add_parser("plan", help="predict each paradigm's step time on this machine")
+    plan_parser.add_argument("--preset", default="qwen3-30b-a3b")
+    plan_parser.add_argument("--layers", type=int, default=None)
+    plan_parser.add_argument("--tokens", default="512,2048,8192")
+    plan_parser.add_argument("--remeasure", action="store_true", help="measure the rates again")
     args = parser.parse_args(argv)
-    if args.command == "info":
+    if args.command == "plan":
+        plan(args)
+    elif args.command == "info":
         for key, value in info().items():
             print(f"{key:>14}: {value}")
     elif args.command == "bench":

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-COLUMNS = ("paradigm", "tokens", "step_s", "tokens_per_s", "peak_gpu_gb", "cpu_experts_s", "pcie_s", "gpu_wait_s",
-           "gpu_other_s", "h2d_gb")
+COLUMNS = ("paradigm", "tokens", "step_s", "predicted_step_s", "tokens_per_s", "peak_gpu_gb", "cpu_experts_s",
+           "pcie_s", "gpu_wait_s", "gpu_other_s", "h2d_gb")
 
 
 def _cell(value) -> str:

@@ -1,6 +1,7 @@
 """moecc bench end to end on the tiny preset (the "gpu" paradigm runs on the CPU device here)."""
 import json
 
+import pytest
 import torch
 
 from moecc import cli
@@ -37,6 +38,13 @@ def test_presets_build_real_shapes():
     model = random_model("tiny")
     ids = torch.randint(0, 256, (1, 6))
     assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+
+
+@pytest.fixture(autouse=True)
+def _rates_cache_in_tmp(tmp_path, monkeypatch):
+    from moecc.bench import rates
+
+    monkeypatch.setattr(rates, "CACHE", tmp_path / "rates.json")
 
 
 def cli_args(out):
