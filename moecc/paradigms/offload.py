@@ -47,21 +47,35 @@ class OffloadEngine:
         self.layers: list[OffloadLayer] = []
         self.metrics = StepMetrics()
         self.h2d_bytes = 0
-        self.copy_s = 0.0
+        self.copy_s = 0.0  # measured directly where copies are synchronous (no CUDA)
         self._mark = 0
+        # CUDA event pairs: around each batch of copies on the copy stream, and around each wait of the compute
+        # stream for a slot; read (and synchronised) only when metrics are asked for.
+        self._copy_events: list[tuple] = []
+        self._wait_events: list[tuple] = []
 
     def reset_metrics(self) -> None:
         self.metrics.reset()
         self._mark = self.h2d_bytes
         self.copy_s = 0.0
+        self._copy_events, self._wait_events = [], []
+
+    @staticmethod
+    def _elapsed_s(pairs: list[tuple]) -> float:
+        total = 0.0
+        for start, end in pairs:
+            end.synchronize()
+            total += start.elapsed_time(end) / 1e3
+        return total
 
     def metrics_since_reset(self) -> dict[str, float]:
-        """Same keys as the co-compute engine's; ``cpu_experts_s`` is 0 and ``gpu_wait_s`` the copy time
-        the compute stream could not hide."""
+        """Same keys as the co-compute engine's; ``cpu_experts_s`` is 0, ``copy_s`` the time copies took and
+        ``gpu_wait_s`` the time the compute stream stalled waiting for them."""
         m = self.metrics
         return {"cpu_experts_s": 0.0, "h2d_gb": (self.h2d_bytes - self._mark) / 1e9, "d2h_gb": 0.0,
-                "gpu_wait_s": m.wait_s, "tokens": float(m.tokens), "routing_skew": m.routing_skew,
-                "copy_s": self.copy_s, "expert_compute_s": m.cpu_forward_s + m.cpu_backward_s}
+                "gpu_wait_s": m.wait_s + self._elapsed_s(self._wait_events), "tokens": float(m.tokens),
+                "routing_skew": m.routing_skew, "copy_s": self.copy_s + self._elapsed_s(self._copy_events),
+                "expert_compute_s": m.cpu_forward_s + m.cpu_backward_s}
 
     def _slot_for(self, layer: "OffloadLayer") -> _Slot:
         if layer.index in self.slots:
@@ -91,29 +105,36 @@ class OffloadEngine:
         if not missing:
             return slot
         host = layer.host_weights
-        start = time.perf_counter()
         with record_function("moecc.offload.copy_experts"):
             if self.copy_stream is None:
+                start = time.perf_counter()
                 for e in missing:
                     slot.gate_up[e].copy_(host.gate_up[e])
                     slot.down[e].copy_(host.down[e])
+                self.copy_s += time.perf_counter() - start
             else:
                 with torch.cuda.stream(self.copy_stream):
+                    begin = torch.cuda.Event(enable_timing=True)
+                    begin.record(self.copy_stream)
                     for e in missing:
                         slot.gate_up[e].copy_(host.gate_up[e], non_blocking=True)
                         slot.down[e].copy_(host.down[e], non_blocking=True)
-                    slot.ready = self.copy_stream.record_event()
-        self.copy_s += time.perf_counter() - start
+                    slot.ready = torch.cuda.Event(enable_timing=True)
+                    slot.ready.record(self.copy_stream)
+                    self._copy_events.append((begin, slot.ready))
         self.h2d_bytes += len(missing) * (host.gate_up[0].nbytes + host.down[0].nbytes)
         slot.present.update(missing)
         return slot
 
     def use(self, slot: _Slot) -> None:
-        """Makes the current stream wait for the slot's copies (time counted as waiting)."""
+        """Makes the current stream wait for the slot's copies; the stall is timed with events around it."""
         if slot.ready is not None and self.device.type == "cuda":
-            start = time.perf_counter()
-            torch.cuda.current_stream(self.device).wait_event(slot.ready)
-            self.metrics.wait_s += time.perf_counter() - start
+            stream = torch.cuda.current_stream(self.device)
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(stream)
+            stream.wait_event(slot.ready)
+            after.record(stream)
+            self._wait_events.append((before, after))
 
     def done_with(self, slot: _Slot) -> None:
         if self.device.type == "cuda":
