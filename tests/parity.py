@@ -63,3 +63,11 @@ def batches(vocab_size: int, count: int, batch: int = 2, seq: int = 12, seed: in
             labels[0, : seq // 3] = -100
         out.append((ids, mask, labels))
     return out
+
+
+def assert_grads_match(reference: torch.nn.Module, engine: torch.nn.Module, tolerance: float) -> None:
+    """Every trainable parameter's gradient agrees (relative error) between the two models, in order."""
+    for (name, p), (_, q) in zip(reference.named_parameters(), engine.named_parameters()):
+        if p.requires_grad:
+            assert q.grad is not None, name
+            assert rel_err(q.grad, p.grad) <= tolerance, name

@@ -6,7 +6,7 @@ import torch
 
 import moecc
 
-from ..parity import batches, build_pair, lora_config, rel_err
+from ..parity import assert_grads_match, batches, build_pair, lora_config, rel_err
 
 
 def _expert_bytes(engine, experts: int) -> int:
@@ -40,9 +40,7 @@ def test_large_batch_prefetches_next_layer_and_training_matches():
         assert rel_err(b.logits, a.logits) <= 1e-5
         a.loss.backward()
         b.loss.backward()
-    for (name, p), (_, q) in zip(reference.named_parameters(), engine.named_parameters()):
-        if p.requires_grad:
-            assert rel_err(q.grad, p.grad) <= 1e-4, name
+    assert_grads_match(reference, engine, 1e-4)
     assert engine.moecc.engine.metrics_since_reset()["h2d_gb"] > 0
 
 
