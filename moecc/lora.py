@@ -14,7 +14,7 @@ from peft import LoraConfig
 from peft.tuners.lora.layer import ParamWrapper
 
 from .errors import AdapterMismatchError, UnsupportedLoraConfigError
-from .reference import ExpertLora
+from .reference import ExpertLora, LoraGrads
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
@@ -100,6 +100,33 @@ def expert_lora(wrapper: ParamWrapper | None) -> ExpertLora | None:
         scaling=float(wrapper.scaling[name]),
         num_experts=wrapper.num_experts,
     )
+
+
+def layer_lora(wrappers: dict) -> tuple[ExpertLora | None, ExpertLora | None]:
+    """(gate_up, down) LoRA factors a layer's PEFT wrappers would apply now, None where they apply none."""
+    return expert_lora(wrappers.get("gate_up_proj")), expert_lora(wrappers.get("down_proj"))
+
+
+def merge_revision(wrappers: dict) -> tuple:
+    """A value that changes whenever PEFT merges adapters into (or out of) the wrapped expert weights."""
+    return tuple((name, tuple(w.merged_adapters)) for name, w in sorted(wrappers.items()))
+
+
+def lora_tensors(loras: tuple[ExpertLora | None, ExpertLora | None]) -> list:
+    """``[A_gate_up, B_gate_up, A_down, B_down]`` (None where absent): autograd Function inputs."""
+    return [t for lora in loras for t in ((lora.A, lora.B) if lora else (None, None))]
+
+
+def factor_gradients(loras: tuple[ExpertLora | None, ExpertLora | None], grads: LoraGrads) -> list:
+    """The gradients matching :func:`lora_tensors`, on each factor's device and in its dtype."""
+    gate_up, down = loras
+    out = []
+    for lora, grad_a, grad_b in ((gate_up, grads.gate_up_A, grads.gate_up_B), (down, grads.down_A, grads.down_B)):
+        if lora is None:
+            out += [None, None]
+        else:
+            out += [grad_a.to(lora.A.device, lora.A.dtype), grad_b.to(lora.B.device, lora.B.dtype)]
+    return out
 
 
 def read_adapter_config(path: str | Path) -> LoraConfig:

@@ -19,7 +19,7 @@ import torch
 from torch.profiler import record_function
 
 from .. import _ops, reference
-from ..lora import expert_lora
+from ..lora import factor_gradients, layer_lora, lora_tensors, merge_revision
 from ..native_experts import NativeExperts
 from ..reference import ExpertLora, ExpertWeights, SavedState
 from ..store import expert_weights
@@ -145,12 +145,12 @@ class CoComputeLayer:
         """The experts' current base weights (read at call time: PEFT's merge may replace or update them)."""
         weights = expert_weights(self.experts)
         weights.cache_owner = self.experts
-        weights.revision = tuple((name, tuple(w.merged_adapters)) for name, w in sorted(self.wrappers.items()))
+        weights.revision = merge_revision(self.wrappers)
         return weights
 
     def lora(self) -> tuple[ExpertLora | None, ExpertLora | None]:
         """(gate_up, down) LoRA factors PEFT would apply now, None where a projection applies none."""
-        return expert_lora(self.wrappers.get("gate_up_proj")), expert_lora(self.wrappers.get("down_proj"))
+        return layer_lora(self.wrappers)
 
     def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> PendingExperts:
         """Starts the routed experts on ``hidden [T, H]``; queue independent device work, then call ``result()``."""
@@ -163,8 +163,7 @@ class CoComputeLayer:
         if self.index == 0 and torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
             self.engine.metrics.tokens += hidden.shape[0]
         job.future = self.engine.worker.submit(job.compute, staged)
-        factors = [t for lora in job.lora for t in ((lora.A, lora.B) if lora else (None, None))]
-        output = CpuExpertsFunction.apply(hidden, top_k_weights, job, *factors)
+        output = CpuExpertsFunction.apply(hidden, top_k_weights, job, *lora_tensors(job.lora))
         return PendingExperts(output, job)
 
 
@@ -200,12 +199,4 @@ class CpuExpertsFunction(torch.autograd.Function):
         staging = engine.staging
         grad_hidden = staging.to_device("grad_hidden", grad_hidden.to(ctx.hidden_dtype))
         grad_weights = staging.to_device("grad_weights", grad_weights.to(ctx.weights_dtype))
-        gate_up, down = job.lora
-        factor_grads = []
-        for lora, grad_a, grad_b in ((gate_up, lora_grads.gate_up_A, lora_grads.gate_up_B),
-                                     (down, lora_grads.down_A, lora_grads.down_B)):
-            if lora is None:
-                factor_grads += [None, None]
-            else:
-                factor_grads += [grad_a.to(lora.A.dtype), grad_b.to(lora.B.dtype)]
-        return (grad_hidden, grad_weights, None, *factor_grads)
+        return (grad_hidden, grad_weights, None, *factor_gradients(job.lora, lora_grads))

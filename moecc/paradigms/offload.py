@@ -18,7 +18,7 @@ import torch
 from torch.profiler import record_function
 
 from .. import reference
-from ..lora import expert_lora
+from ..lora import factor_gradients, layer_lora, lora_tensors, merge_revision
 from ..reference import ExpertLora, ExpertWeights
 from ..store import expert_weights
 from .cocompute import StepMetrics
@@ -167,21 +167,20 @@ class OffloadLayer:
 
     def revision(self) -> tuple:
         """Changes when PEFT merges adapters into (or out of) the host weights."""
-        return tuple((name, tuple(w.merged_adapters)) for name, w in sorted(self.wrappers.items()))
+        return merge_revision(self.wrappers)
 
     @property
     def host_weights(self) -> ExpertWeights:
         return expert_weights(self.experts)
 
     def lora(self) -> tuple[ExpertLora | None, ExpertLora | None]:
-        return expert_lora(self.wrappers.get("gate_up_proj")), expert_lora(self.wrappers.get("down_proj"))
+        return layer_lora(self.wrappers)
 
     def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> _Done:
-        gate_up, down = self.lora()
-        factors = [t for lora in (gate_up, down) for t in ((lora.A, lora.B) if lora else (None, None))]
+        lora = self.lora()
         if self.index == 0 and torch._C._current_graph_task_id() == -1:
             self.engine.metrics.tokens += hidden.shape[0]
-        out = OffloadExpertsFunction.apply(hidden, top_k_weights, top_k_index, self, (gate_up, down), *factors)
+        out = OffloadExpertsFunction.apply(hidden, top_k_weights, top_k_index, self, lora, *lora_tensors(lora))
         return _Done(out)
 
     def device_weights(self, slot: _Slot) -> ExpertWeights:
@@ -243,11 +242,5 @@ class OffloadExpertsFunction(torch.autograd.Function):
         engine.done_with(slot)
         engine.metrics.cpu_backward_s += time.perf_counter() - start
         ctx.saved = None
-        factor_grads = []
-        for lora, grad_a, grad_b in ((ctx.lora[0], grads.gate_up_A, grads.gate_up_B),
-                                     (ctx.lora[1], grads.down_A, grads.down_B)):
-            if lora is None:
-                factor_grads += [None, None]
-            else:
-                factor_grads += [grad_a.to(lora.A.device, lora.A.dtype), grad_b.to(lora.B.device, lora.B.dtype)]
-        return (grad_hidden.to(ctx.dtypes[0]), grad_weights.to(ctx.dtypes[1]), None, None, None, *factor_grads)
+        return (grad_hidden.to(ctx.dtypes[0]), grad_weights.to(ctx.dtypes[1]), None, None, None,
+                *factor_gradients(ctx.lora, grads))
