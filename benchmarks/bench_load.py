@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from bench_train_step import PRESETS  # noqa: E402  (scripts in this folder share presets)
+from moecc.bench.presets import PRESETS
 
 
 def _randn(*shape: int, generator: torch.Generator, std: float = 0.02) -> torch.Tensor:
@@ -27,6 +27,8 @@ def _randn(*shape: int, generator: torch.Generator, std: float = 0.02) -> torch.
 
 def write(directory: Path, preset: str, layers: int) -> None:
     fields = dict(PRESETS[preset])
+    if fields["model_type"] != "qwen3_moe":
+        raise SystemExit("write lays out Qwen3-MoE checkpoints only; pick a qwen3_moe preset")
     config = {**fields, "num_hidden_layers": layers, "torch_dtype": "bfloat16", "architectures": ["Qwen3MoeForCausalLM"]}
     hidden, inter, experts = fields["hidden_size"], fields["moe_intermediate_size"], fields["num_experts"]
     heads, kv_heads, head_dim = fields["num_attention_heads"], fields["num_key_value_heads"], fields["head_dim"]

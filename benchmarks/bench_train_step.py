@@ -15,26 +15,9 @@ import time
 from pathlib import Path
 
 import torch
-from peft import LoraConfig
-from transformers import AutoConfig, AutoModelForCausalLM
 
 import moecc
-
-PRESETS = {
-    "qwen3-30b-a3b": dict(
-        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-        moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-        num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960, rope_theta=1e6,
-        rms_norm_eps=1e-6, tie_word_embeddings=False,
-    ),
-}
-
-
-def build(preset: str, layers: int, dtype: torch.dtype) -> torch.nn.Module:
-    fields = dict(PRESETS[preset])
-    config = AutoConfig.for_model(fields.pop("model_type"), num_hidden_layers=layers, **fields)
-    with torch.device("cpu"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+from moecc.bench.presets import PRESETS, random_model
 
 
 def main() -> None:
@@ -50,10 +33,9 @@ def main() -> None:
     args = parser.parse_args()
 
     start = time.perf_counter()
-    model = build(args.preset, args.layers, torch.bfloat16)
+    model = random_model(args.preset, args.layers, torch.bfloat16)
     build_s = time.perf_counter() - start
-    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    lora = moecc.default_lora_config(model, rank=args.rank)
     model = moecc.prepare(model, lora_config=lora, paradigm="cocompute")
     device = model.moecc.device
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)

@@ -12,35 +12,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 
 import torch
 from peft import get_peft_model
 
 import moecc
+from moecc.bench.runner import time_training
 from moecc.tiny_models import tiny_model
-
-
-def time_steps(model: torch.nn.Module, device: torch.device, tokens: int, steps: int) -> dict:
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    seq = min(tokens, 1024)
-    ids = torch.randint(0, model.config.vocab_size, (max(1, tokens // seq), seq), device=device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(steps + 1):  # the first step warms up
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    step_s = sorted(times[1:])[len(times[1:]) // 2]
-    peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else float("nan")
-    return {"step_s": step_s, "tokens_per_s": ids.numel() / step_s, "peak_gpu_gb": peak}
 
 
 def main() -> None:
@@ -64,7 +42,7 @@ def main() -> None:
     if device.type == "cuda":
         try:
             plain = get_peft_model(copy.deepcopy(base), copy.deepcopy(lora)).to(device)
-            rows["gpu"] = time_steps(plain, device, args.tokens, args.steps)
+            rows["gpu"] = time_training(plain, device, args.tokens, args.steps)
             del plain
             torch.cuda.empty_cache()
         except torch.OutOfMemoryError:
@@ -73,7 +51,7 @@ def main() -> None:
         rows["gpu"] = "no GPU"
     for paradigm in ("cocompute", "offload"):
         model = moecc.prepare(copy.deepcopy(base), lora_config=copy.deepcopy(lora), device=device, paradigm=paradigm)
-        rows[paradigm] = time_steps(model, device, args.tokens, args.steps)
+        rows[paradigm] = time_training(model, device, args.tokens, args.steps)
         del model
     print(f"{'paradigm':<10} {'step s':>8} {'tokens/s':>10} {'peak GPU GB':>12}")
     for name, row in rows.items():
