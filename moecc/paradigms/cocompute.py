@@ -67,7 +67,6 @@ class CoComputeEngine:
         # One worker: layers are sequential, and the kernels parallelise inside a call.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecc-experts")
 
-
     def reset_metrics(self) -> None:
         """Starts a new measurement window for :meth:`metrics_since_reset`."""
         self.metrics.reset()
