@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-BACKENDS = ("reference", "native")
+BACKENDS = ("auto", "reference", "native")
 ISAS = ("auto", "amx", "avx512_bf16", "portable")
 
 
@@ -15,9 +15,12 @@ class MoeccConfig:
     Attributes:
         num_threads: CPU threads for expert work, the calling thread included; ``None`` uses every CPU this
             process may run on. Environment: ``MOECC_NUM_THREADS``.
-        backend: CPU expert math implementation. ``"reference"``: the plain-PyTorch oracle, which matches
-            HF + PEFT bit for bit. ``"native"``: the C++ kernels on packed bf16 weights (bf16 models in the
-            standard expert layout; agrees with the reference to bf16 tolerance). Environment: ``MOECC_BACKEND``.
+        backend: CPU expert math implementation. ``"native"``: the C++ kernels on packed bf16 weights (bf16
+            models in the standard expert layout; agrees with the reference to bf16 tolerance, not bit for
+            bit, because LoRA is applied factorised instead of folded into the weight). ``"reference"``: the
+            plain-PyTorch oracle, which matches HF + PEFT bit for bit and runs every dtype and layout.
+            ``"auto"`` (default): native for the layers it runs, reference for the rest (float32/float16
+            models, gpt-oss-style experts). Environment: ``MOECC_BACKEND``.
         isa: instruction set of the native kernels: ``"auto"`` (the best this CPU runs), ``"amx"``,
             ``"avx512_bf16"`` or ``"portable"``. Environment: ``MOECC_ISA``.
         pin_threads: pin pool threads to cores. Environment: ``MOECC_PIN_THREADS`` (0/1).
@@ -29,7 +32,7 @@ class MoeccConfig:
     """
 
     num_threads: int | None = None
-    backend: str = "reference"
+    backend: str = "auto"
     pin_threads: bool = True
     isa: str = "auto"
     gpu_memory_budget_gb: float | None = None

@@ -47,9 +47,15 @@ class NativeExperts:
         _ops.check_isa(isa)
         self.isa = isa
 
+    @staticmethod
+    def supports(weights: ExpertWeights) -> bool:
+        """Whether the kernels run this layer: bf16 SwiGLU experts in the standard layout, no biases."""
+        return not (weights.transposed or weights.interleaved or weights.gate_up_bias is not None
+                    or weights.down_bias is not None or weights.swiglu_limit is not None
+                    or weights.gate_up.dtype != torch.bfloat16 or weights.down.dtype != torch.bfloat16)
+
     def _pack(self, weights: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
-        if (weights.transposed or weights.interleaved or weights.gate_up_bias is not None
-                or weights.swiglu_limit is not None or weights.gate_up.dtype != torch.bfloat16):
+        if not self.supports(weights):
             raise UnsupportedModelError(
                 "the native CPU expert kernels run bf16 SwiGLU experts in the standard layout; this model has "
                 f"{weights.gate_up.dtype} experts or gpt-oss-style experts. Use MOECC_BACKEND=reference"

@@ -17,7 +17,11 @@
 namespace moecc::kernels {
 namespace {
 
-constexpr int64_t kTokenBlock = 64;
+constexpr int64_t kTokenBlock = 64;       // rows per elementwise task
+// Rows per product task: the task's weight slice (64 columns x K, <= 256 KB) stays in L2 while up to 256 rows
+// stream past it, so weights cross the memory bus once per 256 rows of an expert, not once per 64; input
+// gradients also re-lay that slice once per task.
+constexpr int64_t kProductRows = 256;
 constexpr int64_t kPanelsPerTask = 4;     // 64 output columns per forward product task
 constexpr int64_t kGradColumnsPerTask = 64;
 
@@ -26,11 +30,12 @@ struct Task {
 };
 
 // (expert, row block, column block) tasks over `columns` outputs in steps of `step`, largest row blocks first.
-std::vector<Task> make_tasks(const int64_t* offsets, int64_t experts, int64_t columns, int64_t step) {
+std::vector<Task> make_tasks(const int64_t* offsets, int64_t experts, int64_t columns, int64_t step,
+                             int64_t block_rows = kTokenBlock) {
   std::vector<Task> tasks;
   for (int64_t e = 0; e < experts; ++e) {
-    for (int64_t begin = offsets[e]; begin < offsets[e + 1]; begin += kTokenBlock) {
-      const int64_t end = std::min(offsets[e + 1], begin + kTokenBlock);
+    for (int64_t begin = offsets[e]; begin < offsets[e + 1]; begin += block_rows) {
+      const int64_t end = std::min(offsets[e + 1], begin + block_rows);
       for (int64_t c = 0; c < columns; c += step) tasks.push_back({e, begin, end, c, std::min(columns, c + step)});
     }
   }
@@ -137,12 +142,17 @@ class Scratch {
   std::vector<T> buffer_;
 };
 
+// Row strides of the grouped activation buffers are padded K plus one cache line: rows a multiple of 4 KB apart
+// map to the same L1 set, and a 16-row AMX tile load (or 8 broadcast streams) would then thrash it.
+constexpr int64_t kRowPad = 32;
+
 struct Dims {
-  int64_t E, H, I, T, k, pairs, h_k, i_k, gu_packed, down_packed;
+  int64_t E, H, I, T, k, pairs, h_k, i_k, gu_packed, down_packed, ld_x, ld_act, ld_dy, ld_dgu;
   explicit Dims(const ExpertShapes& s)
       : E(s.experts), H(s.hidden), I(s.inter), T(s.tokens), k(s.top_k), pairs(s.tokens * s.top_k),
         h_k(padded_k(s.hidden)), i_k(padded_k(s.inter)), gu_packed(packed_elements(2 * s.inter, s.hidden)),
-        down_packed(packed_elements(s.hidden, s.inter)) {}
+        down_packed(packed_elements(s.hidden, s.inter)), ld_x(h_k + kRowPad), ld_act(i_k + kRowPad),
+        ld_dy(padded_k(s.hidden) + kRowPad), ld_dgu(padded_k(2 * s.inter) + kRowPad) {}
 };
 
 // Gathers each grouped row's hidden state (bf16, zero-padded to h_k) and its gate_up LoRA inner product.
@@ -151,11 +161,11 @@ void gather_hidden(const Dims& d, const Routing& routing, const uint16_t* hidden
   run_tasks(pool, rows, [&](const Task& task) {
     for (int64_t g = task.begin; g < task.end; ++g) {
       const uint16_t* src = hidden + (routing.order[g] / d.k) * d.H;
-      std::copy(src, src + d.H, xg + g * d.h_k);
-      std::fill(xg + g * d.h_k + d.H, xg + (g + 1) * d.h_k, uint16_t{0});
+      std::copy(src, src + d.H, xg + g * d.ld_x);
+      std::fill(xg + g * d.ld_x + d.H, xg + (g + 1) * d.ld_x, uint16_t{0});
     }
     if (lora.a) {
-      lora_inner(lora, task.expert, d.H, task, xg, d.h_k, inner);
+      lora_inner(lora, task.expert, d.H, task, xg, d.ld_x, inner);
     }
   });
 }
@@ -166,11 +176,11 @@ void activate(const Dims& d, const uint16_t* gate_up_out, const LoraFactors& lor
   run_tasks(pool, rows, [&](const Task& task) {
     for (int64_t g = task.begin; g < task.end; ++g) {
       const uint16_t* gu = gate_up_out + g * 2 * d.I;
-      swiglu_row(gu, gu + d.I, act + g * d.i_k, d.I);
-      std::fill(act + g * d.i_k + d.I, act + (g + 1) * d.i_k, uint16_t{0});
+      swiglu_row(gu, gu + d.I, act + g * d.ld_act, d.I);
+      std::fill(act + g * d.ld_act + d.I, act + (g + 1) * d.ld_act, uint16_t{0});
     }
     if (lora.a) {
-      lora_inner(lora, task.expert, d.I, task, act, d.i_k, inner);
+      lora_inner(lora, task.expert, d.I, task, act, d.ld_act, inner);
     }
   });
 }
@@ -211,8 +221,8 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts
   const PanelGemm& gemm = panel_gemm(isa);
   const Dims d(shapes);
   const std::vector<Task> rows = make_tasks(routing.offsets, d.E, 1, 1);
-  uint16_t* xg = scratch.xg.get(d.pairs * d.h_k);
-  uint16_t* act = scratch.act.get(d.pairs * d.i_k);
+  uint16_t* xg = scratch.xg.get(d.pairs * d.ld_x);
+  uint16_t* act = scratch.act.get(d.pairs * d.ld_act);
   float* inner_gu = scratch.inner_gu.get(d.pairs * std::max<int64_t>(gate_up_lora.rank, 1));
   float* inner_down = scratch.inner_down.get(d.pairs * std::max<int64_t>(down_lora.rank, 1));
   float* per_pair = scratch.per_pair.get(d.pairs * d.H);
@@ -220,12 +230,12 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts
   gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool);
 
   const int64_t gu_panels = padded_rows(2 * d.I) / kPanelRows;
-  run_tasks(pool, make_tasks(routing.offsets, d.E, gu_panels, kPanelsPerTask), [&](const Task& task) {
+  run_tasks(pool, make_tasks(routing.offsets, d.E, gu_panels, kPanelsPerTask, kProductRows), [&](const Task& task) {
     thread_local std::vector<float> block;
     const int64_t n = task.end - task.begin, width = (task.col1 - task.col0) * kPanelRows;
     const int64_t col0 = task.col0 * kPanelRows, col1 = std::min(2 * d.I, task.col1 * kPanelRows);
     block.resize(n * width);
-    gemm.forward(xg + task.begin * d.h_k, d.h_k, n, weights.gate_up + task.expert * d.gu_packed, d.h_k, task.col0,
+    gemm.forward(xg + task.begin * d.ld_x, d.ld_x, n, weights.gate_up + task.expert * d.gu_packed, d.h_k, task.col0,
                  task.col1, block.data(), width);
     add_lora_block(gate_up_lora, task.expert, 2 * d.I, inner_gu, task, col0, col1, block.data(), width);
     for (int64_t g = task.begin; g < task.end; ++g) {
@@ -237,12 +247,12 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts
   activate(d, io.gate_up_out, down_lora, rows, act, inner_down, pool);
 
   const int64_t down_panels = padded_rows(d.H) / kPanelRows;
-  run_tasks(pool, make_tasks(routing.offsets, d.E, down_panels, kPanelsPerTask), [&](const Task& task) {
+  run_tasks(pool, make_tasks(routing.offsets, d.E, down_panels, kPanelsPerTask, kProductRows), [&](const Task& task) {
     thread_local std::vector<float> block;
     const int64_t n = task.end - task.begin, width = (task.col1 - task.col0) * kPanelRows;
     const int64_t col0 = task.col0 * kPanelRows, col1 = std::min(d.H, task.col1 * kPanelRows);
     block.resize(n * width);
-    gemm.forward(act + task.begin * d.i_k, d.i_k, n, weights.down + task.expert * d.down_packed, d.i_k, task.col0,
+    gemm.forward(act + task.begin * d.ld_act, d.ld_act, n, weights.down + task.expert * d.down_packed, d.i_k, task.col0,
                  task.col1, block.data(), width);
     add_lora_block(down_lora, task.expert, d.H, inner_down, task, col0, col1, block.data(), width);
     for (int64_t g = task.begin; g < task.end; ++g) {
@@ -260,7 +270,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts
 struct LoraGradInputs {
   const float *inner_gu, *inner_down, *grad_inner_gu, *grad_inner_down, *dy, *grad_gu;
   const uint16_t *xg, *act;
-  int64_t h_rows, gu_rows;
+  int64_t ld_x, ld_act, ld_dy, ld_dgu;
 };
 
 void lora_factor_grads(const Dims& d, const LoraFactors& gate_up_lora, const LoraFactors& down_lora,
@@ -274,7 +284,7 @@ void lora_factor_grads(const Dims& d, const LoraFactors& gate_up_lora, const Lor
       for (int64_t g = begin; g < end; ++g) {
         const float w = routing.weights[routing.order[g]];
         for (int64_t r = 0; r < down_lora.rank; ++r) {
-          axpy_bf16(w * in.grad_inner_down[g * down_lora.rank + r], in.act + g * d.i_k, out + r * d.I, d.I);
+          axpy_bf16(w * in.grad_inner_down[g * down_lora.rank + r], in.act + g * in.ld_act, out + r * d.I, d.I);
         }
       }
     } else if (which == 1 && down_lora.a) {  // dB_down^T[r][h] = s sum_g w (act A)[g][r] dy[g][h]
@@ -282,21 +292,21 @@ void lora_factor_grads(const Dims& d, const LoraFactors& gate_up_lora, const Lor
       for (int64_t g = begin; g < end; ++g) {
         const float w = routing.weights[routing.order[g]] * down_lora.scaling;
         for (int64_t r = 0; r < down_lora.rank; ++r) {
-          axpy(w * in.inner_down[g * down_lora.rank + r], in.dy + g * in.h_rows, out + r * d.H, d.H);
+          axpy(w * in.inner_down[g * down_lora.rank + r], in.dy + g * in.ld_dy, out + r * d.H, d.H);
         }
       }
     } else if (which == 2 && gate_up_lora.a) {  // dA_gu[r][h] = sum_g (s dG B)[g][r] x[g][h]
       float* out = io.grad_gate_up_a + e * gate_up_lora.rank * d.H;
       for (int64_t g = begin; g < end; ++g) {
         for (int64_t r = 0; r < gate_up_lora.rank; ++r) {
-          axpy_bf16(in.grad_inner_gu[g * gate_up_lora.rank + r], in.xg + g * d.h_k, out + r * d.H, d.H);
+          axpy_bf16(in.grad_inner_gu[g * gate_up_lora.rank + r], in.xg + g * in.ld_x, out + r * d.H, d.H);
         }
       }
     } else if (which == 3 && gate_up_lora.a) {  // dB_gu^T[r][c] = s sum_g (x A)[g][r] dG[g][c]
       float* out = io.grad_gate_up_b + e * gate_up_lora.rank * 2 * d.I;
       for (int64_t g = begin; g < end; ++g) {
         for (int64_t r = 0; r < gate_up_lora.rank; ++r) {
-          axpy(gate_up_lora.scaling * in.inner_gu[g * gate_up_lora.rank + r], in.grad_gu + g * in.gu_rows,
+          axpy(gate_up_lora.scaling * in.inner_gu[g * gate_up_lora.rank + r], in.grad_gu + g * in.ld_dgu,
                out + r * 2 * d.I, 2 * d.I);
         }
       }
@@ -320,20 +330,20 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
   std::lock_guard<std::mutex> lock(scratch.mutex);
   const PanelGemm& gemm = panel_gemm(isa);
   const Dims d(shapes);
-  const int64_t h_rows = padded_rows(d.H), gu_rows = padded_rows(2 * d.I);
+  const int64_t h_rows = padded_rows(d.H), gu_rows = padded_rows(2 * d.I);  // packed panels of each matrix
   const int64_t r_gu = std::max<int64_t>(gate_up_lora.rank, 1), r_d = std::max<int64_t>(down_lora.rank, 1);
   const std::vector<Task> rows = make_tasks(routing.offsets, d.E, 1, 1);
-  uint16_t* xg = scratch.xg.get(d.pairs * d.h_k);
-  uint16_t* act = scratch.act.get(d.pairs * d.i_k);
+  uint16_t* xg = scratch.xg.get(d.pairs * d.ld_x);
+  uint16_t* act = scratch.act.get(d.pairs * d.ld_act);
   float* inner_gu = scratch.inner_gu.get(d.pairs * r_gu);
   float* inner_down = scratch.inner_down.get(d.pairs * r_d);
   float* grad_inner_gu = scratch.grad_inner_gu.get(d.pairs * r_gu);
   float* grad_inner_down = scratch.grad_inner_down.get(d.pairs * r_d);
-  float* dy = scratch.dy.get(d.pairs * h_rows);
-  uint16_t* dy_bf16 = scratch.dy_bf16.get(d.pairs * h_rows);
-  uint16_t* grad_gu_bf16 = scratch.grad_gu_bf16.get(d.pairs * gu_rows);
-  float* grad_act = scratch.grad_act.get(d.pairs * d.i_k);
-  float* grad_gu = scratch.grad_gu.get(d.pairs * gu_rows);
+  float* dy = scratch.dy.get(d.pairs * d.ld_dy);
+  uint16_t* dy_bf16 = scratch.dy_bf16.get(d.pairs * d.ld_dy);
+  uint16_t* grad_gu_bf16 = scratch.grad_gu_bf16.get(d.pairs * d.ld_dgu);
+  float* grad_act = scratch.grad_act.get(d.pairs * d.ld_act);
+  float* grad_gu = scratch.grad_gu.get(d.pairs * d.ld_dgu);
   float* per_pair = scratch.per_pair.get(d.pairs * d.H);
 
   gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool);
@@ -342,23 +352,23 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
   run_tasks(pool, rows, [&](const Task& task) {
     for (int64_t g = task.begin; g < task.end; ++g) {
       const float* src = io.grad_out + (routing.order[g] / d.k) * d.H;
-      std::copy(src, src + d.H, dy + g * h_rows);
-      std::fill(dy + g * h_rows + d.H, dy + (g + 1) * h_rows, 0.0f);
-      to_bf16(dy + g * h_rows, dy_bf16 + g * h_rows, h_rows);
-      if (down_lora.a) lora_grad_inner(down_lora, task.expert, d.H, dy, h_rows, g, grad_inner_down);
+      std::copy(src, src + d.H, dy + g * d.ld_dy);
+      std::fill(dy + g * d.ld_dy + d.H, dy + (g + 1) * d.ld_dy, 0.0f);
+      to_bf16(dy + g * d.ld_dy, dy_bf16 + g * d.ld_dy, d.ld_dy);
+      if (down_lora.a) lora_grad_inner(down_lora, task.expert, d.H, dy, d.ld_dy, g, grad_inner_down);
     }
   });
 
   // d act (unweighted) = dy W_down + (s dy B) A.
-  run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, kGradColumnsPerTask), [&](const Task& task) {
+  run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, kGradColumnsPerTask, kProductRows), [&](const Task& task) {
     const int64_t n = task.end - task.begin;
-    gemm.input_grad(dy_bf16 + task.begin * h_rows, h_rows, n, weights.down + task.expert * d.down_packed, h_rows,
-                    d.i_k, task.col0, task.col1, grad_act + task.begin * d.i_k, d.i_k);
+    gemm.input_grad(dy_bf16 + task.begin * d.ld_dy, d.ld_dy, n, weights.down + task.expert * d.down_packed,
+                    h_rows, d.i_k, task.col0, task.col1, grad_act + task.begin * d.ld_act, d.ld_act);
     if (!down_lora.a) return;
     const float* a = down_lora.a + task.expert * down_lora.rank * d.I;
     for (int64_t g = task.begin; g < task.end; ++g) {
       for (int64_t r = 0; r < down_lora.rank; ++r) {
-        axpy(grad_inner_down[g * down_lora.rank + r], a + r * d.I + task.col0, grad_act + g * d.i_k + task.col0,
+        axpy(grad_inner_down[g * down_lora.rank + r], a + r * d.I + task.col0, grad_act + g * d.ld_act + task.col0,
              task.col1 - task.col0);
       }
     }
@@ -369,22 +379,22 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
     for (int64_t g = task.begin; g < task.end; ++g) {
       const int64_t pair = routing.order[g];
       const float w = routing.weights[pair];
-      io.grad_routing[pair] = dot_bf16(act + g * d.i_k, grad_act + g * d.i_k, d.I);
+      io.grad_routing[pair] = dot_bf16(act + g * d.ld_act, grad_act + g * d.ld_act, d.I);
       const uint16_t* gu = io.gate_up_out + g * 2 * d.I;
-      float* dg = grad_gu + g * gu_rows;
-      swiglu_grad_row(gu, gu + d.I, grad_act + g * d.i_k, w, dg, dg + d.I, d.I);
-      std::fill(dg + 2 * d.I, dg + gu_rows, 0.0f);
-      to_bf16(dg, grad_gu_bf16 + g * gu_rows, gu_rows);
-      if (gate_up_lora.a) lora_grad_inner(gate_up_lora, task.expert, 2 * d.I, grad_gu, gu_rows, g, grad_inner_gu);
+      float* dg = grad_gu + g * d.ld_dgu;
+      swiglu_grad_row(gu, gu + d.I, grad_act + g * d.ld_act, w, dg, dg + d.I, d.I);
+      std::fill(dg + 2 * d.I, dg + d.ld_dgu, 0.0f);
+      to_bf16(dg, grad_gu_bf16 + g * d.ld_dgu, d.ld_dgu);
+      if (gate_up_lora.a) lora_grad_inner(gate_up_lora, task.expert, 2 * d.I, grad_gu, d.ld_dgu, g, grad_inner_gu);
     }
   });
 
   // d hidden per pair = dG W_gate_up + (s dG B) A.
-  run_tasks(pool, make_tasks(routing.offsets, d.E, d.H, kGradColumnsPerTask), [&](const Task& task) {
+  run_tasks(pool, make_tasks(routing.offsets, d.E, d.H, kGradColumnsPerTask, kProductRows), [&](const Task& task) {
     thread_local std::vector<float> block;
     const int64_t n = task.end - task.begin;
     block.resize(n * d.h_k);
-    gemm.input_grad(grad_gu_bf16 + task.begin * gu_rows, gu_rows, n, weights.gate_up + task.expert * d.gu_packed,
+    gemm.input_grad(grad_gu_bf16 + task.begin * d.ld_dgu, d.ld_dgu, n, weights.gate_up + task.expert * d.gu_packed,
                     gu_rows, d.h_k, task.col0, task.col1, block.data(), d.h_k);
     const float* a = gate_up_lora.a ? gate_up_lora.a + task.expert * gate_up_lora.rank * d.H : nullptr;
     for (int64_t g = task.begin; g < task.end; ++g) {
@@ -401,7 +411,8 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
 
   if (gate_up_lora.a || down_lora.a) {
     lora_factor_grads(d, gate_up_lora, down_lora, routing,
-                      {inner_gu, inner_down, grad_inner_gu, grad_inner_down, dy, grad_gu, xg, act, h_rows, gu_rows},
+                      {inner_gu, inner_down, grad_inner_gu, grad_inner_down, dy, grad_gu, xg, act, d.ld_x, d.ld_act, d.ld_dy,
+                       d.ld_dgu},
                       io, pool);
   }
   sum_slots(d, per_pair, io.grad_hidden, pool);

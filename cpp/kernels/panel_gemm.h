@@ -18,7 +18,8 @@ struct PanelGemm {
                   int64_t p0, int64_t p1, float* out, int64_t ldo);
   // dx[t][k] = sum_n dy[t][n] * W[n][k] for t < tokens and k0 <= k < k1; k0 a multiple of 16. Columns up to
   // the next multiple of 16 past k1 may be written too (they lie in dx's padding).
-  // @param dy     bf16 [tokens, ld_dy], ld_dy >= padded N, columns N..padded N zero.
+  // @param dy     bf16 [tokens, ld_dy], ld_dy >= padded_k(N) (a multiple of 32, not just of 16), columns
+  //               N..padded_k(N) zero.
   // @param dx     fp32 [tokens, ld_dx], ld_dx >= padded K; written, not accumulated.
   void (*input_grad)(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* packed, int64_t n_padded,
                      int64_t k_padded, int64_t k0, int64_t k1, float* dx, int64_t ld_dx);
@@ -26,6 +27,13 @@ struct PanelGemm {
 
 const PanelGemm& panel_gemm_portable();
 const PanelGemm& panel_gemm_avx512bf16();
+const PanelGemm& panel_gemm_amx();
+
+// Columns [k0, k0 + 16*chunks) of a packed [N, K] matrix re-laid as the packed matrix of their transpose
+// ([16*chunks, N], chunk c = panel c), so input gradients run on a forward kernel. AVX512-BF16 CPUs only
+// (every AMX CPU is one).
+void transpose_panel_columns_avx512(const uint16_t* packed, int64_t n_padded, int64_t k_padded, int64_t k0,
+                                    int64_t chunks, uint16_t* out);
 
 // The variant for `isa`; throws std::invalid_argument if this build or CPU cannot run it.
 const PanelGemm& panel_gemm(Isa isa);

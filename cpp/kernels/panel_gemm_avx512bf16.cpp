@@ -92,13 +92,15 @@ MOECC_AVX512BF16 inline void transpose_8x8_qwords(__m512i r[8]) {
   }
 }
 
+}  // namespace
+
 // Re-lays columns [k0, k0 + 16*chunks) of a packed matrix as the packed matrix of its transpose: chunk c is a
 // panel of 16 k-lanes whose row np holds the pairs (W[2np][k], W[2np+1][k]). Per panel, 8 consecutive 64-byte
 // rows (16 k) are an 8x8 qword matrix whose qword j covers outputs 2j, 2j+1; transposing it gives one output
 // row per j, and swapping the middle words of every qword, (a_k, a_k+1, b_k, b_k+1) -> (a_k, b_k, a_k+1, b_k+1),
 // gives the pairs.
-MOECC_AVX512BF16 void transpose_columns(const uint16_t* packed, int64_t n_padded, int64_t k_padded, int64_t k0,
-                                        int64_t chunks, uint16_t* out) {
+MOECC_AVX512BF16 void transpose_panel_columns_avx512(const uint16_t* packed, int64_t n_padded, int64_t k_padded,
+                                                     int64_t k0, int64_t chunks, uint16_t* out) {
   const __m512i swap_middle = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15));
   const int64_t panels = n_padded / kPanelRows;
   for (int64_t c = 0; c < chunks; ++c) {
@@ -114,6 +116,8 @@ MOECC_AVX512BF16 void transpose_columns(const uint16_t* packed, int64_t n_padded
   }
 }
 
+namespace {
+
 // dx = dy W through the forward kernel on a transposed copy of the needed columns (kept per thread, L2-sized).
 MOECC_AVX512BF16 void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* packed,
                                  int64_t n_padded, int64_t k_padded, int64_t k0, int64_t k1, float* dx,
@@ -121,7 +125,7 @@ MOECC_AVX512BF16 void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t toke
   thread_local std::vector<uint16_t> transposed;
   const int64_t chunks = (k1 - k0 + 15) / 16;
   transposed.resize(static_cast<size_t>(chunks * n_padded * kPanelRows));
-  transpose_columns(packed, n_padded, k_padded, k0, chunks, transposed.data());
+  transpose_panel_columns_avx512(packed, n_padded, k_padded, k0, chunks, transposed.data());
   forward(dy, ld_dy, tokens, transposed.data(), n_padded, 0, chunks, dx + k0, ld_dx);
 }
 

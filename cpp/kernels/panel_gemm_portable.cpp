@@ -59,7 +59,14 @@ const PanelGemm& panel_gemm(Isa isa) {
       }
       return panel_gemm_avx512bf16();
     case Isa::kAmx:
-      throw std::invalid_argument("the AMX expert kernels are not built yet; use MOECC_ISA=avx512_bf16 or portable");
+      if (!(cpu.amx_tile && cpu.amx_bf16 && cpu.os_amx)) {
+        throw std::invalid_argument("this CPU (or its kernel) offers no AMX-BF16 tiles (needs Intel Sapphire Rapids or "
+                                    "later and Linux 5.16+); use MOECC_ISA=avx512_bf16 or portable");
+      }
+      if (!(cpu.avx512f && cpu.avx512bw && cpu.avx512vl && cpu.avx512_bf16 && cpu.os_avx512)) {
+        throw std::invalid_argument("the AMX expert kernels also need AVX512-BF16, which this CPU lacks");
+      }
+      return panel_gemm_amx();
   }
   throw std::invalid_argument("unknown ISA");
 }

@@ -49,19 +49,32 @@ class StepMetrics:
         return sum(skews) / len(skews) if skews else 0.0
 
 
+def _per_layer(supports, native_fn, reference_fn):
+    """A backend function that runs the native kernels on the layers they support and the reference elsewhere."""
+
+    def run(weights: ExpertWeights, *args):
+        return (native_fn if supports(weights) else reference_fn)(weights, *args)
+
+    return run
+
+
 class CoComputeEngine:
     """Shared state of every co-compute layer: staging buffers, the CPU backend, the worker, metrics."""
 
-    def __init__(self, device: torch.device, backend: str = "reference", isa: str = "auto") -> None:
+    def __init__(self, device: torch.device, backend: str = "auto", isa: str = "auto") -> None:
         self.device = device
         self.staging = StagingBuffers(device)
         if backend == "reference":
             self.forward_fn, self.backward_fn = reference.experts_forward, reference.experts_backward
-        elif backend == "native":
+        elif backend in ("native", "auto"):
             native = NativeExperts(_ops.best_isa() if isa == "auto" else isa)
-            self.forward_fn, self.backward_fn = native.forward, native.backward
+            if backend == "native":
+                self.forward_fn, self.backward_fn = native.forward, native.backward
+            else:
+                self.forward_fn = _per_layer(native.supports, native.forward, reference.experts_forward)
+                self.backward_fn = _per_layer(native.supports, native.backward, reference.experts_backward)
         else:
-            raise ValueError(f"unknown co-compute backend {backend!r}; use 'reference' or 'native'")
+            raise ValueError(f"unknown co-compute backend {backend!r}; use 'auto', 'native' or 'reference'")
         self.metrics = StepMetrics()
         self._bytes_mark = (0, 0)
         # One worker: layers are sequential, and the kernels parallelise inside a call.

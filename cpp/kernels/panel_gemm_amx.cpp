@@ -1,0 +1,135 @@
+// AMX-BF16 variant of panel_gemm.h (Sapphire Rapids and later). Compiled for the baseline ISA with per-function
+// target attributes; reached only after dispatch has seen AMX in cpuid, the tile state in XCR0 and the kernel's
+// grant of tile data to this process (cpu_features.cpp).
+//
+// The packed layout already is the AMX B operand: 16 consecutive 64-byte rows of a panel (32 values of K, 16
+// outputs, bf16 pairs) are one B tile, loaded with a 64-byte stride and no re-layout. A tiles (16 tokens x 32
+// K) come straight from the row-major activations. Each step holds a 2 x 2 block of C tiles (32 tokens x 32
+// outputs): 4 tile loads feed 4 tile products, the most reuse 8 tile registers allow.
+#include <immintrin.h>
+
+#include <cstring>
+#include <vector>
+
+#include "panel_gemm.h"
+#include "weight_packing.h"
+
+#define MOECC_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+namespace moecc::kernels {
+namespace {
+
+// The 64-byte operand of LDTILECFG (palette 1).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C (a, b) = (0,0) (0,1) (1,0) (1,1); 4, 5: A rows 0-15 and 16-31; 6, 7: B panels 0 and 1.
+// A-side tiles take the block's real row counts, so short blocks never read past the activations.
+MOECC_AMX void configure(int rows0, int rows1) {
+  TileConfig config;
+  const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = static_cast<uint8_t>(rows[t]);
+    config.colsb[t] = rows[t] ? 64 : 0;  // a tile of 0 rows stays unconfigured and is never touched
+  }
+  _tile_loadconfig(&config);
+}
+
+// out[t][j] for TWO_A ? 32 : rows0 tokens and TWO_B ? 32 : 16 outputs, summed over all of K.
+template <bool TWO_A, bool TWO_B>
+MOECC_AMX void block(const uint16_t* x, int64_t ldx, const uint16_t* panel0, int64_t k_padded, float* out,
+                     int64_t ldo) {
+  const int64_t x_stride = ldx * static_cast<int64_t>(sizeof(uint16_t));
+  const int64_t out_stride = ldo * static_cast<int64_t>(sizeof(float));
+  const uint16_t* panel1 = panel0 + kPanelRows * k_padded;
+  const uint16_t* x1 = x + 16 * ldx;
+  _tile_zero(0);
+  if (TWO_B) _tile_zero(1);
+  if (TWO_A) _tile_zero(2);
+  if (TWO_A && TWO_B) _tile_zero(3);
+  for (int64_t k = 0; k < k_padded; k += kKAlign) {
+    const int64_t b_offset = k * kPanelRows;  // 16 pair rows of 32 bf16 per 32 values of K
+    _tile_loadd(4, x + k, x_stride);
+    _tile_loadd(6, panel0 + b_offset, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (TWO_B) {
+      _tile_loadd(7, panel1 + b_offset, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (TWO_A) {
+      _tile_loadd(5, x1 + k, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if (TWO_B) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out, out_stride);
+  if (TWO_B) _tile_stored(1, out + kPanelRows, out_stride);
+  if (TWO_A) _tile_stored(2, out + 16 * ldo, out_stride);
+  if (TWO_A && TWO_B) _tile_stored(3, out + 16 * ldo + kPanelRows, out_stride);
+}
+
+MOECC_AMX void forward(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed, int64_t k_padded,
+                       int64_t p0, int64_t p1, float* out, int64_t ldo) {
+  int configured0 = -1, configured1 = -1;
+  for (int64_t t0 = 0; t0 < tokens; t0 += 32) {
+    const int rows0 = static_cast<int>(tokens - t0 < 16 ? tokens - t0 : 16);
+    const int64_t rest = tokens - t0 - 16;
+    const int rows1 = static_cast<int>(rest <= 0 ? 0 : (rest < 16 ? rest : 16));
+    // The tile configuration is per thread and other code on this thread (oneDNN) may change it between
+    // calls, so it is loaded on every call and again only when the row counts change.
+    if (rows0 != configured0 || rows1 != configured1) {
+      configure(rows0, rows1);
+      configured0 = rows0;
+      configured1 = rows1;
+    }
+    const uint16_t* xt = x + t0 * ldx;
+    for (int64_t p = p0; p < p1; p += 2) {
+      const uint16_t* panel = packed + p * kPanelRows * k_padded;
+      float* dst = out + t0 * ldo + (p - p0) * kPanelRows;
+      const bool two_b = p + 1 < p1;
+      if (rows1 > 0) {
+        two_b ? block<true, true>(xt, ldx, panel, k_padded, dst, ldo)
+              : block<true, false>(xt, ldx, panel, k_padded, dst, ldo);
+      } else {
+        two_b ? block<false, true>(xt, ldx, panel, k_padded, dst, ldo)
+              : block<false, false>(xt, ldx, panel, k_padded, dst, ldo);
+      }
+    }
+  }
+}
+
+// dx = dy W: the needed columns of W transposed into packed panels (per thread, L2-sized), then forward. The
+// transposed panels' K is N, which tiles need in whole steps of 32: an odd 16 gets zero rows appended (and dy
+// has zero columns there, see panel_gemm.h).
+MOECC_AMX void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* packed,
+                          int64_t n_padded, int64_t k_padded, int64_t k0, int64_t k1, float* dx, int64_t ld_dx) {
+  thread_local std::vector<uint16_t> transposed;
+  const int64_t chunks = (k1 - k0 + 15) / 16;
+  const int64_t n_tiles = padded_k(n_padded);
+  const int64_t chunk_elements = n_tiles * kPanelRows;
+  transposed.resize(static_cast<size_t>(chunks * chunk_elements));
+  if (n_tiles == n_padded) {
+    transpose_panel_columns_avx512(packed, n_padded, k_padded, k0, chunks, transposed.data());
+  } else {
+    for (int64_t c = 0; c < chunks; ++c) {
+      uint16_t* chunk = transposed.data() + c * chunk_elements;
+      transpose_panel_columns_avx512(packed, n_padded, k_padded, k0 + 16 * c, 1, chunk);
+      std::memset(chunk + n_padded * kPanelRows, 0, (n_tiles - n_padded) * kPanelRows * sizeof(uint16_t));
+    }
+  }
+  forward(dy, ld_dy, tokens, transposed.data(), n_tiles, 0, chunks, dx + k0, ld_dx);
+}
+
+}  // namespace
+
+const PanelGemm& panel_gemm_amx() {
+  static const PanelGemm gemm{forward, input_grad};
+  return gemm;
+}
+
+}  // namespace moecc::kernels
