@@ -6,22 +6,49 @@ computes, the next layer's experts are already being copied when the batch is la
 experts; in backward, where every layer's routed experts are known from forward, the previous layer's experts
 are copied while the current one computes. Slots are bounded (by the GPU memory budget) and reused.
 
-The expert math is the reference (``moecc.reference``) on device tensors: the same numerics as co-compute and
-as HF + PEFT; LoRA factors stay host-resident parameters and travel with the activations.
+The expert math on the device is chosen per engine (``OffloadEngine.compute``, default from
+``MOECC_OFFLOAD_COMPUTE``): ``"grouped"`` (``moecc.grouped_experts``: one grouped matrix product per projection,
+LoRA factorised; agrees with HF + PEFT to the dtype's rounding; the default on CUDA) or ``"reference"``
+(``moecc.reference``: one expert at a time with PEFT's folded ``W + ΔW``, bit-exact with HF + PEFT; the default
+elsewhere, so CPU runs stay exact). LoRA factors stay host-resident parameters and travel with the activations.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 
 import torch
 from torch.profiler import record_function
 
-from .. import reference
+from .. import grouped_experts, reference
+from ..errors import MoeccError
 from ..lora import factor_gradients, layer_lora, lora_tensors, merge_revision
 from ..reference import ExpertLora, ExpertWeights
 from ..store import expert_weights
 from .cocompute import StepMetrics
+
+EXPERT_MATH = {"grouped": grouped_experts, "reference": reference}  # modules with experts_forward / _backward
+COMPUTE_ENV = "MOECC_OFFLOAD_COMPUTE"
+
+
+def check_compute(value: str, source: str) -> str:
+    """``value`` if it names an entry of ``EXPERT_MATH``; otherwise an error saying where it came from."""
+    if value not in EXPERT_MATH:
+        raise MoeccError(
+            f"{source}={value!r} is not an offload expert computation; use 'grouped' (grouped matrix products, "
+            "LoRA factorised, agrees with HF + PEFT to the dtype's rounding) or 'reference' (bit-exact with "
+            "HF + PEFT, one expert at a time)"
+        )
+    return value
+
+
+def default_compute(device: torch.device) -> str:
+    """``MOECC_OFFLOAD_COMPUTE`` when set; otherwise ``"grouped"`` on CUDA and ``"reference"`` elsewhere."""
+    value = os.environ.get(COMPUTE_ENV, "").strip().lower()
+    if value:
+        return check_compute(value, COMPUTE_ENV)
+    return "grouped" if device.type == "cuda" else "reference"
 
 
 class _Slot:
@@ -39,9 +66,10 @@ class _Slot:
 class OffloadEngine:
     """Copy stream, device slots (LRU over layers), metrics, and the layer list for prefetching."""
 
-    def __init__(self, device: torch.device, slots: int = 2) -> None:
+    def __init__(self, device: torch.device, slots: int = 2, compute: str | None = None) -> None:
         self.device = device
         self.capacity = max(1, slots)
+        self.compute = default_compute(device) if compute is None else compute
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.slots: OrderedDict[int, _Slot] = OrderedDict()
         self.layers: list[OffloadLayer] = []
@@ -53,6 +81,15 @@ class OffloadEngine:
         # stream for a slot; read (and synchronised) only when metrics are asked for.
         self._copy_events: list[tuple] = []
         self._wait_events: list[tuple] = []
+
+    @property
+    def compute(self) -> str:
+        """Expert math on the device: ``"grouped"`` or ``"reference"`` (see the module docstring)."""
+        return self._compute
+
+    @compute.setter
+    def compute(self, value: str) -> None:
+        self._compute = check_compute(value, "OffloadEngine.compute")
 
     def reset_metrics(self) -> None:
         self.metrics.reset()
@@ -77,7 +114,7 @@ class OffloadEngine:
                 "routing_skew": m.routing_skew, "copy_s": self.copy_s + self._elapsed_s(self._copy_events),
                 "expert_compute_s": m.cpu_forward_s + m.cpu_backward_s}
 
-    def _slot_for(self, layer: "OffloadLayer") -> _Slot:
+    def _slot_for(self, layer: OffloadLayer) -> _Slot:
         if layer.index in self.slots:
             self.slots.move_to_end(layer.index)
             return self.slots[layer.index]
@@ -96,7 +133,7 @@ class OffloadEngine:
         self.slots[layer.index] = slot
         return slot
 
-    def fetch(self, layer: "OffloadLayer", experts: list[int]) -> _Slot:
+    def fetch(self, layer: OffloadLayer, experts: list[int]) -> _Slot:
         """Starts copying the experts the slot lacks; returns the slot (wait on ``slot.ready`` before use)."""
         slot = self._slot_for(layer)
         if slot.revision != layer.revision():
@@ -188,16 +225,20 @@ class OffloadLayer:
         to = self.engine.device
         return ExpertWeights(
             slot.gate_up, slot.down,
-            None if host.gate_up_bias is None else host.gate_up_bias.to(to),
-            None if host.down_bias is None else host.down_bias.to(to),
+            None if host.gate_up_bias is None else host.gate_up_bias.to(to, non_blocking=True),  # frozen
+            None if host.down_bias is None else host.down_bias.to(to, non_blocking=True),
             host.transposed, host.interleaved, host.swiglu_alpha, host.swiglu_limit,
         )
 
 
 def _on_device(lora: ExpertLora | None, device: torch.device) -> ExpertLora | None:
+    """Device copies of the factors, queued without a blocking copy's stream sync. Safe while the optimizer
+    writes the host factors: CUDA stages pageable memory before returning, and backward's gradient copy back to
+    the host waits for this layer's stream before any optimizer step can run."""
     if lora is None:
         return None
-    return ExpertLora(lora.A.detach().to(device), lora.B.detach().to(device), lora.scaling, lora.num_experts)
+    a, b = (t.detach().to(device, non_blocking=True) for t in (lora.A, lora.B))
+    return ExpertLora(a, b, lora.scaling, lora.num_experts)
 
 
 class OffloadExpertsFunction(torch.autograd.Function):
@@ -205,22 +246,29 @@ class OffloadExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, top_k_weights, top_k_index, layer, lora, *lora_tensors):
-        engine = layer.engine
-        experts = torch.unique(top_k_index).tolist()
+        engine, num_experts = layer.engine, layer.host_weights.num_experts
+        # The one host sync per layer: which experts to copy, and their token counts for the metrics (read here,
+        # before the compute is queued, so nothing waits for it).
+        routed, counts = torch.unique(top_k_index, return_counts=True)
+        experts, counts = torch.stack([routed.long(), counts]).tolist()
         layer.last_experts = experts
         slot = engine.fetch(layer, experts)
-        many = len(experts) * 2 >= layer.host_weights.num_experts
+        many = len(experts) * 2 >= num_experts
         engine.prefetch(layer.index + 1, None if many else [])  # next layer's routing is unknown: all or none
         engine.use(slot)
         start = time.perf_counter()
         device_lora = tuple(_on_device(part, engine.device) for part in lora)
+        math = EXPERT_MATH[engine.compute]  # backward uses the same, whatever compute is by then
         with record_function("moecc.offload.forward"):
-            out, saved = reference.experts_forward(layer.device_weights(slot), hidden, top_k_index, top_k_weights,
-                                                   *device_lora)
+            out, saved = math.experts_forward(layer.device_weights(slot), hidden, top_k_index, top_k_weights,
+                                              *device_lora)
         engine.done_with(slot)
         engine.metrics.cpu_forward_s += time.perf_counter() - start
-        engine.metrics.expert_token_counts.append((saved.offsets[1:] - saved.offsets[:-1]).tolist())
-        ctx.layer, ctx.saved, ctx.lora, ctx.experts = layer, saved, lora, experts
+        token_counts = [0] * num_experts
+        for expert, count in zip(experts, counts):
+            token_counts[expert] = count
+        engine.metrics.expert_token_counts.append(token_counts)
+        ctx.layer, ctx.saved, ctx.lora, ctx.experts, ctx.math = layer, saved, lora, experts, math
         ctx.dtypes = (hidden.dtype, top_k_weights.dtype)
         return out
 
@@ -237,8 +285,8 @@ class OffloadExpertsFunction(torch.autograd.Function):
         start = time.perf_counter()
         device_lora = tuple(_on_device(part, engine.device) for part in ctx.lora)
         with record_function("moecc.offload.backward"):
-            grad_hidden, grad_weights, grads = reference.experts_backward(layer.device_weights(slot), ctx.saved,
-                                                                          grad_out, *device_lora)
+            grad_hidden, grad_weights, grads = ctx.math.experts_backward(layer.device_weights(slot), ctx.saved,
+                                                                         grad_out, *device_lora)
         engine.done_with(slot)
         engine.metrics.cpu_backward_s += time.perf_counter() - start
         ctx.saved = None
