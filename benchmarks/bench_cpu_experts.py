@@ -27,6 +27,9 @@ SHAPES = {  # experts, top_k, hidden, intermediate
     "deepseek-v2-lite": (64, 6, 2048, 1408),
 }
 DRAM_GBPS = 125.0  # measured host DRAM read rate, 16 threads (DESIGN.md)
+# The best public CPU MoE fine-tuning kernel on the accelerator host, Qwen3-30B-A3B shape, Zipf(1.2) routing,
+# forward / backward ms (issue #3); moecc's target is half their sum.
+PEER_MS = {256: (32, 64), 1024: (48, 92), 4096: (104, 200), 8192: (176, 312)}
 
 
 def routing(tokens: int, experts: int, top_k: int, kind: str, generator: torch.Generator):
@@ -102,8 +105,12 @@ def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: N
     def forward():
         state["out"], state["saved"] = native.forward(weights, x, index, w, gate_up, down)
 
+    from moecc import _C
+
     forward_s = median_time(forward, reps)
+    forward_phases = {name: round(sec * 1e3, 2) for name, sec in _C.last_phase_times(False)}
     backward_s = median_time(lambda: native.backward(weights, state["saved"], grad_out, gate_up, down), reps)
+    backward_phases = {name: round(sec * 1e3, 2) for name, sec in _C.last_phase_times(True)}
     counts = torch.bincount(index.reshape(-1), minlength=experts)
     active = int((counts > 0).sum())
     weight_bytes = active * 3 * hidden * inter * 2
@@ -111,7 +118,10 @@ def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: N
     row = dict(shape=shape, tokens=tokens, routing=kind, isa=native.isa, forward_ms=forward_s * 1e3,
                backward_ms=backward_s * 1e3, forward_tflops=flops / forward_s / 1e12,
                backward_tflops=flops / backward_s / 1e12, forward_gbps=weight_bytes / forward_s / 1e9,
-               dram_floor_ms=weight_bytes / DRAM_GBPS / 1e6, max_over_mean=float(counts.max() / counts.float().mean()))
+               dram_floor_ms=weight_bytes / DRAM_GBPS / 1e6, max_over_mean=float(counts.max() / counts.float().mean()),
+               forward_phases_ms=forward_phases, backward_phases_ms=backward_phases)
+    if shape == "qwen3-30b-a3b" and tokens in PEER_MS:
+        row["target_ms"] = 0.5 * sum(PEER_MS[tokens])
     if baseline:
         xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
         loop_forward = median_time(lambda: torch_loop(weights, xb, index, wb, gate_up, down), 1)
@@ -156,8 +166,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     stem = f"cpu_experts_{isa}"
     (out / f"{stem}.json").write_text(json.dumps(rows, indent=2))
-    columns = ["shape", "tokens", "routing", "forward_ms", "backward_ms", "forward_tflops", "backward_tflops",
-               "forward_gbps", "dram_floor_ms", "skew_ratio", "loop_forward_ms", "loop_backward_ms", "speedup"]
+    columns = ["shape", "tokens", "routing", "forward_ms", "backward_ms", "target_ms", "forward_tflops",
+               "backward_tflops", "forward_gbps", "dram_floor_ms", "skew_ratio", "loop_forward_ms", "loop_backward_ms",
+               "speedup"]
     peak_all = peaks.get(f"{isa}_all")
     for row in rows:
         if peak_all:
@@ -167,6 +178,8 @@ def main() -> None:
     lines = [f"`python benchmarks/bench_cpu_experts.py --shapes {args.shapes} --tokens {args.tokens} "
              f"--isa {args.isa}` ({isa}, {_ops.num_threads()} threads)", "",
              f"Register-only bf16 peaks: {peak_text}. efficiency = best pass TFLOP/s / the {isa} all-thread peak.",
+             "target_ms = half of forward + backward of the best public CPU MoE fine-tuning kernel on the same host "
+             "(Qwen3 shape, Zipf routing; issue #3); compare with forward_ms + backward_ms.",
              "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:

@@ -2,6 +2,7 @@
 // it checks dtype, device, contiguity and sizes before an address crosses, and owns every buffer.
 // Long-running calls release the GIL; C++ exceptions surface as Python exceptions through pybind11.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <stdexcept>
@@ -152,6 +153,9 @@ PYBIND11_MODULE(_C, m) {
       py::arg("gate_up_out"), py::arg("grad_out"), py::arg("grad_hidden"), py::arg("grad_routing"),
       py::arg("grad_gate_up_a"), py::arg("grad_gate_up_b"), py::arg("grad_down_a"), py::arg("grad_down_b"),
       py::call_guard<py::gil_scoped_release>(), "Backward of expert_ffn_forward; LoRA gradients accumulate.");
+
+  m.def("last_phase_times", &moecc::kernels::last_phase_times, py::arg("backward"),
+        "[(phase, seconds)] of the latest expert_ffn_forward (backward=False) or expert_ffn_backward call.");
 
   m.def(
       "peak_flops",

@@ -174,19 +174,31 @@ def _check_grouping(offsets: torch.Tensor, order: torch.Tensor, experts: int, pa
             raise ValueError(f"order must be a permutation of the {pairs} pair ids")
 
 
+def _output(given: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
+    """A new output tensor, or the caller's after checking it can take the result."""
+    if given is None:
+        return torch.empty(shape, dtype=dtype)
+    if tuple(given.shape) != shape or given.dtype != dtype or not given.is_contiguous() or given.device.type != "cpu":
+        raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor of shape {list(shape)}, got "
+                         f"{given.dtype} {list(given.shape)} on {given.device}")
+    return given
+
+
 def expert_ffn_forward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int], top_k: int,
                        hidden: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor, routing: torch.Tensor,
-                       gate_up_lora: tuple | None, down_lora: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
+                       gate_up_lora: tuple | None, down_lora: tuple | None, out: torch.Tensor | None = None,
+                       gate_up_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the CPU expert forward. ``shape = (E, H, I)``; ``hidden [T, H]`` bf16; ``routing [T*k]`` float32.
 
-    Returns ``(out [T, H] float32, gate_up_out [T*k, 2I] bf16 in grouped order)``.
+    Returns ``(out [T, H] float32, gate_up_out [T*k, 2I] bf16 in grouped order)``, written into the given
+    tensors when passed (callers reuse buffers: fresh pages cost a fault each on first touch).
     """
     experts, hidden_size, inter = shape
     tokens = hidden.shape[0]
     pairs = tokens * top_k
     _check_grouping(offsets, order, experts, pairs)
-    out = torch.empty(tokens, hidden_size, dtype=torch.float32)
-    gate_up_out = torch.empty(pairs, 2 * inter, dtype=torch.bfloat16)
+    out = _output(out, (tokens, hidden_size), torch.float32, "out")
+    gate_up_out = _output(gate_up_out, (pairs, 2 * inter), torch.bfloat16, "gate_up_out")
     _C.expert_ffn_forward(
         isa=ISAS[isa], experts=experts, hidden_size=hidden_size, inter=inter, tokens=tokens, top_k=top_k,
         **_packed_args(packed, experts, hidden_size, inter),
@@ -204,8 +216,9 @@ def expert_ffn_forward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], shap
 def expert_ffn_backward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int], top_k: int,
                         hidden: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor, routing: torch.Tensor,
                         gate_up_lora: tuple | None, down_lora: tuple | None, gate_up_out: torch.Tensor,
-                        grad_out: torch.Tensor) -> tuple:
-    """Backward of :func:`expert_ffn_forward` with ``grad_out [T, H]`` float32.
+                        grad_out: torch.Tensor, grad_hidden: torch.Tensor | None = None) -> tuple:
+    """Backward of :func:`expert_ffn_forward` with ``grad_out [T, H]`` float32 (``grad_hidden`` written into
+    the given tensor when passed).
 
     Returns ``(grad_hidden [T, H], grad_routing [T*k], (dA_gu, dB_gu) or None, (dA_down, dB_down) or None)``,
     float32, LoRA gradients as ``A [E, r, in]``, ``B^T [E, r, out]``.
@@ -214,7 +227,7 @@ def expert_ffn_backward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], sha
     tokens = hidden.shape[0]
     pairs = tokens * top_k
     _check_grouping(offsets, order, experts, pairs)
-    grad_hidden = torch.empty(tokens, hidden_size, dtype=torch.float32)
+    grad_hidden = _output(grad_hidden, (tokens, hidden_size), torch.float32, "grad_hidden")
     grad_routing = torch.empty(pairs, dtype=torch.float32)
     lora_grads = [None if lora is None else (torch.zeros_like(lora[0]), torch.zeros_like(lora[1]))
                   for lora in (gate_up_lora, down_lora)]

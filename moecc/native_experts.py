@@ -36,6 +36,37 @@ def _peft_grads(grads: tuple | None, lora: ExpertLora | None) -> tuple:
 _PACKED_ATTRIBUTE = "_moecc_packed_experts"
 
 
+class _BufferPool:
+    """Host buffers handed from one call to the next.
+
+    Hundreds of MB per layer of freshly allocated memory cost a page fault per 4 KB on first touch, and the
+    faults of many threads serialise in the kernel: at 8192 tokens that was most of the gate/up product's time.
+    Saved gate/up outputs live from a layer's forward to its backward, then return here for the next step's
+    forward; the pool never holds more buffers than were alive at once.
+    """
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for size in shape:
+            numel *= size
+        fitting = [b for b in self._free if b.dtype == dtype and b.numel() >= numel]
+        if fitting:
+            buffer = min(fitting, key=torch.Tensor.numel)
+            self._free.remove(buffer)
+        else:
+            too_small = [b for b in self._free if b.dtype == dtype]
+            if too_small:  # outgrown: let the largest go, so the pool does not fill with unusable buffers
+                self._free.remove(max(too_small, key=torch.Tensor.numel))
+            buffer = torch.empty(numel, dtype=dtype)
+        return buffer[:numel].view(shape)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        self._free.append(tensor if tensor._base is None else tensor._base)
+
+
 class NativeExperts:
     """Packs each layer's weights once (repacking when PEFT merges into them) and runs the kernels.
 
@@ -46,6 +77,8 @@ class NativeExperts:
     def __init__(self, isa: str) -> None:
         _ops.check_isa(isa)
         self.isa = isa
+        self._saved_buffers = _BufferPool()  # gate/up outputs, forward to backward
+        self._scratch = _BufferPool()  # float32 results, converted before they leave this object
 
     @staticmethod
     def supports(weights: ExpertWeights) -> bool:
@@ -78,21 +111,35 @@ class NativeExperts:
         offsets, order = _ops.group_tokens_by_expert(top_k_index, weights.num_experts)
         hidden_bf16 = hidden.to(torch.bfloat16).contiguous()
         routing = top_k_weights.float().reshape(-1).contiguous()
-        out, gate_up_out = _ops.expert_ffn_forward(self.isa, packed, shape, top_k_index.shape[1], hidden_bf16,
-                                                   offsets, order, routing, _kernel_lora(gate_up_lora),
-                                                   _kernel_lora(down_lora))
-        saved = SavedState(hidden_bf16.clone(), top_k_weights.float().clone(), offsets, order, gate_up_out,
-                           top_k_weights.dtype)
-        return out.to(hidden.dtype), saved
+        tokens, top_k = top_k_index.shape
+        out = self._scratch.take((tokens, shape[1]), torch.float32)
+        gate_up_out = self._saved_buffers.take((tokens * top_k, 2 * shape[2]), torch.bfloat16)
+        try:
+            _ops.expert_ffn_forward(self.isa, packed, shape, top_k, hidden_bf16, offsets, order, routing,
+                                    _kernel_lora(gate_up_lora), _kernel_lora(down_lora), out=out,
+                                    gate_up_out=gate_up_out)
+            result = out.to(hidden.dtype, copy=True)
+        finally:
+            self._scratch.give(out)
+        saved = SavedState(hidden_bf16.clone() if hidden_bf16 is hidden else hidden_bf16,
+                           top_k_weights.float().clone(), offsets, order, gate_up_out, top_k_weights.dtype)
+        return result, saved
 
     def backward(self, weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor,
                  gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None):
         packed = self._pack(weights)
         shape = (weights.num_experts, weights.hidden_size, weights.intermediate_size)
         routing = saved.top_k_weights.reshape(-1).contiguous()
-        grad_hidden, grad_routing, gu, down = _ops.expert_ffn_backward(
-            self.isa, packed, shape, saved.top_k_weights.shape[1], saved.hidden, saved.offsets, saved.order, routing,
-            _kernel_lora(gate_up_lora), _kernel_lora(down_lora), saved.gate_up_out,
-            grad_out.float().contiguous())
+        scratch = self._scratch.take(tuple(saved.hidden.shape), torch.float32)
+        try:
+            _, grad_routing, gu, down = _ops.expert_ffn_backward(
+                self.isa, packed, shape, saved.top_k_weights.shape[1], saved.hidden, saved.offsets, saved.order,
+                routing, _kernel_lora(gate_up_lora), _kernel_lora(down_lora), saved.gate_up_out,
+                grad_out.float().contiguous(), grad_hidden=scratch)
+            grad_hidden = scratch.to(grad_out.dtype, copy=True)
+        finally:
+            self._scratch.give(scratch)
+        self._saved_buffers.give(saved.gate_up_out)  # SavedState is single-use: backward drops it after this
+        saved.gate_up_out = None
         grads = LoraGrads(*_peft_grads(gu, gate_up_lora), *_peft_grads(down, down_lora))
         return grad_hidden, grad_routing.view(saved.top_k_weights.shape), grads

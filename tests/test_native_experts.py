@@ -182,3 +182,24 @@ def test_kernel_inputs_are_checked_before_crossing():
     with pytest.raises(ValueError, match="B\\^T"):
         _ops.expert_ffn_forward("portable", packed, (4, 32, 16), 2, x, offsets, order, routing, (a, b_untransposed, 1.0),
                                 None)
+
+
+def test_reused_buffers_never_alias_live_results():
+    """Two layers in flight (forward, forward, backward, backward), twice: pooled buffers come back between
+    steps, and every result equals a fresh backend's."""
+    problems = [_problem(40, 6, 64, 32, 2, 4, seed) for seed in (11, 12)]
+    pooled = NativeExperts(ISAS[-1])
+    for _ in range(2):
+        outputs, saved = [], []
+        for weights, x, index, w, gu, down in problems:
+            out, state = pooled.forward(weights, x, index, w, gu, down)
+            outputs.append(out)
+            saved.append(state)
+        grads = [pooled.backward(p[0], s, torch.ones_like(o), p[4], p[5]) for p, s, o in zip(problems, saved, outputs)]
+        for (weights, x, index, w, gu, down), out, (grad_hidden, grad_w, _) in zip(problems, outputs, grads):
+            fresh = NativeExperts(ISAS[-1])
+            expected, state = fresh.forward(weights, x, index, w, gu, down)
+            expected_grad, expected_grad_w, _ = fresh.backward(weights, state, torch.ones_like(expected), gu, down)
+            assert torch.equal(out, expected)
+            assert torch.equal(grad_hidden, expected_grad)
+            assert torch.equal(grad_w, expected_grad_w)

@@ -7,6 +7,7 @@
 #include "expert_ffn.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <mutex>
 #include <vector>
@@ -79,12 +80,38 @@ MOECC_VECTOR_CLONES void to_bf16(const float* src, uint16_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
 }
 
+// exp(x) in float to ~2 ulp, in operations every vector ISA has (glibc's expf is a call per element, which
+// made the SwiGLU steps the slowest of the layer). Range reduction x = n ln2 + r, |r| <= ln2/2, a degree-6
+// Taylor polynomial for e^r, and 2^n built in the exponent bits; inputs clamp to the finite float range.
+inline float vector_exp(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // selects, not fmin/fmax calls: they vectorise
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;  // ln2 split in two parts
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Rows of float products -> bf16, and -> round(bf16) * w (a routed expert's weighted output).
+MOECC_VECTOR_CLONES void to_bf16_scaled(const float* src, float w, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = round_bf16(src[i]) * w;
+}
+
 // act[i] = round(round(silu(gate[i])) * up[i]) from one row of bf16 gate/up outputs.
 MOECC_VECTOR_CLONES void swiglu_row(const uint16_t* gate, const uint16_t* up, uint16_t* act, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float g = bf16_to_float(gate[i]);
-    act[i] = float_to_bf16(round_bf16(g / (1.0f + std::exp(-g))) * bf16_to_float(up[i]));
+    act[i] = float_to_bf16(round_bf16(g / (1.0f + vector_exp(-g))) * bf16_to_float(up[i]));
   }
 }
 
@@ -94,7 +121,7 @@ MOECC_VECTOR_CLONES void swiglu_grad_row(const uint16_t* gate, const uint16_t* u
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float g = bf16_to_float(gate[i]), u = bf16_to_float(up[i]), ga = grad_act[i] * w;
-    const float sig = 1.0f / (1.0f + std::exp(-g));
+    const float sig = 1.0f / (1.0f + vector_exp(-g));
     grad_gate[i] = ga * u * sig * (1.0f + g * (1.0f - sig));
     grad_up[i] = ga * g * sig;
   }
@@ -199,7 +226,26 @@ void sum_slots(const Dims& d, const float* per_pair, float* out, moecc::pool::Th
   });
 }
 
+// Seconds per phase of the latest call, for benchmarks to show where the time goes.
+class PhaseClock {
+ public:
+  explicit PhaseClock(PhaseTimes& times) : times_(times), last_(std::chrono::steady_clock::now()) { times_.clear(); }
+  void mark(const char* phase) {
+    const auto now = std::chrono::steady_clock::now();
+    times_.emplace_back(phase, std::chrono::duration<double>(now - last_).count());
+    last_ = now;
+  }
+
+ private:
+  PhaseTimes& times_;
+  std::chrono::steady_clock::time_point last_;
+};
+
+PhaseTimes forward_times, backward_times;
+
 }  // namespace
+
+PhaseTimes last_phase_times(bool backward) { return backward ? backward_times : forward_times; }
 
 struct ForwardScratch {
   std::mutex mutex;  // calls are serialised by the engine; this keeps concurrent callers correct anyway
@@ -218,6 +264,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts
                         const ForwardIo& io, moecc::pool::ThreadPool& pool) {
   static ForwardScratch scratch;
   std::lock_guard<std::mutex> lock(scratch.mutex);
+  PhaseClock clock(forward_times);
   const PanelGemm& gemm = panel_gemm(isa);
   const Dims d(shapes);
   const std::vector<Task> rows = make_tasks(routing.offsets, d.E, 1, 1);
@@ -228,6 +275,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts
   float* per_pair = scratch.per_pair.get(d.pairs * d.H);
 
   gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool);
+  clock.mark("gather");
 
   const int64_t gu_panels = padded_rows(2 * d.I) / kPanelRows;
   run_tasks(pool, make_tasks(routing.offsets, d.E, gu_panels, kPanelsPerTask, kProductRows), [&](const Task& task) {
@@ -240,11 +288,13 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts
     add_lora_block(gate_up_lora, task.expert, 2 * d.I, inner_gu, task, col0, col1, block.data(), width);
     for (int64_t g = task.begin; g < task.end; ++g) {
       const float* row = block.data() + (g - task.begin) * width;
-      for (int64_t col = col0; col < col1; ++col) io.gate_up_out[g * 2 * d.I + col] = float_to_bf16(row[col - col0]);
+      to_bf16(row, io.gate_up_out + g * 2 * d.I + col0, col1 - col0);
     }
   });
 
+  clock.mark("gate_up");
   activate(d, io.gate_up_out, down_lora, rows, act, inner_down, pool);
+  clock.mark("activate");
 
   const int64_t down_panels = padded_rows(d.H) / kPanelRows;
   run_tasks(pool, make_tasks(routing.offsets, d.E, down_panels, kPanelsPerTask, kProductRows), [&](const Task& task) {
@@ -259,11 +309,13 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts
       const int64_t pair = routing.order[g];
       const float w = routing.weights[pair];
       const float* row = block.data() + (g - task.begin) * width;
-      for (int64_t col = col0; col < col1; ++col) per_pair[pair * d.H + col] = round_bf16(row[col - col0]) * w;
+      to_bf16_scaled(row, w, per_pair + pair * d.H + col0, col1 - col0);
     }
   });
 
+  clock.mark("down");
   sum_slots(d, per_pair, io.out, pool);
+  clock.mark("sum_slots");
 }
 
 // Accumulates the four LoRA factor gradients; one task per (expert, factor), sums over the expert's rows.
@@ -328,6 +380,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
                          const BackwardIo& io, moecc::pool::ThreadPool& pool) {
   static BackwardScratch scratch;
   std::lock_guard<std::mutex> lock(scratch.mutex);
+  PhaseClock clock(backward_times);
   const PanelGemm& gemm = panel_gemm(isa);
   const Dims d(shapes);
   const int64_t h_rows = padded_rows(d.H), gu_rows = padded_rows(2 * d.I);  // packed panels of each matrix
@@ -348,6 +401,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
 
   gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool);
   activate(d, io.gate_up_out, down_lora, rows, act, inner_down, pool);
+  clock.mark("gather_activate");
   // Unweighted output gradient per grouped row (zero-padded), and its down-LoRA inner product s dy B.
   run_tasks(pool, rows, [&](const Task& task) {
     for (int64_t g = task.begin; g < task.end; ++g) {
@@ -359,6 +413,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
     }
   });
 
+  clock.mark("grad_out");
   // d act (unweighted) = dy W_down + (s dy B) A.
   run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, kGradColumnsPerTask, kProductRows), [&](const Task& task) {
     const int64_t n = task.end - task.begin;
@@ -374,6 +429,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
     }
   });
 
+  clock.mark("down_input_grad");
   // Routing-weight gradient, then d gate_up through the SwiGLU (zero-padded), and s dG B.
   run_tasks(pool, rows, [&](const Task& task) {
     for (int64_t g = task.begin; g < task.end; ++g) {
@@ -389,6 +445,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
     }
   });
 
+  clock.mark("swiglu_grad");
   // d hidden per pair = dG W_gate_up + (s dG B) A.
   run_tasks(pool, make_tasks(routing.offsets, d.E, d.H, kGradColumnsPerTask, kProductRows), [&](const Task& task) {
     thread_local std::vector<float> block;
@@ -409,13 +466,16 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
     }
   });
 
+  clock.mark("gate_up_input_grad");
   if (gate_up_lora.a || down_lora.a) {
     lora_factor_grads(d, gate_up_lora, down_lora, routing,
                       {inner_gu, inner_down, grad_inner_gu, grad_inner_down, dy, grad_gu, xg, act, d.ld_x, d.ld_act, d.ld_dy,
                        d.ld_dgu},
                       io, pool);
   }
+  clock.mark("lora_grads");
   sum_slots(d, per_pair, io.grad_hidden, pool);
+  clock.mark("sum_slots");
 }
 
 }  // namespace moecc::kernels

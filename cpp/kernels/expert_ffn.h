@@ -9,6 +9,9 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "panel_gemm.h"
 
@@ -61,6 +64,10 @@ struct BackwardIo {
 void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts& weights,
                         const LoraFactors& gate_up_lora, const LoraFactors& down_lora, const Routing& routing,
                         const ForwardIo& io, moecc::pool::ThreadPool& pool);
+
+// (phase, seconds) of the latest forward or backward call, in order.
+using PhaseTimes = std::vector<std::pair<std::string, double>>;
+PhaseTimes last_phase_times(bool backward);
 
 void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExperts& weights,
                          const LoraFactors& gate_up_lora, const LoraFactors& down_lora, const Routing& routing,
