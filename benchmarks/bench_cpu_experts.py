@@ -76,10 +76,15 @@ def measure_peaks() -> dict[str, float]:
     return peaks
 
 
-def median_time(fn, reps: int) -> float:
+def median_time(fn, reps: int, setup=None) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs after a warm-up; ``setup()`` runs untimed before each."""
+    if setup:
+        setup()
     fn()
     times = []
     for _ in range(reps):
+        if setup:
+            setup()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -109,7 +114,10 @@ def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: N
 
     forward_s = median_time(forward, reps)
     forward_phases = {name: round(sec * 1e3, 2) for name, sec in _C.last_phase_times(False)}
-    backward_s = median_time(lambda: native.backward(weights, state["saved"], grad_out, gate_up, down), reps)
+    # A forward's saved state serves one backward (its buffers go back to the pool), so each backward gets a
+    # fresh, untimed forward.
+    backward_s = median_time(lambda: native.backward(weights, state["saved"], grad_out, gate_up, down), reps,
+                             setup=forward)
     backward_phases = {name: round(sec * 1e3, 2) for name, sec in _C.last_phase_times(True)}
     counts = torch.bincount(index.reshape(-1), minlength=experts)
     active = int((counts > 0).sum())
@@ -142,7 +150,13 @@ def main() -> None:
     parser.add_argument("--isa", default="auto")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--amx-tuning", default=None, metavar="K_BLOCK,PREFETCH",
+                        help="AMX kernel knobs (K values per pass, A prefetch distance); default: built-in")
     args = parser.parse_args()
+    if args.amx_tuning:
+        from moecc import _C
+
+        _C.set_amx_tuning(*(int(v) for v in args.amx_tuning.split(",")))
 
     isa = _ops.best_isa() if args.isa == "auto" else args.isa
     native = NativeExperts(isa)

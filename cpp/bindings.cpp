@@ -176,6 +176,24 @@ PYBIND11_MODULE(_C, m) {
       "Register-only bf16 FLOP/s of one thread (threads=1) or the sum over the pool's threads "
       "('avx512_bf16' or 'amx'); ValueError if the CPU cannot run it.");
 
+  m.def(
+      "panel_gemm_flops",
+      [](int isa, int64_t tokens, int64_t n, int64_t k, int64_t reps, int threads) {
+        auto one = [&]() { return moecc::kernels::panel_gemm_flops(static_cast<Isa>(isa), tokens, n, k, reps); };
+        if (threads <= 1) return one();
+        auto pool = moecc::pool::global_pool();
+        std::vector<double> rates(static_cast<size_t>(pool->num_threads()), 0.0);
+        pool->run(pool->num_threads(), [&](int64_t task, int) { rates[static_cast<size_t>(task)] = one(); });
+        double total = 0.0;
+        for (double r : rates) total += r;
+        return total;
+      },
+      py::arg("isa"), py::arg("tokens"), py::arg("n"), py::arg("k"), py::arg("reps"), py::arg("threads") = 1,
+      py::call_guard<py::gil_scoped_release>(),
+      "FLOP/s of the panel kernel of `isa` on one cache-resident problem, one thread or summed over the pool.");
+  m.def("set_amx_tuning", &moecc::kernels::set_amx_tuning, py::arg("k_block"), py::arg("prefetch_ahead"),
+        "AMX blocking knobs (panel_gemm.h); for benchmarks.");
+
   m.def("_pool_fill_test", &pool_fill_test, py::call_guard<py::gil_scoped_release>());
   m.def("_pool_raise_test", &pool_raise_test, py::call_guard<py::gil_scoped_release>());
 }

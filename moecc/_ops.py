@@ -133,8 +133,9 @@ def pack_experts(weights: torch.Tensor) -> torch.Tensor:
 
 
 def _address(tensor: torch.Tensor | None, name: str, dtype: torch.dtype, numel: int) -> int:
-    if tensor is None:
-        return 0
+    """The address of a tensor the kernels read or write, after checking it is what they expect."""
+    if tensor is None:  # the kernels would read through a null pointer
+        raise ValueError(f"{name} is missing (None); the CPU expert kernels need it")
     _check_host(name, tensor, dtype)
     if tensor.numel() != numel:
         raise ValueError(f"{name} has {tensor.numel()} elements, expected {numel}")

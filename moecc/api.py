@@ -191,8 +191,9 @@ def apply_gpu_budget(model: torch.nn.Module, layers: list, paradigm: str, device
             f"{needed_gb:.1f} GB before activations; raise the budget"
             + (" or lower offload_slots" if paradigm == "offload" else "")
         )
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget * 1e9 / total), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()  # torch wants an index
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget * 1e9 / total), index)
 
 
 def from_pretrained(

@@ -46,25 +46,30 @@ def bench(args: argparse.Namespace) -> list[dict]:
     from tqdm import tqdm
 
     from .bench.report import write_report
-    from .bench.runner import run_case
+    from .bench.runner import PARADIGMS, run_case
 
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     tokens = [int(t) for t in args.tokens.split(",")]
     paradigms = args.paradigms.split(",")
+    unknown = [p for p in paradigms if p not in PARADIGMS]
+    if unknown:
+        raise SystemExit(f"moecc bench: unknown paradigm {unknown[0]!r}; choose from {', '.join(PARADIGMS)}")
     from .bench.plan import predict
     from .bench.rates import measure
 
     rates = measure()
-    rows = []
-    for paradigm in tqdm(paradigms, desc="paradigms", unit="paradigm"):
-        rows += run_case(args.preset, args.layers, paradigm, tokens, args.steps, args.rank, device, args.gpu_budget)
-    for row in rows:
-        row["predicted_step_s"] = predict(args.preset, row["tokens"], rates, args.layers).get(row["paradigm"])
-    for row in rows:
-        print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
     command = "moecc bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])
-    title = f"{args.preset}, {args.layers or 'all'} layers, LoRA r={args.rank}, {device}"
-    files = write_report(rows, Path(args.out), title, command)
+    layers = "all layers" if args.layers is None else f"{args.layers} layer" + ("s" if args.layers != 1 else "")
+    title = f"{args.preset}, {layers}, LoRA r={args.rank}, {device}"
+    rows: list[dict] = []
+    for paradigm in tqdm(paradigms, desc="paradigms", unit="paradigm"):
+        new_rows = run_case(args.preset, args.layers, paradigm, tokens, args.steps, args.rank, device,
+                            args.gpu_budget)
+        for row in new_rows:
+            row["predicted_step_s"] = predict(args.preset, row["tokens"], rates, args.layers).get(row["paradigm"])
+            print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+        rows += new_rows
+        files = write_report(rows, Path(args.out), title, command)  # after each paradigm: a cut-short run keeps them
     print("wrote", ", ".join(str(f) for f in files))
     return rows
 
@@ -97,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
                               help="qwen3-30b-a3b, deepseek-v2-lite, olmoe-1b-7b, mixtral-8x7b, gpt-oss-20b, tiny")
     bench_parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: all)")
     bench_parser.add_argument("--tokens", default="512,2048,8192", help="tokens per step, comma-separated")
-    bench_parser.add_argument("--paradigms", default="cocompute,offload,gpu")
+    bench_parser.add_argument("--paradigms", default="cocompute,offload,gpu,hf-offload",
+                              help="comma-separated: cocompute, offload, gpu (whole model on the GPU), "
+                                   "hf-offload (PEFT + accelerate's CPU offload of the experts)")
     bench_parser.add_argument("--gpu-budget", type=float, default=24.0, help="GPU memory budget in GB")
     bench_parser.add_argument("--steps", type=int, default=3)
     bench_parser.add_argument("--rank", type=int, default=8)

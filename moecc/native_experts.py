@@ -127,6 +127,9 @@ class NativeExperts:
 
     def backward(self, weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor,
                  gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None):
+        if saved.gate_up_out is None:
+            raise RuntimeError("moecc: this forward's saved state was already used by a backward (its buffers are "
+                               "reused); run the forward again to differentiate it again")
         packed = self._pack(weights)
         shape = (weights.num_experts, weights.hidden_size, weights.intermediate_size)
         routing = saved.top_k_weights.reshape(-1).contiguous()

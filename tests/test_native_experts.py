@@ -203,3 +203,16 @@ def test_reused_buffers_never_alias_live_results():
             assert torch.equal(out, expected)
             assert torch.equal(grad_hidden, expected_grad)
             assert torch.equal(grad_w, expected_grad_w)
+
+
+def test_second_backward_of_one_forward_is_refused_not_a_crash():
+    weights, x, index, w, gu, down = _problem(20, 4, 32, 16, 2, 4, 3)
+    native = NativeExperts(ISAS[-1])
+    out, saved = native.forward(weights, x, index, w, gu, down)
+    native.backward(weights, saved, torch.ones_like(out), gu, down)
+    with pytest.raises(RuntimeError, match="already used by a backward"):
+        native.backward(weights, saved, torch.ones_like(out), gu, down)
+    with pytest.raises(ValueError, match="gate_up_out is missing"):  # straight to the kernel: no null pointer
+        _ops.expert_ffn_backward(native.isa, native._pack(weights), (4, 32, 16), 2, saved.hidden, saved.offsets,
+                                 saved.order, saved.top_k_weights.reshape(-1), None, None, None,
+                                 torch.ones(20, 32))

@@ -40,19 +40,38 @@ MOECC_AMX void configure(int rows0, int rows1) {
   _tile_loadconfig(&config);
 }
 
-// out[t][j] for TWO_A ? 32 : rows0 tokens and TWO_B ? 32 : 16 outputs, summed over all of K.
+// Tuning knobs, set once before use (benchmarks sweep them through moecc._C.set_amx_tuning).
+// k_block: K values per pass over a task's tokens. A pass's weight slice (2 panels x k_block) is re-read for every
+// 32 tokens; short passes keep it in L1 at the price of reloading the C tiles between passes.
+// prefetch: K values ahead at which each A row is prefetched (0: none): the 32 rows of a step are 32 separate
+// streams, more than the hardware prefetchers follow.
+int64_t k_block = 1024;
+int64_t prefetch_ahead = 64;
+
+// out[t][j] (+)= x[t][k0:k1] . W[j][k0:k1] for TWO_A ? 32 : rows0 tokens and TWO_B ? 32 : 16 outputs.
 template <bool TWO_A, bool TWO_B>
-MOECC_AMX void block(const uint16_t* x, int64_t ldx, const uint16_t* panel0, int64_t k_padded, float* out,
-                     int64_t ldo) {
+MOECC_AMX void block(const uint16_t* x, int64_t ldx, const uint16_t* panel0, int64_t k_padded, int64_t k0,
+                     int64_t k1, bool accumulate, float* out, int64_t ldo) {
   const int64_t x_stride = ldx * static_cast<int64_t>(sizeof(uint16_t));
   const int64_t out_stride = ldo * static_cast<int64_t>(sizeof(float));
   const uint16_t* panel1 = panel0 + kPanelRows * k_padded;
   const uint16_t* x1 = x + 16 * ldx;
-  _tile_zero(0);
-  if (TWO_B) _tile_zero(1);
-  if (TWO_A) _tile_zero(2);
-  if (TWO_A && TWO_B) _tile_zero(3);
-  for (int64_t k = 0; k < k_padded; k += kKAlign) {
+  if (accumulate) {
+    _tile_loadd(0, out, out_stride);
+    if (TWO_B) _tile_loadd(1, out + kPanelRows, out_stride);
+    if (TWO_A) _tile_loadd(2, out + 16 * ldo, out_stride);
+    if (TWO_A && TWO_B) _tile_loadd(3, out + 16 * ldo + kPanelRows, out_stride);
+  } else {
+    _tile_zero(0);
+    if (TWO_B) _tile_zero(1);
+    if (TWO_A) _tile_zero(2);
+    if (TWO_A && TWO_B) _tile_zero(3);
+  }
+  const int64_t ahead = prefetch_ahead;
+  for (int64_t k = k0; k < k1; k += kKAlign) {
+    if (ahead > 0 && k + ahead < k1) {
+      for (int r = 0; r < (TWO_A ? 32 : 16); ++r) _mm_prefetch(reinterpret_cast<const char*>(x + r * ldx + k + ahead), _MM_HINT_T0);
+    }
     const int64_t b_offset = k * kPanelRows;  // 16 pair rows of 32 bf16 per 32 values of K
     _tile_loadd(4, x + k, x_stride);
     _tile_loadd(6, panel0 + b_offset, 64);
@@ -76,28 +95,32 @@ MOECC_AMX void block(const uint16_t* x, int64_t ldx, const uint16_t* panel0, int
 MOECC_AMX void forward(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed, int64_t k_padded,
                        int64_t p0, int64_t p1, float* out, int64_t ldo) {
   int configured0 = -1, configured1 = -1;
-  for (int64_t t0 = 0; t0 < tokens; t0 += 32) {
-    const int rows0 = static_cast<int>(tokens - t0 < 16 ? tokens - t0 : 16);
-    const int64_t rest = tokens - t0 - 16;
-    const int rows1 = static_cast<int>(rest <= 0 ? 0 : (rest < 16 ? rest : 16));
-    // The tile configuration is per thread and other code on this thread (oneDNN) may change it between
-    // calls, so it is loaded on every call and again only when the row counts change.
-    if (rows0 != configured0 || rows1 != configured1) {
-      configure(rows0, rows1);
-      configured0 = rows0;
-      configured1 = rows1;
-    }
-    const uint16_t* xt = x + t0 * ldx;
-    for (int64_t p = p0; p < p1; p += 2) {
-      const uint16_t* panel = packed + p * kPanelRows * k_padded;
-      float* dst = out + t0 * ldo + (p - p0) * kPanelRows;
-      const bool two_b = p + 1 < p1;
-      if (rows1 > 0) {
-        two_b ? block<true, true>(xt, ldx, panel, k_padded, dst, ldo)
-              : block<true, false>(xt, ldx, panel, k_padded, dst, ldo);
-      } else {
-        two_b ? block<false, true>(xt, ldx, panel, k_padded, dst, ldo)
-              : block<false, false>(xt, ldx, panel, k_padded, dst, ldo);
+  const int64_t step = k_block > 0 ? round_up(k_block, kKAlign) : k_padded;
+  for (int64_t k0 = 0; k0 < k_padded; k0 += step) {
+    const int64_t k1 = k0 + step < k_padded ? k0 + step : k_padded;
+    for (int64_t t0 = 0; t0 < tokens; t0 += 32) {
+      const int rows0 = static_cast<int>(tokens - t0 < 16 ? tokens - t0 : 16);
+      const int64_t rest = tokens - t0 - 16;
+      const int rows1 = static_cast<int>(rest <= 0 ? 0 : (rest < 16 ? rest : 16));
+      // The tile configuration is per thread and other code on this thread (oneDNN) may change it between
+      // calls, so it is loaded on every call and again only when the row counts change.
+      if (rows0 != configured0 || rows1 != configured1) {
+        configure(rows0, rows1);
+        configured0 = rows0;
+        configured1 = rows1;
+      }
+      const uint16_t* xt = x + t0 * ldx;
+      for (int64_t p = p0; p < p1; p += 2) {
+        const uint16_t* panel = packed + p * kPanelRows * k_padded;
+        float* dst = out + t0 * ldo + (p - p0) * kPanelRows;
+        const bool two_b = p + 1 < p1, acc = k0 > 0;
+        if (rows1 > 0) {
+          two_b ? block<true, true>(xt, ldx, panel, k_padded, k0, k1, acc, dst, ldo)
+                : block<true, false>(xt, ldx, panel, k_padded, k0, k1, acc, dst, ldo);
+        } else {
+          two_b ? block<false, true>(xt, ldx, panel, k_padded, k0, k1, acc, dst, ldo)
+                : block<false, false>(xt, ldx, panel, k_padded, k0, k1, acc, dst, ldo);
+        }
       }
     }
   }
@@ -126,6 +149,11 @@ MOECC_AMX void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, con
 }
 
 }  // namespace
+
+void set_amx_tuning(int64_t k_block_values, int64_t prefetch_values) {
+  k_block = k_block_values;
+  prefetch_ahead = prefetch_values;
+}
 
 const PanelGemm& panel_gemm_amx() {
   static const PanelGemm gemm{forward, input_grad};

@@ -7,8 +7,11 @@
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
+#include <vector>
 
 #include "cpu_features.h"
+#include "panel_gemm.h"
+#include "weight_packing.h"
 
 namespace moecc::kernels {
 namespace {
@@ -89,6 +92,25 @@ double peak_flops_amx(int64_t iterations) {
     throw std::invalid_argument("this CPU (or kernel) offers no AMX-BF16 tiles");
   }
   return amx_loop(iterations);
+}
+
+double panel_gemm_flops(Isa isa, int64_t tokens, int64_t n, int64_t k, int64_t reps) {
+  const PanelGemm& gemm = panel_gemm(isa);
+  const int64_t k_padded = padded_k(k), ldx = k_padded + 32, panels = padded_rows(n) / kPanelRows;
+  // Small exactly representable values (multiples of 1/64 in [-1, 1]) so no NaN or overflow shows up.
+  std::vector<uint16_t> x(static_cast<size_t>(tokens * ldx)), w(static_cast<size_t>(packed_elements(n, k)));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = float_to_bf16(static_cast<float>(static_cast<int>(i % 129) - 64) / 64);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = float_to_bf16(static_cast<float>(static_cast<int>(i % 127) - 63) / 64);
+  std::vector<float> out(static_cast<size_t>(tokens * panels * kPanelRows));
+  gemm.forward(x.data(), ldx, tokens, w.data(), k_padded, 0, panels, out.data(), panels * kPanelRows);  // warm
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t r = 0; r < reps; ++r) {
+    gemm.forward(x.data(), ldx, tokens, w.data(), k_padded, 0, panels, out.data(), panels * kPanelRows);
+  }
+  const double elapsed = seconds_since(start);
+  volatile float keep = out[0];
+  (void)keep;
+  return 2.0 * static_cast<double>(tokens) * static_cast<double>(n) * static_cast<double>(k) * reps / elapsed;
 }
 
 }  // namespace moecc::kernels

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "panel_gemm.h"
+
 namespace moecc::kernels {
 
 // bf16 FLOP/s of one thread running `iterations` rounds of independent VDPBF16PS (16 accumulators).
@@ -11,5 +13,9 @@ double peak_flops_avx512bf16(int64_t iterations);
 // bf16 FLOP/s of one thread running `iterations` rounds of TDPBF16PS on 4 accumulator tiles.
 // Throws std::invalid_argument if AMX is unavailable (see cpu_features()).
 double peak_flops_amx(int64_t iterations);
+
+// bf16 FLOP/s of one thread running panel_gemm(isa).forward `reps` times on one [tokens, k] x [k, n] problem
+// held in memory it has just touched (so in whichever cache level its size fits): the kernel's ceiling.
+double panel_gemm_flops(Isa isa, int64_t tokens, int64_t n, int64_t k, int64_t reps);
 
 }  // namespace moecc::kernels

@@ -1,4 +1,9 @@
-"""Writes a paradigm comparison as markdown, JSON and two PNG plots a person can read."""
+"""Writes a paradigm comparison as markdown, JSON and two PNG plots a person can read.
+
+Rows are dicts from ``moecc.bench.runner.run_case`` (plus ``predicted_step_s`` from ``moecc.bench.plan``). A row
+with an ``error`` appears in the table with its text (and any times measured), and in the plots only as a
+"not plotted" footnote.
+"""
 from __future__ import annotations
 
 import json
@@ -6,21 +11,92 @@ from pathlib import Path
 
 COLUMNS = ("paradigm", "tokens", "step_s", "predicted_step_s", "tokens_per_s", "peak_gpu_gb", "cpu_experts_s",
            "pcie_s", "gpu_wait_s", "gpu_other_s", "h2d_gb")
+MISSING = "–"  # not measured, or no prediction for that paradigm
+UNITS_NOTE = (f"Times are seconds per training step (median), `_gb` columns are GB (10^9 bytes), "
+              f"`{MISSING}` = not measured or no prediction. A row with an error has no plot point.")
 
 
 def _cell(value) -> str:
-    return f"{value:.3f}" if isinstance(value, float) else str(value)
+    if value is None:
+        return MISSING
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(rows: list[dict], title: str, command: str) -> str:
+    lines = [f"# {title}", "", f"`{command}`", "", "| " + " | ".join(COLUMNS) + " | error |",
+             "|" + "---|" * (len(COLUMNS) + 1)]
+    for row in rows:
+        cells = [_cell(row.get(column)) for column in COLUMNS] + [_cell(row.get("error", ""))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines + ["", UNITS_NOTE]) + "\n"
+
+
+def _not_plotted_note(rows: list[dict]) -> str:
+    failed = list(dict.fromkeys(row["paradigm"] for row in rows if "error" in row))
+    return f"not plotted (error in bench.md): {', '.join(failed)}" if failed else ""
+
+
+def _nothing_measured(ax) -> None:
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.text(0.5, 0.5, "no paradigm produced a measurement", transform=ax.transAxes, ha="center")
+
+
+def _throughput_plot(plt, rows: list[dict], title: str, path: Path) -> None:
+    ok = [row for row in rows if "error" not in row]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for paradigm in dict.fromkeys(row["paradigm"] for row in ok):
+        sel = sorted((row for row in ok if row["paradigm"] == paradigm), key=lambda r: r["tokens"])
+        ax.plot([r["tokens"] for r in sel], [r["tokens_per_s"] for r in sel], marker="o", label=paradigm)
+    ax.set_xscale("log", base=2)
+    counts = sorted({row["tokens"] for row in rows})
+    ax.set_xticks(counts, [str(count) for count in counts])
+    ax.minorticks_off()
+    ax.set_xlabel("tokens per training step")
+    ax.set_ylabel("throughput (tokens/s)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    if ok:
+        ax.legend(title="paradigm")
+    else:
+        _nothing_measured(ax)
+    fig.text(0.01, 0.01, _not_plotted_note(rows), fontsize=8, color="dimgray")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _breakdown_plot(plt, rows: list[dict], title: str, path: Path) -> None:
+    ok = [row for row in rows if "error" not in row]
+    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(ok) + 4), 4.5))
+    labels = [f"{row['paradigm']}\n{row['tokens']}" for row in ok]
+    bottom = [0.0] * len(ok)
+    for key, label in (("cpu_experts_s", "CPU experts (device waits)"), ("pcie_s", "PCIe copies"),
+                       ("gpu_other_s", "GPU and the rest")):
+        values = [row.get(key, 0.0) for row in ok]
+        ax.bar(labels, values, bottom=bottom, label=label, width=0.6)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xlabel("paradigm, tokens per training step")
+    ax.set_ylabel("seconds per training step")
+    ax.set_title(f"Where a step goes — {title}")
+    if ok:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+    else:
+        _nothing_measured(ax)
+    fig.text(0.01, 0.01, _not_plotted_note(rows), fontsize=8, color="dimgray")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def write_report(rows: list[dict], out: Path, title: str, command: str) -> list[Path]:
     """``out``/bench.md, bench.json, tokens_per_s.png, breakdown.png; returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
-    lines = [f"# {title}", "", f"`{command}`", "", "| " + " | ".join(COLUMNS) + " | error |",
-             "|" + "---|" * (len(COLUMNS) + 1)]
-    for row in rows:
-        lines.append("| " + " | ".join(_cell(row.get(c, "")) for c in COLUMNS) + f" | {row.get('error', '')} |")
-    files = [out / "bench.md", out / "bench.json"]
-    files[0].write_text("\n".join(lines) + "\n")
+    files = [out / "bench.md", out / "bench.json", out / "tokens_per_s.png", out / "breakdown.png"]
+    files[0].write_text(_table(rows, title, command))
     files[1].write_text(json.dumps({"title": title, "command": command, "rows": rows}, indent=2))
 
     import matplotlib
@@ -28,33 +104,6 @@ def write_report(rows: list[dict], out: Path, title: str, command: str) -> list[
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [row for row in rows if "error" not in row]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for paradigm in dict.fromkeys(row["paradigm"] for row in ok):
-        sel = sorted((row for row in ok if row["paradigm"] == paradigm), key=lambda r: r["tokens"])
-        ax.plot([r["tokens"] for r in sel], [r["tokens_per_s"] for r in sel], marker="o", label=paradigm)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens per training step")
-    ax.set_ylabel("throughput (tokens/s)")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "tokens_per_s.png", dpi=120)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(ok) + 2), 4.5))
-    labels = [f"{row['paradigm']}\n{row['tokens']}" for row in ok]
-    bottom = [0.0] * len(ok)
-    for key, label in (("cpu_experts_s", "CPU experts (device waits)"), ("pcie_s", "PCIe copies"),
-                       ("gpu_other_s", "GPU and the rest")):
-        values = [row.get(key, 0.0) for row in ok]
-        ax.bar(labels, values, bottom=bottom, label=label)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_ylabel("seconds per step")
-    ax.set_title(f"Where a step goes — {title}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "breakdown.png", dpi=120)
-    plt.close(fig)
-    return files + [out / "tokens_per_s.png", out / "breakdown.png"]
+    _throughput_plot(plt, rows, title, files[2])
+    _breakdown_plot(plt, rows, title, files[3])
+    return files

@@ -11,7 +11,7 @@ from ..api import default_lora_config, prepare
 from ..config import MoeccConfig
 from .presets import random_model
 
-PARADIGMS = ("cocompute", "offload", "gpu")
+PARADIGMS = ("cocompute", "offload", "gpu", "hf-offload")
 
 
 def _sync(device: torch.device) -> None:
@@ -43,7 +43,10 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
         if step >= warmup:
             records.append((step_s, metrics))
     step_s = statistics.median(r[0] for r in records)
-    median = lambda key: statistics.median(r[1].get(key, 0.0) for r in records)  # noqa: E731
+
+    def median(key: str) -> float:
+        return statistics.median(r[1].get(key, 0.0) for r in records)
+
     cpu_s, copy_s, wait_s = median("cpu_experts_s"), median("copy_s"), median("gpu_wait_s")
     return {
         "step_s": step_s, "tokens_per_s": ids.numel() / step_s,
@@ -51,37 +54,85 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
         "cpu_experts_s": cpu_s, "pcie_s": copy_s, "gpu_wait_s": wait_s,
         "gpu_other_s": max(0.0, step_s - cpu_s - copy_s),  # the three parts add up to the step
         "h2d_gb": median("h2d_gb"), "d2h_gb": median("d2h_gb"),
+        "h2d_gbps_while_copying": median("h2d_gb") / copy_s if copy_s > 0 else 0.0,
+        "expert_compute_s": median("expert_compute_s"),
     }
+
+
+HF_OFFLOAD_NEEDS_CUDA = ("hf-offload needs a CUDA GPU: accelerate's offload copies the experts from host memory to "
+                         "the GPU at each forward, and there is no GPU here")
+_EXPECTED_FAILURES = (RuntimeError, ValueError, torch.OutOfMemoryError)
+
+
+def _whole_model_on_gpu(base: torch.nn.Module, lora, device: torch.device, budget_gb: float | None):
+    """The ``gpu`` paradigm: plain PEFT with every weight on the device, if the budget allows it."""
+    from peft import get_peft_model
+
+    needed_gb = sum(p.nbytes for p in base.parameters()) / 1e9
+    limit = budget_gb if budget_gb is not None else (
+        torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda" else None)
+    if limit is not None and needed_gb * 1.1 > limit:
+        raise RuntimeError(f"the whole model needs {needed_gb:.1f} GB on the GPU; the budget is {limit:g} GB")
+    return get_peft_model(base, lora).to(device)
+
+
+def _hf_offload(base: torch.nn.Module, lora, device: torch.device, budget_gb: float | None):
+    """The ``hf-offload`` paradigm under the GPU budget (an allocation past it fails), and why its expert LoRA
+    would not train, if it would not."""
+    from . import hf_offload
+
+    if budget_gb is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gb * 1e9 / total), device)
+    model = hf_offload.build(base, lora, device)
+    return model, hf_offload.untrained_expert_lora(model, device)
+
+
+def _build(paradigm: str, base: torch.nn.Module, lora, device: torch.device, budget_gb: float | None):
+    """``(model, caveat)``: the model to time under ``paradigm``, and a reason its numbers mislead, or None."""
+    if paradigm == "gpu":
+        return _whole_model_on_gpu(base, lora, device, budget_gb), None
+    if paradigm == "hf-offload":
+        return _hf_offload(base, lora, device, budget_gb)
+    config = MoeccConfig(gpu_memory_budget_gb=budget_gb)
+    return prepare(base, lora_config=lora, paradigm=paradigm, device=device, config=config), None
+
+
+def _error_message(paradigm: str, error: Exception) -> str:
+    text = (str(error).strip().splitlines() or [""])[0][:200]
+    if paradigm == "hf-offload":  # errors from inside accelerate / PEFT / transformers: the type says a lot
+        return f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text
 
 
 def run_case(preset: str, layers: int | None, paradigm: str, tokens: list[int], steps: int, rank: int,
              device: torch.device, budget_gb: float | None) -> list[dict]:
-    """One row per token count; a paradigm that cannot run gives rows with an ``error`` saying why."""
+    """One row per token count; a paradigm that cannot run gives rows with an ``error`` saying why.
+
+    ``hf-offload`` records whatever the stock route raises; when it runs but its expert LoRA does not train,
+    its rows carry the times and that as the ``error``.
+    """
+    if device.type == "cuda" and device.index is None:  # the memory budget is set per numbered device
+        device = torch.device("cuda", torch.cuda.current_device())
+    if paradigm == "hf-offload" and device.type != "cuda":
+        return [{"paradigm": paradigm, "tokens": count, "error": HF_OFFLOAD_NEEDS_CUDA} for count in tokens]
     dtype = torch.float32 if preset == "tiny" else torch.bfloat16
     base = random_model(preset, layers, dtype)
     lora = default_lora_config(base, rank=rank)
-    rows = []
+    model, rows = None, []
     try:
-        if paradigm == "gpu":
-            from peft import get_peft_model
-
-            needed_gb = sum(p.nbytes for p in base.parameters()) / 1e9
-            limit = budget_gb if budget_gb is not None else (
-                torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda" else None)
-            if limit is not None and needed_gb * 1.1 > limit:
-                raise RuntimeError(f"the whole model needs {needed_gb:.1f} GB on the GPU; the budget is {limit:g} GB")
-            model = get_peft_model(base, lora).to(device)
-        else:
-            config = MoeccConfig(gpu_memory_budget_gb=budget_gb)
-            model = prepare(base, lora_config=lora, paradigm=paradigm, device=device, config=config)
+        model, caveat = _build(paradigm, base, lora, device, budget_gb)
         for count in tokens:
-            rows.append({"paradigm": paradigm, "tokens": count, **time_training(model, device, count, steps)})
-    except (RuntimeError, ValueError, torch.OutOfMemoryError) as error:
+            row = {"paradigm": paradigm, "tokens": count, **time_training(model, device, count, steps)}
+            rows.append({**row, "error": caveat} if caveat else row)
+    except Exception as error:
+        if paradigm != "hf-offload" and not isinstance(error, _EXPECTED_FAILURES):
+            raise
         done = {row["tokens"] for row in rows}
-        rows += [{"paradigm": paradigm, "tokens": count, "error": str(error).splitlines()[0][:200]}
+        rows += [{"paradigm": paradigm, "tokens": count, "error": _error_message(paradigm, error)}
                  for count in tokens if count not in done]
     finally:
-        del base
+        del model, base
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -81,6 +81,7 @@ class OffloadEngine:
         # stream for a slot; read (and synchronised) only when metrics are asked for.
         self._copy_events: list[tuple] = []
         self._wait_events: list[tuple] = []
+        self._compute_events: list[tuple] = []  # around each expert computation on the compute stream
 
     @property
     def compute(self) -> str:
@@ -95,7 +96,27 @@ class OffloadEngine:
         self.metrics.reset()
         self._mark = self.h2d_bytes
         self.copy_s = 0.0
-        self._copy_events, self._wait_events = [], []
+        self._copy_events, self._wait_events, self._compute_events = [], [], []
+
+    def compute_begins(self) -> tuple:
+        """Marks the start of expert math on the compute stream; pass the result to :meth:`compute_ends`."""
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+        return time.perf_counter(), event
+
+    def compute_ends(self, begun: tuple, backward: bool) -> None:
+        """Adds the expert math's time: GPU time between events on CUDA, wall time elsewhere."""
+        start, event = begun
+        if event is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self.device))
+            self._compute_events.append((event, end))
+        elif backward:
+            self.metrics.cpu_backward_s += time.perf_counter() - start
+        else:
+            self.metrics.cpu_forward_s += time.perf_counter() - start
 
     @staticmethod
     def _elapsed_s(pairs: list[tuple]) -> float:
@@ -106,13 +127,14 @@ class OffloadEngine:
         return total
 
     def metrics_since_reset(self) -> dict[str, float]:
-        """Same keys as the co-compute engine's; ``cpu_experts_s`` is 0, ``copy_s`` the time copies took and
-        ``gpu_wait_s`` the time the compute stream stalled waiting for them."""
+        """Same keys as the co-compute engine's; ``cpu_experts_s`` is 0, ``copy_s`` the time copies took,
+        ``gpu_wait_s`` the time the compute stream stalled waiting for them and ``expert_compute_s`` the
+        device time of the expert math (all from CUDA events on a GPU)."""
         m = self.metrics
         return {"cpu_experts_s": 0.0, "h2d_gb": (self.h2d_bytes - self._mark) / 1e9, "d2h_gb": 0.0,
                 "gpu_wait_s": m.wait_s + self._elapsed_s(self._wait_events), "tokens": float(m.tokens),
                 "routing_skew": m.routing_skew, "copy_s": self.copy_s + self._elapsed_s(self._copy_events),
-                "expert_compute_s": m.cpu_forward_s + m.cpu_backward_s}
+                "expert_compute_s": m.cpu_forward_s + m.cpu_backward_s + self._elapsed_s(self._compute_events)}
 
     def _slot_for(self, layer: OffloadLayer) -> _Slot:
         if layer.index in self.slots:
@@ -256,14 +278,14 @@ class OffloadExpertsFunction(torch.autograd.Function):
         many = len(experts) * 2 >= num_experts
         engine.prefetch(layer.index + 1, None if many else [])  # next layer's routing is unknown: all or none
         engine.use(slot)
-        start = time.perf_counter()
+        begun = engine.compute_begins()
         device_lora = tuple(_on_device(part, engine.device) for part in lora)
         math = EXPERT_MATH[engine.compute]  # backward uses the same, whatever compute is by then
         with record_function("moecc.offload.forward"):
             out, saved = math.experts_forward(layer.device_weights(slot), hidden, top_k_index, top_k_weights,
                                               *device_lora)
         engine.done_with(slot)
-        engine.metrics.cpu_forward_s += time.perf_counter() - start
+        engine.compute_ends(begun, backward=False)
         token_counts = [0] * num_experts
         for expert, count in zip(experts, counts):
             token_counts[expert] = count
@@ -282,13 +304,13 @@ class OffloadExpertsFunction(torch.autograd.Function):
         if previous is not None and getattr(previous, "last_experts", None) is not None:
             engine.prefetch(layer.index - 1, previous.last_experts)
         engine.use(slot)
-        start = time.perf_counter()
+        begun = engine.compute_begins()
         device_lora = tuple(_on_device(part, engine.device) for part in ctx.lora)
         with record_function("moecc.offload.backward"):
             grad_hidden, grad_weights, grads = ctx.math.experts_backward(layer.device_weights(slot), ctx.saved,
                                                                          grad_out, *device_lora)
         engine.done_with(slot)
-        engine.metrics.cpu_backward_s += time.perf_counter() - start
+        engine.compute_ends(begun, backward=True)
         ctx.saved = None
         return (grad_hidden.to(ctx.dtypes[0]), grad_weights.to(ctx.dtypes[1]), None, None, None,
                 *factor_gradients(ctx.lora, grads))

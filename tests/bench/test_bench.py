@@ -31,6 +31,48 @@ def test_paradigm_that_cannot_run_is_recorded(tmp_path):
     assert "needs" in (tmp_path / "bench.md").read_text()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error given where there is no CUDA GPU")
+def test_hf_offload_without_cuda_is_an_error_row_end_to_end(tmp_path):
+    """The issue's command on a machine without a GPU: hf-offload is reported as an error, not skipped."""
+    assert cli.main(["bench", "--preset", "tiny", "--layers", "1", "--tokens", "64", "--steps", "1",
+                     "--paradigms", "cocompute,hf-offload", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [row["paradigm"] for row in rows] == ["cocompute", "hf-offload"]
+    assert "error" not in rows[0] and rows[0]["tokens_per_s"] > 0
+    assert rows[1]["error"].startswith("hf-offload needs a CUDA GPU") and rows[1]["predicted_step_s"] is None
+    table = (tmp_path / "bench.md").read_text()
+    assert "| hf-offload | 64 | – | – |" in table and "hf-offload needs a CUDA GPU" in table
+    for plot in ("tokens_per_s.png", "breakdown.png"):
+        assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_default_paradigms_include_hf_offload_and_unknown_names_are_refused(tmp_path, monkeypatch):
+    args = cli_args(tmp_path)
+    args.paradigms = "cocompute,hf_offload"
+    with pytest.raises(SystemExit, match="unknown paradigm 'hf_offload'"):
+        cli.bench(args)
+    parsed = []
+    monkeypatch.setattr(cli, "bench", parsed.append)  # keep the parsed arguments instead of running
+    cli.main(["bench"])
+    assert parsed[0].paradigms.split(",") == ["cocompute", "offload", "gpu", "hf-offload"]
+
+
+def test_report_shows_errors_in_the_table_and_leaves_them_out_of_the_plots(tmp_path):
+    from moecc.bench.report import write_report
+
+    measured = {"step_s": 0.5, "tokens_per_s": 128.0, "peak_gpu_gb": 1.0, "cpu_experts_s": 0.25, "pcie_s": 0.0,
+                "gpu_wait_s": 0.0, "gpu_other_s": 0.25, "h2d_gb": 0.0}
+    rows = [{"paradigm": "cocompute", "tokens": 64, "predicted_step_s": 0.4, **measured},
+            {"paradigm": "hf-offload", "tokens": 64, "predicted_step_s": None, **measured, "error": "a | b"},
+            {"paradigm": "hf-offload", "tokens": 128, "predicted_step_s": None, "error": "OutOfMemoryError: x"}]
+    write_report(rows, tmp_path, "t", "moecc bench")
+    table = (tmp_path / "bench.md").read_text()
+    assert "| hf-offload | 64 | 0.5 | – | 128 |" in table and "a \\| b" in table
+    assert "| hf-offload | 128 | – | – | – |" in table and "OutOfMemoryError: x" in table
+    write_report(rows[1:], tmp_path / "all_failed", "t", "moecc bench")  # nothing to plot is still a picture
+    assert (tmp_path / "all_failed" / "tokens_per_s.png").stat().st_size > 0
+
+
 def test_presets_build_real_shapes():
     for name in PRESETS:
         config = preset_config(name, layers=2)
@@ -52,3 +94,4 @@ def cli_args(out):
 
     return argparse.Namespace(preset="tiny", layers=None, tokens="16,64", paradigms="cocompute,offload,gpu",
                               gpu_budget=None, steps=1, rank=4, out=str(out))
+
