@@ -52,6 +52,8 @@ CASES = [  # tokens, experts, hidden, inter, top_k, rank, skew
     (64, 8, 64, 32, 2, 0, True),      # no LoRA, hot expert
     (130, 5, 96, 24, 2, 8, True),     # more rows than one token block
     (0, 4, 32, 16, 2, 4, False),
+    (50, 5, 80, 40, 2, 12, False),    # rank above one register group of 8; column tails
+    (300, 4, 64, 48, 2, 4, True),     # a hot expert with more rows than one 256-row product task
 ]
 
 

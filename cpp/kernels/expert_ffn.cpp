@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../pool/thread_pool.h"
+#include "lora_products.h"
 #include "weight_packing.h"
 
 namespace moecc::kernels {
@@ -85,7 +86,9 @@ MOECC_VECTOR_CLONES void to_bf16(const float* src, uint16_t* dst, int64_t n) {
 // Taylor polynomial for e^r, and 2^n built in the exponent bits; inputs clamp to the finite float range.
 inline float vector_exp(float x) {
   x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // selects, not fmin/fmax calls: they vectorise
-  const float n = std::nearbyint(x * 1.44269504088896341f);
+  // Round to nearest by adding and removing 1.5 * 2^23 (nearbyint stays a scalar call under -ftrapping-math).
+  const float shifter = 12582912.0f;
+  const float n = (x * 1.44269504088896341f + shifter) - shifter;
   const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;  // ln2 split in two parts
   float p = 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
@@ -106,12 +109,20 @@ MOECC_VECTOR_CLONES void to_bf16_scaled(const float* src, float w, float* dst, i
   for (int64_t i = 0; i < n; ++i) dst[i] = round_bf16(src[i]) * w;
 }
 
-// act[i] = round(round(silu(gate[i])) * up[i]) from one row of bf16 gate/up outputs.
+// act[i] = round(round(silu(gate[i])) * up[i]) from one row of bf16 gate/up outputs. Two simple loops over an
+// L1-sized chunk: GCC vectorises each, but not the two bf16 roundings fused into one loop body.
 MOECC_VECTOR_CLONES void swiglu_row(const uint16_t* gate, const uint16_t* up, uint16_t* act, int64_t n) {
+  constexpr int64_t kChunk = 256;
+  float silu[kChunk];
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+    const int64_t len = n - c0 < kChunk ? n - c0 : kChunk;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = bf16_to_float(gate[i]);
-    act[i] = float_to_bf16(round_bf16(g / (1.0f + vector_exp(-g))) * bf16_to_float(up[i]));
+    for (int64_t i = 0; i < len; ++i) {
+      const float g = bf16_to_float(gate[c0 + i]);
+      silu[i] = g / (1.0f + vector_exp(-g));
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) act[c0 + i] = float_to_bf16(round_bf16(silu[i]) * bf16_to_float(up[c0 + i]));
   }
 }
 
@@ -137,9 +148,7 @@ void lora_inner(const LoraFactors& lora, int64_t expert, int64_t in_features, co
                 int64_t ld, float* inner) {
   const float* a = lora.a + expert * lora.rank * in_features;
   for (int64_t g = task.begin; g < task.end; ++g) {
-    for (int64_t r = 0; r < lora.rank; ++r) {
-      inner[g * lora.rank + r] = dot_bf16(rows + g * ld, a + r * in_features, in_features);
-    }
+    rank_dots(rows + g * ld, a, lora.rank, in_features, 1.0f, inner + g * lora.rank);
   }
 }
 
@@ -256,7 +265,7 @@ struct ForwardScratch {
 struct BackwardScratch {
   std::mutex mutex;
   Scratch<uint16_t> xg, act, dy_bf16, grad_gu_bf16;
-  Scratch<float> inner_gu, inner_down, grad_inner_gu, grad_inner_down, dy, grad_act, grad_gu, per_pair;
+  Scratch<float> inner_gu, inner_down, grad_inner_gu, grad_inner_down, dy, grad_act, grad_gu, per_pair, row_weight;
 };
 
 void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts& weights,
@@ -318,50 +327,59 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts
   clock.mark("sum_slots");
 }
 
-// Accumulates the four LoRA factor gradients; one task per (expert, factor), sums over the expert's rows.
+// Accumulates the four LoRA factor gradients, each a sum over an expert's rows of rank-r outer products. Tasks
+// are (expert, factor, block of columns), largest experts first, so a hot expert is spread over threads.
 struct LoraGradInputs {
-  const float *inner_gu, *inner_down, *grad_inner_gu, *grad_inner_down, *dy, *grad_gu;
+  const float *inner_gu, *inner_down, *grad_inner_gu, *grad_inner_down, *dy, *grad_gu, *row_weight;
   const uint16_t *xg, *act;
   int64_t ld_x, ld_act, ld_dy, ld_dgu;
 };
 
+constexpr int64_t kGradFactorColumns = 256;
+
 void lora_factor_grads(const Dims& d, const LoraFactors& gate_up_lora, const LoraFactors& down_lora,
                        const Routing& routing, const LoraGradInputs& in, const BackwardIo& io,
                        moecc::pool::ThreadPool& pool) {
-  pool.run(d.E * 4, [&](int64_t id, int) {
-    const int64_t e = id / 4, which = id % 4, begin = routing.offsets[e], end = routing.offsets[e + 1];
-    if (begin == end) return;
-    if (which == 0 && down_lora.a) {  // dA_down[r][i] = sum_g w (s dy B)[g][r] act[g][i]
-      float* out = io.grad_down_a + e * down_lora.rank * d.I;
-      for (int64_t g = begin; g < end; ++g) {
-        const float w = routing.weights[routing.order[g]];
-        for (int64_t r = 0; r < down_lora.rank; ++r) {
-          axpy_bf16(w * in.grad_inner_down[g * down_lora.rank + r], in.act + g * in.ld_act, out + r * d.I, d.I);
-        }
+  struct FactorTask {
+    int64_t expert, which, c0, c1;
+  };
+  const int64_t widths[4] = {d.I, d.H, d.H, 2 * d.I};  // dA_down, dB_down^T, dA_gu, dB_gu^T
+  const bool present[4] = {down_lora.a != nullptr, down_lora.a != nullptr, gate_up_lora.a != nullptr,
+                           gate_up_lora.a != nullptr};
+  std::vector<FactorTask> tasks;
+  for (int64_t e = 0; e < d.E; ++e) {
+    if (routing.offsets[e] == routing.offsets[e + 1]) continue;
+    for (int64_t which = 0; which < 4; ++which) {
+      if (!present[which]) continue;
+      for (int64_t c = 0; c < widths[which]; c += kGradFactorColumns) {
+        tasks.push_back({e, which, c, std::min(widths[which], c + kGradFactorColumns)});
       }
-    } else if (which == 1 && down_lora.a) {  // dB_down^T[r][h] = s sum_g w (act A)[g][r] dy[g][h]
-      float* out = io.grad_down_b + e * down_lora.rank * d.H;
-      for (int64_t g = begin; g < end; ++g) {
-        const float w = routing.weights[routing.order[g]] * down_lora.scaling;
-        for (int64_t r = 0; r < down_lora.rank; ++r) {
-          axpy(w * in.inner_down[g * down_lora.rank + r], in.dy + g * in.ld_dy, out + r * d.H, d.H);
-        }
-      }
-    } else if (which == 2 && gate_up_lora.a) {  // dA_gu[r][h] = sum_g (s dG B)[g][r] x[g][h]
-      float* out = io.grad_gate_up_a + e * gate_up_lora.rank * d.H;
-      for (int64_t g = begin; g < end; ++g) {
-        for (int64_t r = 0; r < gate_up_lora.rank; ++r) {
-          axpy_bf16(in.grad_inner_gu[g * gate_up_lora.rank + r], in.xg + g * in.ld_x, out + r * d.H, d.H);
-        }
-      }
-    } else if (which == 3 && gate_up_lora.a) {  // dB_gu^T[r][c] = s sum_g (x A)[g][r] dG[g][c]
-      float* out = io.grad_gate_up_b + e * gate_up_lora.rank * 2 * d.I;
-      for (int64_t g = begin; g < end; ++g) {
-        for (int64_t r = 0; r < gate_up_lora.rank; ++r) {
-          axpy(gate_up_lora.scaling * in.inner_gu[g * gate_up_lora.rank + r], in.grad_gu + g * in.ld_dgu,
-               out + r * 2 * d.I, 2 * d.I);
-        }
-      }
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const FactorTask& a, const FactorTask& b) {
+    return routing.offsets[a.expert + 1] - routing.offsets[a.expert] >
+           routing.offsets[b.expert + 1] - routing.offsets[b.expert];
+  });
+  pool.run(static_cast<int64_t>(tasks.size()), [&](int64_t id, int) {
+    const FactorTask& t = tasks[static_cast<size_t>(id)];
+    const int64_t e = t.expert, begin = routing.offsets[e], count = routing.offsets[e + 1] - begin;
+    if (t.which == 0) {  // dA_down[r][i] = sum_g w (s dy B)[g][r] act[g][i]
+      const int64_t r = down_lora.rank;
+      rank_outer_accumulate(in.grad_inner_down + begin * r, in.row_weight + begin, 1.0f, in.act + begin * in.ld_act,
+                            in.ld_act, count, r, t.c0, t.c1, io.grad_down_a + e * r * d.I, d.I);
+    } else if (t.which == 1) {  // dB_down^T[r][h] = s sum_g w (act A)[g][r] dy[g][h]
+      const int64_t r = down_lora.rank;
+      rank_outer_accumulate(in.inner_down + begin * r, in.row_weight + begin, down_lora.scaling,
+                            in.dy + begin * in.ld_dy, in.ld_dy, count, r, t.c0, t.c1, io.grad_down_b + e * r * d.H,
+                            d.H);
+    } else if (t.which == 2) {  // dA_gu[r][h] = sum_g (s dG B)[g][r] x[g][h]
+      const int64_t r = gate_up_lora.rank;
+      rank_outer_accumulate(in.grad_inner_gu + begin * r, nullptr, 1.0f, in.xg + begin * in.ld_x, in.ld_x, count, r,
+                            t.c0, t.c1, io.grad_gate_up_a + e * r * d.H, d.H);
+    } else {  // dB_gu^T[r][c] = s sum_g (x A)[g][r] dG[g][c]
+      const int64_t r = gate_up_lora.rank;
+      rank_outer_accumulate(in.inner_gu + begin * r, nullptr, gate_up_lora.scaling, in.grad_gu + begin * in.ld_dgu,
+                            in.ld_dgu, count, r, t.c0, t.c1, io.grad_gate_up_b + e * r * 2 * d.I, 2 * d.I);
     }
   });
 }
@@ -370,9 +388,7 @@ void lora_factor_grads(const Dims& d, const LoraFactors& gate_up_lora, const Lor
 void lora_grad_inner(const LoraFactors& lora, int64_t expert, int64_t out_features, const float* grad, int64_t ld,
                      int64_t g, float* inner) {
   const float* b_t = lora.b + expert * lora.rank * out_features;
-  for (int64_t r = 0; r < lora.rank; ++r) {
-    inner[g * lora.rank + r] = lora.scaling * dot(grad + g * ld, b_t + r * out_features, out_features);
-  }
+  rank_dots(grad + g * ld, b_t, lora.rank, out_features, lora.scaling, inner + g * lora.rank);
 }
 
 void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExperts& weights,
@@ -398,6 +414,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
   float* grad_act = scratch.grad_act.get(d.pairs * d.ld_act);
   float* grad_gu = scratch.grad_gu.get(d.pairs * d.ld_dgu);
   float* per_pair = scratch.per_pair.get(d.pairs * d.H);
+  float* row_weight = scratch.row_weight.get(std::max<int64_t>(d.pairs, 1));  // routing weight per grouped row
 
   gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool);
   activate(d, io.gate_up_out, down_lora, rows, act, inner_down, pool);
@@ -435,6 +452,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
     for (int64_t g = task.begin; g < task.end; ++g) {
       const int64_t pair = routing.order[g];
       const float w = routing.weights[pair];
+      row_weight[g] = w;
       io.grad_routing[pair] = dot_bf16(act + g * d.ld_act, grad_act + g * d.ld_act, d.I);
       const uint16_t* gu = io.gate_up_out + g * 2 * d.I;
       float* dg = grad_gu + g * d.ld_dgu;
@@ -469,8 +487,8 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
   clock.mark("gate_up_input_grad");
   if (gate_up_lora.a || down_lora.a) {
     lora_factor_grads(d, gate_up_lora, down_lora, routing,
-                      {inner_gu, inner_down, grad_inner_gu, grad_inner_down, dy, grad_gu, xg, act, d.ld_x, d.ld_act, d.ld_dy,
-                       d.ld_dgu},
+                      {inner_gu, inner_down, grad_inner_gu, grad_inner_down, dy, grad_gu, row_weight, xg, act, d.ld_x,
+                       d.ld_act, d.ld_dy, d.ld_dgu},
                       io, pool);
   }
   clock.mark("lora_grads");

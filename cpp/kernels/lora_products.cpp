@@ -1,0 +1,180 @@
+// Rank-r LoRA products (lora_products.h) with GCC vector types: one source, compiled by target_clones for AVX512
+// (16 floats per register) and for the baseline ISA (the same code split into SSE registers). Ranks are taken
+// in groups of up to 8 so the accumulators stay in registers whatever r is.
+#include "lora_products.h"
+
+#include <cstring>
+
+// 64-byte vector types passed between always-inline helpers: GCC warns that their ABI differs with and without
+// AVX512, which cannot matter for calls that are always inlined.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace moecc::kernels {
+namespace {
+
+#define MOECC_VECTOR_CLONES __attribute__((target_clones("avx512f", "default")))
+#define MOECC_INLINE __attribute__((always_inline)) inline
+
+typedef float vf __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 16;
+constexpr int kGroup = 8;
+
+MOECC_INLINE vf load16(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+MOECC_INLINE vf load16(const uint16_t* p) {  // bf16 -> float: the bits are the top half of a float
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  const vu wide = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+}
+MOECC_INLINE void store16(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+MOECC_INLINE float widen(float v) { return v; }
+MOECC_INLINE float widen(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float v;
+  std::memcpy(&v, &wide, sizeof(v));
+  return v;
+}
+MOECC_INLINE float lane_sum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+template <int G, typename T>
+MOECC_INLINE void dots_group(const T* row, const float* factors, int64_t n, float scale, float* out) {
+  vf acc[G];
+  for (int j = 0; j < G; ++j) acc[j] = vf{};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vf x = load16(row + i);
+    for (int j = 0; j < G; ++j) acc[j] += x * load16(factors + j * n + i);
+  }
+  for (int j = 0; j < G; ++j) {
+    float s = lane_sum(acc[j]);
+    for (int64_t t = i; t < n; ++t) s += widen(row[t]) * factors[j * n + t];
+    out[j] = scale * s;
+  }
+}
+
+template <typename T>
+MOECC_INLINE void dots(const T* row, const float* factors, int64_t rank, int64_t n, float scale, float* out) {
+  for (int64_t j0 = 0; j0 < rank; j0 += kGroup) {
+    const float* f = factors + j0 * n;
+    float* o = out + j0;
+    switch (rank - j0 < kGroup ? rank - j0 : kGroup) {
+      case 8: dots_group<8>(row, f, n, scale, o); break;
+      case 7: dots_group<7>(row, f, n, scale, o); break;
+      case 6: dots_group<6>(row, f, n, scale, o); break;
+      case 5: dots_group<5>(row, f, n, scale, o); break;
+      case 4: dots_group<4>(row, f, n, scale, o); break;
+      case 3: dots_group<3>(row, f, n, scale, o); break;
+      case 2: dots_group<2>(row, f, n, scale, o); break;
+      default: dots_group<1>(row, f, n, scale, o); break;
+    }
+  }
+}
+
+// Columns in steps of 2 x 16 (2G accumulators), then 16, then one at a time.
+template <int G, typename T>
+MOECC_INLINE void outer_group(const float* coef, int64_t rank, const float* row_scale, float scale, const T* rows,
+                              int64_t ld, int64_t count, int64_t c0, int64_t c1, float* out, int64_t out_ld) {
+  auto factor = [&](int64_t g, int j) { return coef[g * rank + j] * scale * (row_scale ? row_scale[g] : 1.0f); };
+  int64_t c = c0;
+  for (; c + 2 * kLanes <= c1; c += 2 * kLanes) {
+    vf lo[G], hi[G];
+    for (int j = 0; j < G; ++j) lo[j] = hi[j] = vf{};
+    for (int64_t g = 0; g < count; ++g) {
+      const vf x0 = load16(rows + g * ld + c), x1 = load16(rows + g * ld + c + kLanes);
+      for (int j = 0; j < G; ++j) {
+        const float f = factor(g, j);
+        lo[j] += f * x0;
+        hi[j] += f * x1;
+      }
+    }
+    for (int j = 0; j < G; ++j) {
+      store16(out + j * out_ld + c, load16(out + j * out_ld + c) + lo[j]);
+      store16(out + j * out_ld + c + kLanes, load16(out + j * out_ld + c + kLanes) + hi[j]);
+    }
+  }
+  for (; c + kLanes <= c1; c += kLanes) {
+    vf acc[G];
+    for (int j = 0; j < G; ++j) acc[j] = vf{};
+    for (int64_t g = 0; g < count; ++g) {
+      const vf x = load16(rows + g * ld + c);
+      for (int j = 0; j < G; ++j) acc[j] += factor(g, j) * x;
+    }
+    for (int j = 0; j < G; ++j) store16(out + j * out_ld + c, load16(out + j * out_ld + c) + acc[j]);
+  }
+  for (; c < c1; ++c) {
+    for (int j = 0; j < G; ++j) {
+      float s = 0.0f;
+      for (int64_t g = 0; g < count; ++g) s += factor(g, j) * widen(rows[g * ld + c]);
+      out[j * out_ld + c] += s;
+    }
+  }
+}
+
+template <typename T>
+MOECC_INLINE void outer(const float* coef, const float* row_scale, float scale, const T* rows, int64_t ld,
+                        int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld) {
+  for (int64_t j0 = 0; j0 < rank; j0 += kGroup) {
+    const float* k = coef + j0;
+    float* o = out + j0 * out_ld;
+    switch (rank - j0 < kGroup ? rank - j0 : kGroup) {
+      case 8: outer_group<8>(k, rank, row_scale, scale, rows, ld, count, c0, c1, o, out_ld); break;
+      case 7: outer_group<7>(k, rank, row_scale, scale, rows, ld, count, c0, c1, o, out_ld); break;
+      case 6: outer_group<6>(k, rank, row_scale, scale, rows, ld, count, c0, c1, o, out_ld); break;
+      case 5: outer_group<5>(k, rank, row_scale, scale, rows, ld, count, c0, c1, o, out_ld); break;
+      case 4: outer_group<4>(k, rank, row_scale, scale, rows, ld, count, c0, c1, o, out_ld); break;
+      case 3: outer_group<3>(k, rank, row_scale, scale, rows, ld, count, c0, c1, o, out_ld); break;
+      case 2: outer_group<2>(k, rank, row_scale, scale, rows, ld, count, c0, c1, o, out_ld); break;
+      default: outer_group<1>(k, rank, row_scale, scale, rows, ld, count, c0, c1, o, out_ld); break;
+    }
+  }
+}
+
+MOECC_VECTOR_CLONES void dots_bf16(const uint16_t* row, const float* factors, int64_t rank, int64_t n, float scale,
+                                   float* out) {
+  dots(row, factors, rank, n, scale, out);
+}
+MOECC_VECTOR_CLONES void dots_f32(const float* row, const float* factors, int64_t rank, int64_t n, float scale,
+                                  float* out) {
+  dots(row, factors, rank, n, scale, out);
+}
+MOECC_VECTOR_CLONES void outer_bf16(const float* coef, const float* row_scale, float scale, const uint16_t* rows,
+                                    int64_t ld, int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out,
+                                    int64_t out_ld) {
+  outer(coef, row_scale, scale, rows, ld, count, rank, c0, c1, out, out_ld);
+}
+MOECC_VECTOR_CLONES void outer_f32(const float* coef, const float* row_scale, float scale, const float* rows,
+                                   int64_t ld, int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out,
+                                   int64_t out_ld) {
+  outer(coef, row_scale, scale, rows, ld, count, rank, c0, c1, out, out_ld);
+}
+
+}  // namespace
+
+void rank_dots(const uint16_t* row, const float* factors, int64_t rank, int64_t n, float scale, float* out) {
+  dots_bf16(row, factors, rank, n, scale, out);
+}
+void rank_dots(const float* row, const float* factors, int64_t rank, int64_t n, float scale, float* out) {
+  dots_f32(row, factors, rank, n, scale, out);
+}
+void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const uint16_t* rows, int64_t ld,
+                           int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld) {
+  outer_bf16(coef, row_scale, scale, rows, ld, count, rank, c0, c1, out, out_ld);
+}
+void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const float* rows, int64_t ld,
+                           int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld) {
+  outer_f32(coef, row_scale, scale, rows, ld, count, rank, c0, c1, out, out_ld);
+}
+
+}  // namespace moecc::kernels

@@ -1,0 +1,22 @@
+// The rank-r products of factorised LoRA: r dot products of one row (x A^T), and the factor gradients, which are
+// sums of rank-r outer products over an expert's rows. Both are memory-light but were the slowest non-matrix
+// steps when written as r separate passes over each row; these do one pass with r accumulators.
+// Built for AVX512 and for the baseline ISA; the copy for the running CPU is picked at load time.
+#pragma once
+
+#include <cstdint>
+
+namespace moecc::kernels {
+
+// out[j] = scale * sum_i row[i] * factors[j * n + i] for j < rank. row: bf16 bits or float.
+void rank_dots(const uint16_t* row, const float* factors, int64_t rank, int64_t n, float scale, float* out);
+void rank_dots(const float* row, const float* factors, int64_t rank, int64_t n, float scale, float* out);
+
+// out[j * out_ld + c] += scale * sum_{g < count} coef[g * rank + j] * row_scale[g] * rows[g * ld + c] for
+// j < rank and c0 <= c < c1; row_scale may be null (all 1). rows: bf16 bits or float.
+void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const uint16_t* rows, int64_t ld,
+                           int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld);
+void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const float* rows, int64_t ld,
+                           int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld);
+
+}  // namespace moecc::kernels
