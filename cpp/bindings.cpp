@@ -47,6 +47,18 @@ LoraFactors lora_factors(std::uintptr_t a, std::uintptr_t b, int64_t rank, float
   return lora;
 }
 
+// A rate measured by `one` on one thread (threads <= 1), or summed over one run on each of the pool's threads.
+template <typename Fn>
+double rate(int threads, Fn&& one) {
+  if (threads <= 1) return one();
+  auto pool = moecc::pool::global_pool();
+  std::vector<double> rates(static_cast<size_t>(pool->num_threads()), 0.0);
+  pool->run(pool->num_threads(), [&](int64_t task, int) { rates[static_cast<size_t>(task)] = one(); });
+  double total = 0.0;
+  for (double r : rates) total += r;
+  return total;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -160,17 +172,10 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "peak_flops",
       [](const std::string& isa, int64_t iterations, int threads) {
-        auto one = [&]() {
+        return rate(threads, [&]() {
           return isa == "amx" ? moecc::kernels::peak_flops_amx(iterations)
                               : moecc::kernels::peak_flops_avx512bf16(iterations);
-        };
-        if (threads <= 1) return one();
-        auto pool = moecc::pool::global_pool();
-        std::vector<double> rates(static_cast<size_t>(pool->num_threads()), 0.0);
-        pool->run(pool->num_threads(), [&](int64_t task, int) { rates[static_cast<size_t>(task)] = one(); });
-        double total = 0.0;
-        for (double r : rates) total += r;
-        return total;
+        });
       },
       py::arg("isa"), py::arg("iterations"), py::arg("threads") = 1, py::call_guard<py::gil_scoped_release>(),
       "Register-only bf16 FLOP/s of one thread (threads=1) or the sum over the pool's threads "
@@ -179,14 +184,9 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "panel_gemm_flops",
       [](int isa, int64_t tokens, int64_t n, int64_t k, int64_t reps, int threads) {
-        auto one = [&]() { return moecc::kernels::panel_gemm_flops(static_cast<Isa>(isa), tokens, n, k, reps); };
-        if (threads <= 1) return one();
-        auto pool = moecc::pool::global_pool();
-        std::vector<double> rates(static_cast<size_t>(pool->num_threads()), 0.0);
-        pool->run(pool->num_threads(), [&](int64_t task, int) { rates[static_cast<size_t>(task)] = one(); });
-        double total = 0.0;
-        for (double r : rates) total += r;
-        return total;
+        return rate(threads, [&]() {
+          return moecc::kernels::panel_gemm_flops(static_cast<Isa>(isa), tokens, n, k, reps);
+        });
       },
       py::arg("isa"), py::arg("tokens"), py::arg("n"), py::arg("k"), py::arg("reps"), py::arg("threads") = 1,
       py::call_guard<py::gil_scoped_release>(),
