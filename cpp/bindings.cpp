@@ -47,7 +47,8 @@ LoraFactors lora_factors(std::uintptr_t a, std::uintptr_t b, int64_t rank, float
   return lora;
 }
 
-// A rate measured by `one` on one thread (threads <= 1), or summed over one run on each of the pool's threads.
+// A rate measured by `one` on one thread (threads <= 1), or summed over as many concurrent runs as the pool has
+// threads (handed out like any pool job, so a thread may take two when another is slow to start).
 template <typename Fn>
 double rate(int threads, Fn&& one) {
   if (threads <= 1) return one();
