@@ -95,3 +95,17 @@ def cli_args(out):
     return argparse.Namespace(preset="tiny", layers=None, tokens="16,64", paradigms="cocompute,offload,gpu",
                               gpu_budget=None, steps=1, rank=4, out=str(out))
 
+
+
+def test_random_model_fills_large_tensors_fast_and_deterministically(monkeypatch):
+    from moecc.bench import presets
+
+    monkeypatch.setattr(presets, "_DRAWN_ELEMENTS", 1 << 10)  # the tiny model's expert stacks count as large
+    a, b = random_model("tiny", seed=3), random_model("tiny", seed=3)
+    experts = [(n, p) for n, p in a.named_parameters() if "experts" in n and p.numel() > 1 << 10]
+    assert experts
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), name  # same seed, same model
+    first, second = experts[0][1].flatten(), experts[1][1].flatten()
+    assert not torch.equal(first[:1024], second[:1024])  # tiles start at different random offsets
+    assert abs(first.float().std().item() - 0.02) < 0.002
