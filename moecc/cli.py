@@ -76,16 +76,18 @@ def bench(args: argparse.Namespace) -> list[dict]:
 
 def plan(args: argparse.Namespace) -> dict:
     """Runs ``moecc plan``: rates (measured or cached), predicted step time per paradigm, the crossover."""
-    from .bench.plan import crossover, predict
-    from .bench.rates import measure
+    from .bench.plan import crossover, describe, predict
+    from .bench.rates import RANK, measure
 
     rates = measure(remeasure=args.remeasure)
-    print("machine rates:", {k: round(v, 2) for k, v in rates.items()})
+    print("machine rates:", {k: round(v, 2) for k, v in rates.items() if k != "shapes"})
+    rank = getattr(args, "rank", RANK)
     table = {}
     for count in (int(t) for t in args.tokens.split(",")):
-        table[count] = predict(args.preset, count, rates, args.layers)
+        table[count] = predict(args.preset, count, rates, args.layers, rank)
         print(f"{count:>7} tokens/step: " + ", ".join(f"{p} {s:.3f} s" for p, s in table[count].items()))
-    point = crossover(args.preset, rates, args.layers)
+    print(f"timed on one {args.preset} MoE layer, forward + backward:", *describe(args.preset, rates), sep="\n")
+    point = crossover(args.preset, rates, args.layers, rank=rank)
     if "gpu_tflops" not in rates:
         print("no GPU here: only co-compute (everything on the CPU) applies")
     else:

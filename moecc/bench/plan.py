@@ -1,65 +1,189 @@
-"""Predicts the training-step time of each paradigm from measured rates and the model's shape.
+"""Predicts the training-step time of each paradigm from rates measured on this machine (``rates.py``).
 
-Per MoE layer and pass (forward, then backward with the same input-side products):
-  co-compute: the CPU reads every routed expert's weights once and does 6·T·k·H·I FLOPs, so its time is
-              max(bytes / DRAM rate, FLOPs / CPU kernel rate), plus the activations' PCIe round trip;
-  offload:    the routed experts' weights cross PCIe (again in backward), overlapped with the GPU's expert
-              math, so max(bytes / H2D rate, FLOPs / GPU rate);
-  gpu:        everything on the GPU at its matmul rate.
-Everything else (attention, dense layers, LM head: 6·params·T FLOPs for a training step) runs on the GPU in
-every paradigm. The estimates are first-order; ``moecc bench`` prints them next to measurements.
+With T tokens per step, each MoE layer, forward then backward:
+  co-compute  the GPU runs the layer's attention, router and the like (``a``, timed with the experts left out),
+              the routed activations go to the host, the CPU runs the experts (our kernels, timed on this
+              layer's shape) and the results come back; within a layer nothing overlaps:
+                  a + cpu forward + cpu backward + activation bytes / PCIe rate
+  offload     the experts are copied on their own stream while the GPU works on the layer before, so a pass
+              costs max(copy, g + a/2), ``g`` the GPU's expert math (timed on this shape). Forward prefetches all
+              of the next layer's experts once most are routed (its routing is not known yet; otherwise each
+              copy waits for its router), backward the routed ones (uniform-routing estimate); the first forward
+              copy is exposed, and the last ``SLOTS`` layers are still on the GPU for backward
+  gpu         everything on the GPU: a timed training step of one MoE layer.
+Once per step comes the rest (embeddings, dense layers, LM head, loss, the optimizer on the GPU), timed, and for
+co-compute and offload the AdamW step over the expert LoRA factors, which live in host memory. Timings are
+interpolated linearly in T between the token counts they were taken at, and kept above the floors the rates set
+(the CPU reads every routed expert's weights from DRAM in each pass; the GPU cannot beat its matmul rate).
+Without GPU rates (no GPU) only co-compute is predicted, everything on the CPU, its non-expert work estimated from
+FLOPs; GPU parts that could not be timed are estimated from FLOPs as well.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
+
+from ..config import MoeccConfig
 from .presets import preset_config
+from .rates import RANK, moe_shape, shape_rates
+
+SLOTS = MoeccConfig().offload_slots  # layers of experts the offload paradigm keeps on the GPU
+SEQUENCE = 2048  # tokens per sequence in ``moecc bench`` steps; more tokens per step are more sequences
+BF16 = 2  # bytes per weight and activation
 
 
-def _shape(config) -> dict:
-    experts = (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-               or config.n_routed_experts)
-    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-    dense = getattr(config, "first_k_dense_replace", 0) or 0
-    moe_layers = max(0, config.num_hidden_layers - dense)
-    hidden = config.hidden_size
-    expert_params = moe_layers * experts * 3 * hidden * inter
-    attention = config.num_hidden_layers * 4 * hidden * hidden  # first-order: q, k, v, o
-    embeddings = 2 * config.vocab_size * hidden
-    return dict(experts=experts, top_k=config.num_experts_per_tok, hidden=hidden, inter=inter,
-                moe_layers=moe_layers, expert_params=expert_params, other_params=attention + embeddings)
+def _at(tokens: int, counts: list[int], seconds: list[float]) -> float:
+    """``seconds`` timed at ``counts`` tokens: linear in between, extended by the end segments, never negative."""
+    if len(counts) == 1:
+        return seconds[0] * tokens / counts[0]
+    j = min(max(bisect_left(counts, tokens), 1), len(counts) - 1)
+    (t0, t1), (s0, s1) = counts[j - 1 : j + 1], seconds[j - 1 : j + 1]
+    return max(0.0, s0 + (s1 - s0) * (tokens - t0) / (t1 - t0))
 
 
-def predict(preset: str, tokens: int, rates: dict, layers: int | None = None) -> dict[str, float]:
-    """Predicted seconds per training step for ``cocompute``, ``offload`` and ``gpu``.
+def _lora_factor(s: dict, rank: int) -> float:
+    """Expert FLOPs with factorised LoRA of ``rank`` over those without: r·(2H + 3I) / (3·H·I) more."""
+    return 1 + rank * (2 * s["hidden"] + 3 * s["inter"]) / (3 * s["hidden"] * s["inter"])
 
-    Without GPU rates (no GPU here) only ``cocompute`` is predicted, with everything on the CPU.
+
+def _routed_experts(s: dict, tokens: int) -> float:
+    """Experts one layer routes to, expected under uniform routing (each token picks k distinct experts)."""
+    return s["experts"] * (1 - (1 - s["top_k"] / s["experts"]) ** tokens)
+
+
+def _expert_flops(s: dict, tokens: int, rank: int) -> float:
+    """One pass over one layer's routed experts: 6·T·k·H·I with LoRA (backward needs as many for input grads)."""
+    return 6 * tokens * s["top_k"] * s["hidden"] * s["inter"] * _lora_factor(s, rank)
+
+
+def _nonexpert_flops(s: dict, tokens: int) -> tuple[float, float]:
+    """(per MoE layer, rest of the step) FLOPs of a LoRA step outside the routed experts: a frozen weight costs
+    its forward and input gradient, 4 FLOPs per weight and token; causal attention about 6·T·seq·heads·head_dim."""
+    seq = min(tokens, SEQUENCE)
+    attention = (4 * tokens * s["hidden"] * s["head_dim"] * 2 * (s["heads"] + s["kv_heads"])
+                 + 6 * tokens * seq * s["heads"] * s["head_dim"])
+    layer = attention + 4 * tokens * s["hidden"] * (s["experts"] + 3 * s["shared_inter"])
+    dense = attention + 12 * tokens * s["hidden"] * s["dense_inter"]
+    return layer, s["dense_layers"] * dense + 4 * tokens * s["vocab"] * s["hidden"]
+
+
+def _cpu_experts_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int) -> float:
+    """One MoE layer's routed experts on the CPU, forward + backward: timed (scaled to ``rank``), and in each
+    pass at least the time to read the routed experts' weights from DRAM."""
+    scale = _lora_factor(s, rank) / _lora_factor(s, RANK)
+    floor = _routed_experts(s, tokens) * 3 * s["hidden"] * s["inter"] * BF16 / (rates["dram_gbps"] * 1e9)
+    return sum(max(scale * _at(tokens, timed["tokens"], timed[f"cpu_{p}_s"]), floor) for p in ("forward", "backward"))
+
+
+def _host_optimizer_s(s: dict, rates: dict, rank: int) -> float:
+    """AdamW over the expert LoRA factors in host memory, r·E·(2H + 3I) per MoE layer."""
+    params = s["moe_layers"] * rank * s["experts"] * (2 * s["hidden"] + 3 * s["inter"])
+    return params * rates["host_optimizer_ns_per_param"] * 1e-9
+
+
+def _activations_s(s: dict, tokens: int, rates: dict) -> float:
+    """One co-compute layer's PCIe traffic. Down: hidden states, routing (int64 index, float32 weight per pair),
+    the output gradient. Up: the output, the input gradient, the routing weights' gradient."""
+    states, pairs = 2 * tokens * s["hidden"] * BF16, tokens * s["top_k"]
+    return (states + 12 * pairs) / (rates["d2h_gbps"] * 1e9) + (states + 4 * pairs) / (rates["h2d_gbps"] * 1e9)
+
+
+def _gpu_nonexpert_s(s: dict, tokens: int, rates: dict, timed: dict) -> tuple[float, float]:
+    """(per MoE layer, rest of the step) seconds of the GPU's work outside the routed experts."""
+    if "gpu_attention_layer_s" in timed:
+        counts = timed["gpu_tokens"]
+        return _at(tokens, counts, timed["gpu_attention_layer_s"]), _at(tokens, counts, timed["gpu_attention_rest_s"])
+    layer, rest = _nonexpert_flops(s, tokens)
+    return layer / (rates["gpu_tflops"] * 1e12), rest / (rates["gpu_tflops"] * 1e12)
+
+
+def _gpu_experts_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's routed experts on the GPU under offload (weights there)."""
+    flops_s = _expert_flops(s, tokens, rank) / (rates["gpu_tflops"] * 1e12)
+    if "gpu_experts_forward_s" not in timed:
+        return flops_s, flops_s
+    scale = _lora_factor(s, rank) / _lora_factor(s, RANK)
+    forward, backward = (max(scale * _at(tokens, timed["gpu_tokens"], timed[f"gpu_experts_{p}_s"]), flops_s)
+                         for p in ("forward", "backward"))
+    return forward, backward
+
+
+def _offload_layers_s(s: dict, tokens: int, rates: dict, attention: float, forward: float, backward: float) -> float:
+    """The MoE layers under offload, copies overlapped with compute as the module docstring says."""
+    layers = s["moe_layers"]
+    if layers == 0:
+        return 0.0
+    expert_s = 3 * s["hidden"] * s["inter"] * BF16 / (rates["h2d_gbps"] * 1e9)
+    routed = _routed_experts(s, tokens)
+    copy_routed, copy_all = routed * expert_s, s["experts"] * expert_s
+    gpu_forward, gpu_backward = forward + attention / 2, backward + attention / 2
+    if 2 * routed >= s["experts"]:  # the next layer's experts, all of them, are copied during this one
+        forward_s = copy_routed + gpu_forward + (layers - 1) * max(copy_all, gpu_forward)
+    else:
+        forward_s = layers * (copy_routed + gpu_forward)
+    resident = min(SLOTS, layers)
+    return forward_s + resident * gpu_backward + (layers - resident) * max(copy_routed, gpu_backward)
+
+
+def _gpu_paradigm_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int) -> float:
+    if "gpu_layer_s" in timed:
+        counts = timed["gpu_tokens"]
+        return s["moe_layers"] * _at(tokens, counts, timed["gpu_layer_s"]) + _at(tokens, counts, timed["gpu_rest_s"])
+    attention, rest = _gpu_nonexpert_s(s, tokens, rates, timed)
+    experts = 2 * _expert_flops(s, tokens, rank) / (rates["gpu_tflops"] * 1e12)
+    return s["moe_layers"] * (attention + experts) + rest
+
+
+def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, rank: int = RANK) -> dict[str, float]:
+    """Predicted seconds per training step of ``tokens`` tokens for ``cocompute``, ``offload`` and ``gpu`` (only
+    ``cocompute``, all on the CPU, without GPU rates), with LoRA of ``rank`` on attention and experts.
+
+    ``rates``: from :func:`moecc.bench.rates.measure` (which times a preset's shape when it is first predicted),
+    or a dict of the same form that already holds the preset's shape rates.
     """
-    s = _shape(preset_config(preset, layers))
-    pairs = tokens * s["top_k"]
-    active = s["experts"] * (1 - (1 - 1 / s["experts"]) ** pairs)  # experts hit by uniform routing
-    layer_bytes = active * 3 * s["hidden"] * s["inter"] * 2
-    layer_flops = 6 * pairs * s["hidden"] * s["inter"]
-    gpu_rate = rates.get("gpu_tflops", rates["cpu_expert_tflops"]) * 1e12
-    other = 6 * s["other_params"] * tokens / gpu_rate
-    activations = 2 * tokens * s["hidden"] * 2 * 2  # T x H bf16 each way, forward and backward
-    h2d = rates.get("h2d_gbps", rates["dram_gbps"]) * 1e9
-    cocompute = s["moe_layers"] * 2 * (
-        max(layer_bytes / (rates["dram_gbps"] * 1e9), layer_flops / (rates["cpu_expert_tflops"] * 1e12))
-        + activations / 2 / h2d)
-    offload = s["moe_layers"] * 2 * max(layer_bytes / h2d, layer_flops / gpu_rate)
-    if "gpu_tflops" not in rates:
-        return {"cocompute": cocompute + other}
-    return {"cocompute": cocompute + other, "offload": offload + other,
-            "gpu": s["moe_layers"] * 2 * layer_flops / gpu_rate + other}
+    s = moe_shape(preset_config(preset, layers))
+    timed = shape_rates(rates, preset)
+    if timed is None:
+        raise ValueError(f"the rates hold no timings of {preset}'s shape; take them from moecc.bench.rates.measure(), "
+                         "which times a shape the first time it is predicted")
+    cpu = _cpu_experts_s(s, tokens, rates, timed, rank)
+    optimizer = _host_optimizer_s(s, rates, rank)
+    if "h2d_gbps" not in rates:
+        layer, rest = (flops / (rates["cpu_matmul_tflops"] * 1e12) for flops in _nonexpert_flops(s, tokens))
+        return {"cocompute": s["moe_layers"] * (layer + cpu) + rest + optimizer}
+    attention, rest = _gpu_nonexpert_s(s, tokens, rates, timed)
+    forward, backward = _gpu_experts_s(s, tokens, rates, timed, rank)
+    return {
+        "cocompute": s["moe_layers"] * (attention + cpu + _activations_s(s, tokens, rates)) + rest + optimizer,
+        "offload": _offload_layers_s(s, tokens, rates, attention, forward, backward) + rest + optimizer,
+        "gpu": _gpu_paradigm_s(s, tokens, rates, timed, rank),
+    }
 
 
-def crossover(preset: str, rates: dict, layers: int | None = None, limit: int = 1 << 20) -> int | None:
+def crossover(preset: str, rates: dict, layers: int | None = None, limit: int = 1 << 20,
+              rank: int = RANK) -> int | None:
     """The smallest power-of-two token count per step at which offload is predicted faster than co-compute."""
     tokens = 16
     while tokens <= limit:
-        times = predict(preset, tokens, rates, layers)
+        times = predict(preset, tokens, rates, layers, rank)
         if "offload" not in times:
             return None
         if times["offload"] < times["cocompute"]:
             return tokens
         tokens *= 2
     return None
+
+
+def describe(preset: str, rates: dict) -> list[str]:
+    """What was timed on ``preset``'s shape, ms per MoE layer (forward + backward) by tokens per step."""
+    timed = shape_rates(rates, preset) or {}
+    parts = (("CPU experts (ours)", "tokens", ("cpu_forward_s", "cpu_backward_s")),
+             ("GPU experts (offload)", "gpu_tokens", ("gpu_experts_forward_s", "gpu_experts_backward_s")),
+             ("GPU rest of a layer", "gpu_tokens", ("gpu_attention_layer_s",)),
+             ("GPU whole layer (gpu)", "gpu_tokens", ("gpu_layer_s",)))
+    lines = []
+    for label, counts, names in parts:
+        if all(name in timed for name in names):
+            times = [sum(timed[name][i] for name in names) for i in range(len(timed[counts]))]
+            pairs = zip(timed[counts], times)
+            lines.append(f"  {label}: " + ", ".join(f"{count} tokens {1e3 * s:.1f} ms" for count, s in pairs))
+    return lines

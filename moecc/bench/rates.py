@@ -1,18 +1,80 @@
-"""Measured machine rates the planner predicts from: DRAM read, CPU expert kernels, PCIe, GPU matmul.
+"""Rates measured on this machine, which the planner predicts from; cached as JSON so ``moecc plan`` answers at
+once after the first run.
 
-Each is measured once (a few seconds in all) and cached as JSON, so ``moecc plan`` answers at once afterwards.
-Rates that do not apply here (no GPU) are left out.
+Machine rates, measured once (a few seconds): host DRAM read GB/s, CPU bf16 matmul TFLOP/s, the host
+optimizer's ns per parameter (AdamW in host memory, where co-compute and offload keep the expert LoRA factors),
+and where there is a GPU: pinned PCIe H2D / D2H GB/s and GPU bf16 matmul TFLOP/s.
+
+Shape rates, measured once per model shape (a preset with a new shape is measured when first predicted): seconds
+at a few token counts per step T, chosen by (token, expert) pairs per expert T·k/E (``LOADS``), because that,
+not FLOPs alone, sets how efficient small per-expert products are:
+    cpu_forward_s, cpu_backward_s          one MoE layer's routed experts + LoRA on our native CPU kernels
+    gpu_experts_forward_s, _backward_s     the same on the GPU as offload computes them: the routed-expert list
+                                           read on the host, LoRA factors copied over, grouped products, the
+                                           factors' gradients copied back
+    gpu_layer_s, gpu_rest_s                a LoRA training step of the whole model on the GPU (the ``gpu``
+                                           paradigm, PEFT): per MoE layer, and everything else (embeddings,
+                                           dense layers, LM head, loss, optimizer); from models of 1 and 2 MoE
+                                           layers
+    gpu_attention_layer_s, _rest_s         the same with the routed experts left out: what co-compute and
+                                           offload leave on the GPU
+The GPU entries are absent without a GPU, or where a measurement could not run (say, out of memory). Layers are
+timed in bf16 with random weights, uniform routing and LoRA rank ``RANK``, in the standard expert layout.
 """
 from __future__ import annotations
 
 import json
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
+from ..reference import ExpertLora, ExpertWeights
+from .presets import preset_config
+
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moecc" / "rates.json"
+VERSION = 2  # a cache written in another layout is measured again
+LOADS = (32, 128, 512)  # (token, expert) pairs per expert at which the CPU kernels are timed
+GPU_LOADS = LOADS[:2]  # GPU times are close to linear in tokens beyond these
+RANK = 8  # LoRA rank of the timed layers
+NO_EXPERTS = "moecc_plan_no_experts"  # the experts implementation that leaves the experts out
+
+
+def moe_shape(config) -> dict:
+    """The sizes the planner needs from a transformers config: routed experts, attention, vocabulary, layers."""
+    experts = (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+               or config.n_routed_experts)
+    hidden, heads, layers = config.hidden_size, config.num_attention_heads, config.num_hidden_layers
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    dense = min(layers, getattr(config, "first_k_dense_replace", 0) or 0)
+    shared = (getattr(config, "n_shared_experts", 0) or 0) * inter
+    return {"model_type": config.model_type, "experts": experts, "top_k": config.num_experts_per_tok,
+            "hidden": hidden, "inter": inter,
+            "shared_inter": shared + (getattr(config, "shared_expert_intermediate_size", 0) or 0),
+            "dense_inter": config.intermediate_size, "heads": heads,
+            "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(config, "head_dim", None) or hidden // heads, "vocab": config.vocab_size,
+            "layers": layers, "dense_layers": dense, "moe_layers": layers - dense}
+
+
+def shape_key(shape: dict) -> str:
+    """What a model's shape rates depend on (everything but its number of layers), readable."""
+    s = shape
+    return (f"{s['model_type']} E{s['experts']} k{s['top_k']} H{s['hidden']} I{s['inter']} "
+            f"shared{s['shared_inter']} dense{s['dense_layers']}x{s['dense_inter']} "
+            f"attention{s['heads']}/{s['kv_heads']}x{s['head_dim']} vocab{s['vocab']}")
+
+
+def token_counts(shape: dict, loads: tuple[int, ...] = LOADS) -> list[int]:
+    """Tokens per step at which ``shape`` has ``loads`` (token, expert) pairs per expert under uniform routing."""
+    return [max(1, round(load * shape["experts"] / shape["top_k"])) for load in loads]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _best_of(fn, repeats: int = 3) -> float:
@@ -25,34 +87,48 @@ def _best_of(fn, repeats: int = 3) -> float:
     return best
 
 
+def _timed_passes(shape: dict, tokens: list[int], device: torch.device, forward, backward,
+                  repeats: int = 2) -> tuple[list[float], list[float]]:
+    """Best forward and best backward seconds at each token count, over ``repeats`` runs after a warm-up run, on
+    a routed batch of that size: ``forward(batch)`` returns what ``backward(saved, batch)`` takes."""
+    forward_s, backward_s = [], []
+    for count in tokens:
+        batch = _routed_batch(shape, count, device)
+        best = [float("inf"), float("inf")]
+        for run in range(repeats + 1):
+            _sync(device)
+            start = time.perf_counter()
+            saved = forward(batch)
+            _sync(device)
+            middle = time.perf_counter()
+            backward(saved, batch)
+            _sync(device)
+            if run:
+                best = [min(best[0], middle - start), min(best[1], time.perf_counter() - middle)]
+        forward_s.append(best[0])
+        backward_s.append(best[1])
+    return forward_s, backward_s
+
+
 def dram_read_gbps(gigabytes: float = 1.0) -> float:
     """Host memory read rate with torch's threads (a reduction over a buffer far larger than the caches)."""
     data = torch.ones(int(gigabytes * 1e9 / 4), dtype=torch.float32)
     return data.nbytes / _best_of(lambda: data.sum()) / 1e9
 
 
-def cpu_expert_tflops(isa: str | None = None) -> float:
-    """Forward + backward TFLOP/s of the native expert kernels on one mid-sized layer (uniform routing)."""
-    from .. import _ops
-    from ..native_experts import NativeExperts
-    from ..reference import ExpertWeights
+def cpu_matmul_tflops(rows: int = 1024, size: int = 2048) -> float:
+    """torch's bf16 matmul on the CPU, for the non-expert work where there is no GPU."""
+    a, b = torch.randn(rows, size).bfloat16(), torch.randn(size, size).bfloat16()
+    return 2 * rows * size * size / _best_of(lambda: a @ b) / 1e12
 
-    experts, top_k, hidden, inter, tokens = 16, 4, 1024, 512, 512
-    g = torch.Generator().manual_seed(0)
-    owner = type("Owner", (), {})()
-    weights = ExpertWeights((torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02).bfloat16(),
-                            (torch.randn(experts, hidden, inter, generator=g) * 0.02).bfloat16(), cache_owner=owner)
-    x = torch.randn(tokens, hidden, generator=g).bfloat16()
-    index = torch.rand(tokens, experts, generator=g).topk(top_k, dim=1).indices
-    w = torch.rand(tokens, top_k, generator=g)
-    native = NativeExperts(isa or _ops.best_isa())
-    grad = torch.randn(tokens, hidden, generator=g)
 
-    def step():
-        _, saved = native.forward(weights, x, index, w, None, None)
-        native.backward(weights, saved, grad, None, None)
-
-    return 2 * 6 * tokens * top_k * hidden * inter / _best_of(step) / 1e12
+def host_optimizer_ns_per_param(params: int = 8_000_000) -> float:
+    """AdamW (as ``moecc bench`` steps) over float32 parameters in host memory, as PEFT keeps LoRA factors."""
+    weights = [torch.zeros(params // 4, requires_grad=True) for _ in range(4)]
+    for weight in weights:
+        weight.grad = torch.zeros_like(weight)
+    optimizer = torch.optim.AdamW(weights, lr=1e-5)
+    return _best_of(optimizer.step) / params * 1e9
 
 
 def pcie_gbps(device: torch.device, megabytes: int = 512) -> tuple[float, float]:
@@ -81,16 +157,195 @@ def gpu_tflops(device: torch.device, size: int = 4096) -> float:
     return 2 * size**3 / _best_of(matmul) / 1e12
 
 
-def measure(remeasure: bool = False, cache: Path | None = None) -> dict:
-    """The machine's rates, from ``cache`` (default ``CACHE``) unless it is missing or ``remeasure`` is set."""
-    cache = cache or CACHE
-    if cache.is_file() and not remeasure:
-        return json.loads(cache.read_text())
-    rates = {"dram_gbps": dram_read_gbps(), "cpu_expert_tflops": cpu_expert_tflops()}
+def machine_rates() -> dict:
+    """The rates that do not depend on the model (see the module docstring)."""
+    rates = {"dram_gbps": dram_read_gbps(), "cpu_matmul_tflops": cpu_matmul_tflops(),
+             "host_optimizer_ns_per_param": host_optimizer_ns_per_param()}
     if torch.cuda.is_available():
-        device = torch.device("cuda")
+        device = torch.device("cuda", torch.cuda.current_device())
         rates["h2d_gbps"], rates["d2h_gbps"] = pcie_gbps(device)
         rates["gpu_tflops"] = gpu_tflops(device)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps(rates, indent=2))
     return rates
+
+
+def _random_layer(shape: dict, device: torch.device, rank: int):
+    """One MoE layer's expert weights (bf16, standard layout) on ``device`` and its LoRA factors in host memory
+    (float32, as PEFT keeps them); the values do not change timings."""
+    experts, hidden, inter = shape["experts"], shape["hidden"], shape["inter"]
+    owner = type("PackedCopies", (), {})()  # NativeExperts keeps its packed weights on this
+
+    def uniform(*size):
+        return torch.empty(*size, dtype=torch.bfloat16, device=device).uniform_(-0.02, 0.02)
+
+    weights = ExpertWeights(uniform(experts, 2 * inter, hidden), uniform(experts, hidden, inter), cache_owner=owner)
+    lora = tuple(ExpertLora(torch.randn(rank * experts, fan_in) * 0.01, torch.randn(fan_out, rank * experts) * 0.01,
+                            2.0, experts) for fan_in, fan_out in ((hidden, 2 * inter), (inter, hidden)))
+    return weights, lora
+
+
+def _routed_batch(shape: dict, tokens: int, device: torch.device):
+    """Hidden states ``[T, H]``, uniform top-k routing ``[T, k]`` (indices, float32 weights), a gradient ``[T, H]``."""
+    scores = torch.rand(tokens, shape["experts"], device=device)
+    weights, index = scores.topk(shape["top_k"], dim=1)
+    hidden = torch.randn(tokens, shape["hidden"], device=device, dtype=torch.bfloat16)
+    return hidden, index, weights.softmax(-1), torch.randn_like(hidden)
+
+
+def cpu_expert_passes(shape: dict, tokens: list[int], rank: int = RANK) -> tuple[list[float], list[float]]:
+    """Seconds of one MoE layer's routed experts with LoRA on our native CPU kernels at each token count:
+    (forward, backward)."""
+    from .. import _ops
+    from ..native_experts import NativeExperts
+
+    weights, lora = _random_layer(shape, torch.device("cpu"), rank)
+    native = NativeExperts(_ops.best_isa())
+
+    def forward(batch):
+        hidden, index, routing, _ = batch
+        return native.forward(weights, hidden, index, routing, *lora)[1]
+
+    def backward(saved, batch):
+        native.backward(weights, saved, batch[3], *lora)
+
+    return _timed_passes(shape, tokens, torch.device("cpu"), forward, backward)
+
+
+def gpu_expert_passes(shape: dict, tokens: list[int], device: torch.device,
+                      rank: int = RANK) -> tuple[list[float], list[float]]:
+    """Seconds of one MoE layer's routed experts with LoRA on ``device`` as the offload paradigm computes them
+    there (weights already copied), at each token count: (forward, backward)."""
+    from .. import grouped_experts
+
+    weights, lora = _random_layer(shape, device, rank)
+
+    def factors_on_device():
+        return [ExpertLora(f.A.to(device, non_blocking=True), f.B.to(device, non_blocking=True), f.scaling,
+                           f.num_experts) for f in lora]
+
+    def forward(batch):
+        hidden, index, routing, _ = batch
+        torch.unique(index).tolist()  # offload's one host sync per layer: which experts to copy
+        return grouped_experts.experts_forward(weights, hidden, index, routing, *factors_on_device())[1]
+
+    def backward(saved, batch):
+        grads = grouped_experts.experts_backward(weights, saved, batch[3], *factors_on_device())[2]
+        for factor_grad in vars(grads).values():
+            if factor_grad is not None:
+                factor_grad.to("cpu")  # the factors live in host memory
+
+    return _timed_passes(shape, tokens, device, forward, backward)
+
+
+def _no_experts(module, hidden_states, top_k_index, top_k_weights):
+    """Routed experts that cost nothing; the output depends on the routing weights, so the router still trains."""
+    return hidden_states * top_k_weights.sum(-1, keepdim=True).to(hidden_states.dtype)
+
+
+def model_step_s(preset: str, layers: int, device: torch.device, tokens: list[int], experts: bool = True,
+                 rank: int = RANK) -> list[float]:
+    """Median seconds of a LoRA training step (as ``moecc bench`` times it) of ``preset`` cut to ``layers``
+    decoder layers, built on ``device`` in bf16: LoRA on attention and experts as the ``gpu`` paradigm runs it, or
+    with the routed experts left out (``experts=False``: LoRA on attention only)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.moe import ExpertsInterface
+
+    from ..api import default_lora_config
+    from .runner import time_training
+
+    options = {}
+    if not experts:
+        ExpertsInterface.register(NO_EXPERTS, _no_experts)
+        options["experts_implementation"] = NO_EXPERTS
+    with torch.device(device):
+        base = AutoModelForCausalLM.from_config(preset_config(preset, layers), dtype=torch.bfloat16, **options)
+    lora = default_lora_config(base, rank=rank)
+    if not experts:
+        lora.target_parameters = None
+    model = get_peft_model(base, lora).train()
+    try:
+        return [time_training(model, device, count, steps=3)["step_s"] for count in tokens]
+    finally:
+        del model, base
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def per_layer_and_rest(preset: str, device: torch.device, tokens: list[int],
+                       experts: bool) -> tuple[list[float], list[float]]:
+    """Step seconds per MoE layer, and of the rest of the step, at each token count: the difference of models
+    with two and one MoE layers (after any dense layers), and what one MoE layer leaves of the smaller."""
+    dense = moe_shape(preset_config(preset))["dense_layers"]
+    one = model_step_s(preset, dense + 1, device, tokens, experts)
+    two = model_step_s(preset, dense + 2, device, tokens, experts)
+    layer = [max(0.0, b - a) for a, b in zip(one, two)]
+    return layer, [max(0.0, a - per_layer) for a, per_layer in zip(one, layer)]
+
+
+def _gpu_shape_rates(preset: str, shape: dict, device: torch.device) -> dict:
+    tokens = token_counts(shape, GPU_LOADS)
+    rates: dict = {"gpu_tokens": tokens}
+    try:  # cheapest and most used first: a later failure (the whole model may not fit) keeps the others
+        rates["gpu_experts_forward_s"], rates["gpu_experts_backward_s"] = gpu_expert_passes(shape, tokens, device)
+        rates["gpu_attention_layer_s"], rates["gpu_attention_rest_s"] = per_layer_and_rest(preset, device, tokens,
+                                                                                            experts=False)
+        rates["gpu_layer_s"], rates["gpu_rest_s"] = per_layer_and_rest(preset, device, tokens, experts=True)
+    except (RuntimeError, ValueError) as error:  # torch.OutOfMemoryError is a RuntimeError
+        text = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        warnings.warn(f"moecc plan: part of {preset}'s GPU timings could not run ({text}); the planner estimates "
+                      "those parts from FLOPs", stacklevel=2)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rates
+
+
+def measure_shape(preset: str) -> dict:
+    """The shape rates of ``preset`` (see the module docstring): a few seconds on the CPU, and on the GPU if any."""
+    shape = moe_shape(preset_config(preset))
+    tokens = token_counts(shape)
+    rates: dict = {"tokens": tokens}
+    rates["cpu_forward_s"], rates["cpu_backward_s"] = cpu_expert_passes(shape, tokens)
+    if torch.cuda.is_available():
+        rates.update(_gpu_shape_rates(preset, shape, torch.device("cuda", torch.cuda.current_device())))
+    return rates
+
+
+class MachineRates(dict):
+    """Rates from :func:`measure`: rate name -> value, and ``"shapes"``: shape key -> shape rates. It knows its
+    cache file, so :func:`shape_rates` measures a shape seen for the first time once and saves it."""
+
+    def __init__(self, rates: dict, cache: Path) -> None:
+        super().__init__(rates)
+        self.setdefault("shapes", {})
+        self.cache = cache
+
+    def save(self) -> None:
+        self.cache.parent.mkdir(parents=True, exist_ok=True)
+        self.cache.write_text(json.dumps({"version": VERSION, **self}, indent=2))
+
+
+def measure(remeasure: bool = False, cache: Path | None = None) -> MachineRates:
+    """The machine's rates, from ``cache`` (default ``CACHE``) unless it is missing, from another version of this
+    module, or ``remeasure`` is set (which also drops every shape's rates)."""
+    cache = cache or CACHE
+    if cache.is_file() and not remeasure:
+        try:
+            saved = json.loads(cache.read_text())
+        except json.JSONDecodeError:
+            saved = {}
+        if saved.pop("version", None) == VERSION:
+            return MachineRates(saved, cache)
+    rates = MachineRates(machine_rates(), cache)
+    rates.save()
+    return rates
+
+
+def shape_rates(rates: dict, preset: str) -> dict | None:
+    """``preset``'s shape rates from ``rates["shapes"]``; measured now (and saved) when ``rates`` came from
+    :func:`measure` and lacks them, None when a plain dict lacks them."""
+    key = shape_key(moe_shape(preset_config(preset)))
+    found = rates.get("shapes", {}).get(key)
+    if found is None and isinstance(rates, MachineRates):
+        found = rates["shapes"][key] = measure_shape(preset)
+        rates.save()
+    return found

@@ -1,47 +1,141 @@
-"""The planner: predictions from rates, the crossover, and the rate cache."""
+"""The planner: predictions from rates, the crossover, and the rate cache (machine rates once, each shape once)."""
+import argparse
 import json
 
 import pytest
+import torch
 
 from moecc import cli
 from moecc.bench import rates as rates_module
 from moecc.bench.plan import crossover, predict
-
-# The accelerator host's measured rates (DESIGN.md): DRAM 125 GB/s, CPU kernels ~4 TFLOP/s, PCIe 55 GB/s, GPU 790.
-HOST = {"dram_gbps": 125.0, "cpu_expert_tflops": 4.0, "h2d_gbps": 55.0, "d2h_gbps": 55.0, "gpu_tflops": 790.0}
+from moecc.bench.presets import PRESETS, preset_config
 
 
-def test_predictions_grow_with_tokens_and_cross_over_where_the_design_says():
-    small, large = predict("qwen3-30b-a3b", 256, HOST), predict("qwen3-30b-a3b", 8192, HOST)
-    assert set(small) == {"cocompute", "offload", "gpu"}
-    assert all(large[p] > small[p] for p in small)
-    assert small["cocompute"] < small["offload"]  # few tokens per expert: co-compute wins
-    assert large["offload"] < large["cocompute"]  # many: offload wins
-    point = crossover("qwen3-30b-a3b", HOST)
-    assert 512 <= point <= 8192  # DESIGN.md: ~1-2.5k tokens per micro-batch for Qwen3-30B-A3B at 4-8 TFLOP/s
+def key_of(preset):
+    return rates_module.shape_key(rates_module.moe_shape(preset_config(preset)))
 
 
-def test_cpu_only_rates_predict_only_cocompute():
-    cpu_only = {"dram_gbps": 50.0, "cpu_expert_tflops": 0.5}
-    assert set(predict("tiny", 64, cpu_only)) == {"cocompute"}
+def lines(counts, **parts):
+    """Shape rates whose entries are straight lines ``(seconds at zero tokens, seconds per token)``."""
+    return {name: [a + b * count for count in counts] for name, (a, b) in parts.items()}
+
+
+def qwen3_rates(cpu_fixed=0.02, cpu_per_token=3e-5, **machine):
+    """Synthetic rates for Qwen3-30B-A3B's shape: CPU kernels with a fixed cost per pass, PCIe 55 GB/s."""
+    counts, gpu_counts = [512, 2048, 8192], [512, 2048]
+    shape = {"tokens": counts, "gpu_tokens": gpu_counts,
+             **lines(counts, cpu_forward_s=(cpu_fixed, cpu_per_token), cpu_backward_s=(cpu_fixed, cpu_per_token)),
+             **lines(gpu_counts, gpu_experts_forward_s=(0.003, 1e-6), gpu_experts_backward_s=(0.006, 2e-6),
+                     gpu_attention_layer_s=(0.002, 1e-6), gpu_attention_rest_s=(0.005, 2e-6),
+                     gpu_layer_s=(0.006, 2e-6), gpu_rest_s=(0.005, 2e-6))}
+    return {"dram_gbps": 125.0, "cpu_matmul_tflops": 4.0, "host_optimizer_ns_per_param": 0.5, "h2d_gbps": 55.0,
+            "d2h_gbps": 55.0, "gpu_tflops": 700.0, **machine, "shapes": {key_of("qwen3-30b-a3b"): shape}}
+
+
+def tiny_rates(**machine):
+    """Round numbers for the tiny preset (E=8, k=2, H=64, I=32), timed at 100 and 300 tokens."""
+    shape = {"tokens": [100, 300], "gpu_tokens": [100, 300],
+             "cpu_forward_s": [0.010, 0.030], "cpu_backward_s": [0.020, 0.040],
+             "gpu_experts_forward_s": [0.001, 0.003], "gpu_experts_backward_s": [0.002, 0.004],
+             "gpu_attention_layer_s": [0.004, 0.006], "gpu_attention_rest_s": [0.010, 0.020],
+             "gpu_layer_s": [0.005, 0.009], "gpu_rest_s": [0.011, 0.021]}
+    # DRAM and GPU matmul so fast that their floors never bind; PCIe so slow that offload's copies do.
+    return {"dram_gbps": 1e6, "cpu_matmul_tflops": 1e-3, "host_optimizer_ns_per_param": 1.0, "h2d_gbps": 0.001,
+            "d2h_gbps": 0.002, "gpu_tflops": 1e6, **machine, "shapes": {key_of("tiny"): shape}}
+
+
+def test_predictions_reproduce_hand_computed_numbers():
+    times = predict("tiny", 200, tiny_rates(), layers=3)  # halfway between the timed token counts
+    optimizer = 3 * 8 * 8 * (2 * 64 + 3 * 32) * 1e-9  # 3 layers x rank x E x (2H + 3I) factors, 1 ns each
+    activations = (2 * 200 * 64 * 2 + 12 * 400) / 2e6 + (2 * 200 * 64 * 2 + 4 * 400) / 1e6  # down, then up
+    assert times["cocompute"] == pytest.approx(3 * (0.005 + 0.020 + 0.030 + activations) + 0.015 + optimizer)
+    copy = 8 * 3 * 64 * 32 * 2 / 1e6  # all 8 experts are routed at 200 tokens
+    forward = copy + (0.002 + 0.005 / 2) + 2 * copy  # the first copy exposed, the next two overlap compute
+    backward = 2 * (0.003 + 0.005 / 2) + copy  # the last two layers are still on the GPU
+    assert times["offload"] == pytest.approx(forward + backward + 0.015 + optimizer)
+    assert times["gpu"] == pytest.approx(3 * 0.007 + 0.016)
+
+
+def test_without_a_gpu_only_cocompute_is_predicted_all_on_the_cpu():
+    cpu_only = {k: v for k, v in tiny_rates().items() if k not in ("h2d_gbps", "d2h_gbps", "gpu_tflops")}
+    times = predict("tiny", 200, cpu_only, layers=3)
+    attention = 4 * 200 * 64 * 16 * 2 * (4 + 2) + 6 * 200 * 200 * 4 * 16  # projections, then scores
+    layer_flops, head_flops = attention + 4 * 200 * 64 * 8, 4 * 200 * 256 * 64  # + router; LM head
+    optimizer = 3 * 8 * 8 * (2 * 64 + 3 * 32) * 1e-9
+    assert times == {"cocompute": pytest.approx(3 * (layer_flops / 1e9 + 0.05) + head_flops / 1e9 + optimizer)}
     assert crossover("tiny", cpu_only) is None
 
 
-def test_rates_are_measured_once_then_cached(tmp_path, monkeypatch):
-    cache = tmp_path / "rates.json"
-    monkeypatch.setattr(rates_module, "CACHE", cache)
-    first = rates_module.measure()
-    assert first["dram_gbps"] > 0 and first["cpu_expert_tflops"] > 0
-    cache.write_text(json.dumps({**first, "dram_gbps": 1234.0}))
-    assert rates_module.measure()["dram_gbps"] == 1234.0  # from the cache
-    out = cli.plan(cli_args())
-    assert out["rates"]["dram_gbps"] == 1234.0 and 512 in out["predictions"]
+def test_predictions_grow_with_tokens_and_scale_linearly_with_layers():
+    rates = qwen3_rates()
+    counts = [16 * 2**i for i in range(11)]
+    for paradigm in ("cocompute", "offload", "gpu"):
+        times = [predict("qwen3-30b-a3b", count, rates, layers=8)[paradigm] for count in counts]
+        assert times == sorted(times), paradigm
+        four, eight, twelve = (predict("qwen3-30b-a3b", 2048, rates, layers)[paradigm] for layers in (4, 8, 12))
+        assert eight - four == pytest.approx(twelve - eight), paradigm
+    # A larger LoRA rank costs more (more host optimizer work, more LoRA FLOPs), never less.
+    base, larger = (predict("qwen3-30b-a3b", 2048, rates, rank=rank) for rank in (8, 64))
+    assert all(larger[p] >= base[p] for p in base) and larger["cocompute"] > base["cocompute"]
 
 
-def cli_args():
-    import argparse
+def test_crossover_is_where_offload_gets_faster():
+    rates = qwen3_rates(cpu_fixed=0.005, cpu_per_token=1e-5)  # ~44 ms of copies per layer cross at ~1.7 k
+    point = crossover("qwen3-30b-a3b", rates)
+    assert point == 2048
+    before, at = predict("qwen3-30b-a3b", point // 2, rates), predict("qwen3-30b-a3b", point, rates)
+    assert before["cocompute"] <= before["offload"] and at["offload"] < at["cocompute"]
+    assert crossover("qwen3-30b-a3b", qwen3_rates(0.005, 1e-9), limit=1 << 14) is None  # the CPU stays ahead
+    assert crossover("qwen3-30b-a3b", qwen3_rates(0.05, 1e-5)) == 16  # the CPU's fixed cost alone loses
 
-    return argparse.Namespace(preset="qwen3-30b-a3b", layers=4, tokens="512,2048", remeasure=False)
+
+def test_plain_rates_without_the_shape_are_refused():
+    with pytest.raises(ValueError, match="no timings of qwen3-30b-a3b's shape"):
+        predict("qwen3-30b-a3b", 512, tiny_rates())
+
+
+def test_rates_are_measured_once_and_each_shape_once(tmp_path, monkeypatch):
+    measured = []
+    real = rates_module.measure_shape
+    monkeypatch.setattr(rates_module, "measure_shape", lambda preset: measured.append(preset) or real(preset))
+    monkeypatch.setitem(PRESETS, "tiny-wide", {**PRESETS["tiny"], "hidden_size": 128})
+    rates = rates_module.measure()
+    assert rates["dram_gbps"] > 0 and rates["cpu_matmul_tflops"] > 0 and rates["shapes"] == {}
+    first = predict("tiny", 64, rates)
+    assert set(first) == ({"cocompute", "offload", "gpu"} if torch.cuda.is_available() else {"cocompute"})
+    predict("tiny", 256, rates, layers=5)  # the same shape with more layers: nothing new to time
+    assert measured == ["tiny"]
+    saved = json.loads(rates_module.CACHE.read_text())
+    assert saved["version"] == rates_module.VERSION and list(saved["shapes"]) == [key_of("tiny")]
+
+    again = rates_module.measure()  # from the cache, with the tiny shape's timings
+    assert predict("tiny", 64, again) == first and measured == ["tiny"]
+    predict("tiny-wide", 64, again)  # a new shape is timed, and saved next to the first
+    assert measured == ["tiny", "tiny-wide"] and len(rates_module.measure()["shapes"]) == 2
+
+    cached = json.loads(rates_module.CACHE.read_text())
+    rates_module.CACHE.write_text(json.dumps({**cached, "dram_gbps": 1234.0}))
+    assert rates_module.measure()["dram_gbps"] == 1234.0
+    assert rates_module.measure(remeasure=True)["shapes"] == {}  # remeasuring starts over, shapes included
+    rates_module.CACHE.write_text(json.dumps({"dram_gbps": 1.0, "cpu_expert_tflops": 1.0}))  # an older layout
+    assert "host_optimizer_ns_per_param" in rates_module.measure()
+
+
+def test_plan_command_predicts_and_says_what_it_timed(capsys):
+    out = cli.plan(argparse.Namespace(preset="tiny", layers=4, tokens="64,256", remeasure=False))
+    assert set(out["predictions"]) == {64, 256} and out["rates"]["dram_gbps"] > 0
+    printed = capsys.readouterr().out
+    assert "timed on one tiny MoE layer" in printed and "CPU experts (ours): 128 tokens" in printed
+
+
+def test_gpu_timings_run_on_any_device():
+    """The GPU measurements are device-generic, so the code runs here on the CPU with the tiny preset."""
+    cpu = torch.device("cpu")
+    forward, backward = rates_module.gpu_expert_passes(rates_module.moe_shape(preset_config("tiny")), [16, 64], cpu)
+    assert len(forward) == len(backward) == 2 and min(forward + backward) > 0
+    for experts in (False, True):
+        layer, rest = rates_module.per_layer_and_rest("tiny", cpu, [16, 64], experts=experts)
+        assert len(layer) == len(rest) == 2 and min(layer + rest) >= 0
 
 
 @pytest.fixture(autouse=True)
