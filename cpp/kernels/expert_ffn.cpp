@@ -57,13 +57,6 @@ inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
 // baseline copy of each and picks one at load time from the running CPU, so no code here assumes AVX512.
 #define MOECC_VECTOR_CLONES __attribute__((target_clones("avx512f", "default")))
 
-MOECC_VECTOR_CLONES float dot(const float* a, const float* b, int64_t n) {
-  float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
 MOECC_VECTOR_CLONES float dot_bf16(const uint16_t* a, const float* b, int64_t n) {
   float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
@@ -85,7 +78,9 @@ MOECC_VECTOR_CLONES void to_bf16(const float* src, uint16_t* dst, int64_t n) {
 // made the SwiGLU steps the slowest of the layer). Range reduction x = n ln2 + r, |r| <= ln2/2, a degree-6
 // Taylor polynomial for e^r, and 2^n built in the exponent bits; inputs clamp to the finite float range.
 inline float vector_exp(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // selects, not fmin/fmax calls: they vectorise
+  // Selects, not fmin/fmax calls: they vectorise. Written so NaN fails the test and clamps too: a NaN n below
+  // would make the int conversion undefined (the callers' results still come out NaN, through their own x).
+  x = x > -87.0f ? (x < 88.0f ? x : 88.0f) : -87.0f;
   // Round to nearest by adding and removing 1.5 * 2^23 (nearbyint stays a scalar call under -ftrapping-math).
   const float shifter = 12582912.0f;
   const float n = (x * 1.44269504088896341f + shifter) - shifter;
@@ -136,11 +131,6 @@ MOECC_VECTOR_CLONES void swiglu_grad_row(const uint16_t* gate, const uint16_t* u
     grad_gate[i] = ga * u * sig * (1.0f + g * (1.0f - sig));
     grad_up[i] = ga * g * sig;
   }
-}
-
-MOECC_VECTOR_CLONES void axpy_bf16(float coef, const uint16_t* x, float* y, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += coef * bf16_to_float(x[i]);
 }
 
 // inner[g][r] = sum_c rows[g][c] * a[r][c] for the task's rows (bf16 rows with leading dimension ld).
@@ -235,12 +225,19 @@ void sum_slots(const Dims& d, const float* per_pair, float* out, moecc::pool::Th
   });
 }
 
-// Seconds per phase of the latest call, for benchmarks to show where the time goes.
+// Seconds per phase of the latest call, for benchmarks to show where the time goes. The lists are read by
+// last_phase_times from any thread, also while a call on another thread (GIL released) is writing them.
+std::mutex phase_times_mutex;
+
 class PhaseClock {
  public:
-  explicit PhaseClock(PhaseTimes& times) : times_(times), last_(std::chrono::steady_clock::now()) { times_.clear(); }
+  explicit PhaseClock(PhaseTimes& times) : times_(times), last_(std::chrono::steady_clock::now()) {
+    std::lock_guard<std::mutex> lock(phase_times_mutex);
+    times_.clear();
+  }
   void mark(const char* phase) {
     const auto now = std::chrono::steady_clock::now();
+    std::lock_guard<std::mutex> lock(phase_times_mutex);
     times_.emplace_back(phase, std::chrono::duration<double>(now - last_).count());
     last_ = now;
   }
@@ -254,7 +251,10 @@ PhaseTimes forward_times, backward_times;
 
 }  // namespace
 
-PhaseTimes last_phase_times(bool backward) { return backward ? backward_times : forward_times; }
+PhaseTimes last_phase_times(bool backward) {
+  std::lock_guard<std::mutex> lock(phase_times_mutex);
+  return backward ? backward_times : forward_times;
+}
 
 struct ForwardScratch {
   std::mutex mutex;  // calls are serialised by the engine; this keeps concurrent callers correct anyway

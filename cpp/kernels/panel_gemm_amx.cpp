@@ -48,9 +48,10 @@ MOECC_AMX void configure(int rows0, int rows1) {
 int64_t k_block = 1024;
 int64_t prefetch_ahead = 64;
 
-// out[t][j] (+)= x[t][k0:k1] . W[j][k0:k1] for TWO_A ? 32 : rows0 tokens and TWO_B ? 32 : 16 outputs.
+// out[t][j] (+)= x[t][k0:k1] . W[j][k0:k1] for TWO_A ? 32 : rows0 tokens and TWO_B ? 32 : 16 outputs; `rows`
+// (the block's real token count) bounds the A prefetches, so none points past the activations.
 template <bool TWO_A, bool TWO_B>
-MOECC_AMX void block(const uint16_t* x, int64_t ldx, const uint16_t* panel0, int64_t k_padded, int64_t k0,
+MOECC_AMX void block(const uint16_t* x, int64_t ldx, int rows, const uint16_t* panel0, int64_t k_padded, int64_t k0,
                      int64_t k1, bool accumulate, float* out, int64_t ldo) {
   const int64_t x_stride = ldx * static_cast<int64_t>(sizeof(uint16_t));
   const int64_t out_stride = ldo * static_cast<int64_t>(sizeof(float));
@@ -70,7 +71,7 @@ MOECC_AMX void block(const uint16_t* x, int64_t ldx, const uint16_t* panel0, int
   const int64_t ahead = prefetch_ahead;
   for (int64_t k = k0; k < k1; k += kKAlign) {
     if (ahead > 0 && k + ahead < k1) {
-      for (int r = 0; r < (TWO_A ? 32 : 16); ++r) _mm_prefetch(reinterpret_cast<const char*>(x + r * ldx + k + ahead), _MM_HINT_T0);
+      for (int r = 0; r < rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(x + r * ldx + k + ahead), _MM_HINT_T0);
     }
     const int64_t b_offset = k * kPanelRows;  // 16 pair rows of 32 bf16 per 32 values of K
     _tile_loadd(4, x + k, x_stride);
@@ -115,11 +116,11 @@ MOECC_AMX void forward(const uint16_t* x, int64_t ldx, int64_t tokens, const uin
         float* dst = out + t0 * ldo + (p - p0) * kPanelRows;
         const bool two_b = p + 1 < p1, acc = k0 > 0;
         if (rows1 > 0) {
-          two_b ? block<true, true>(xt, ldx, panel, k_padded, k0, k1, acc, dst, ldo)
-                : block<true, false>(xt, ldx, panel, k_padded, k0, k1, acc, dst, ldo);
+          two_b ? block<true, true>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo)
+                : block<true, false>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo);
         } else {
-          two_b ? block<false, true>(xt, ldx, panel, k_padded, k0, k1, acc, dst, ldo)
-                : block<false, false>(xt, ldx, panel, k_padded, k0, k1, acc, dst, ldo);
+          two_b ? block<false, true>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo)
+                : block<false, false>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo);
         }
       }
     }
