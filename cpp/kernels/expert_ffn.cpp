@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../pool/thread_pool.h"
+#include "aligned_buffer.h"
 #include "lora_products.h"
 #include "weight_packing.h"
 
@@ -155,19 +156,6 @@ void add_lora_block(const LoraFactors& lora, int64_t expert, int64_t out_feature
   }
 }
 
-// Buffers reused across calls: a fresh allocation of hundreds of MB would page-fault on every call.
-template <typename T>
-class Scratch {
- public:
-  T* get(int64_t n) {
-    if (static_cast<int64_t>(buffer_.size()) < n) buffer_ = std::vector<T>(static_cast<size_t>(n));
-    return buffer_.data();
-  }
-
- private:
-  std::vector<T> buffer_;
-};
-
 // Row strides of the grouped activation buffers are padded K plus one cache line: rows a multiple of 4 KB apart
 // map to the same L1 set, and a 16-row AMX tile load (or 8 broadcast streams) would then thrash it.
 constexpr int64_t kRowPad = 32;
@@ -258,14 +246,14 @@ PhaseTimes last_phase_times(bool backward) {
 
 struct ForwardScratch {
   std::mutex mutex;  // calls are serialised by the engine; this keeps concurrent callers correct anyway
-  Scratch<uint16_t> xg, act;
-  Scratch<float> inner_gu, inner_down, per_pair;
+  AlignedBuffer<uint16_t> xg, act;
+  AlignedBuffer<float> inner_gu, inner_down, per_pair;
 };
 
 struct BackwardScratch {
   std::mutex mutex;
-  Scratch<uint16_t> xg, act, dy_bf16, grad_gu_bf16;
-  Scratch<float> inner_gu, inner_down, grad_inner_gu, grad_inner_down, dy, grad_act, grad_gu, per_pair, row_weight;
+  AlignedBuffer<uint16_t> xg, act, dy_bf16, grad_gu_bf16;
+  AlignedBuffer<float> inner_gu, inner_down, grad_inner_gu, grad_inner_down, dy, grad_act, grad_gu, per_pair, row_weight;
 };
 
 void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts& weights,
@@ -288,15 +276,15 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts
 
   const int64_t gu_panels = padded_rows(2 * d.I) / kPanelRows;
   run_tasks(pool, make_tasks(routing.offsets, d.E, gu_panels, kPanelsPerTask, kProductRows), [&](const Task& task) {
-    thread_local std::vector<float> block;
+    thread_local AlignedBuffer<float> block;
     const int64_t n = task.end - task.begin, width = (task.col1 - task.col0) * kPanelRows;
     const int64_t col0 = task.col0 * kPanelRows, col1 = std::min(2 * d.I, task.col1 * kPanelRows);
-    block.resize(n * width);
+    float* const tile = block.get(n * width);
     gemm.forward(xg + task.begin * d.ld_x, d.ld_x, n, weights.gate_up + task.expert * d.gu_packed, d.h_k, task.col0,
-                 task.col1, block.data(), width);
-    add_lora_block(gate_up_lora, task.expert, 2 * d.I, inner_gu, task, col0, col1, block.data(), width);
+                 task.col1, tile, width);
+    add_lora_block(gate_up_lora, task.expert, 2 * d.I, inner_gu, task, col0, col1, tile, width);
     for (int64_t g = task.begin; g < task.end; ++g) {
-      const float* row = block.data() + (g - task.begin) * width;
+      const float* row = tile + (g - task.begin) * width;
       to_bf16(row, io.gate_up_out + g * 2 * d.I + col0, col1 - col0);
     }
   });
@@ -307,17 +295,17 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts
 
   const int64_t down_panels = padded_rows(d.H) / kPanelRows;
   run_tasks(pool, make_tasks(routing.offsets, d.E, down_panels, kPanelsPerTask, kProductRows), [&](const Task& task) {
-    thread_local std::vector<float> block;
+    thread_local AlignedBuffer<float> block;
     const int64_t n = task.end - task.begin, width = (task.col1 - task.col0) * kPanelRows;
     const int64_t col0 = task.col0 * kPanelRows, col1 = std::min(d.H, task.col1 * kPanelRows);
-    block.resize(n * width);
+    float* const tile = block.get(n * width);
     gemm.forward(act + task.begin * d.ld_act, d.ld_act, n, weights.down + task.expert * d.down_packed, d.i_k, task.col0,
-                 task.col1, block.data(), width);
-    add_lora_block(down_lora, task.expert, d.H, inner_down, task, col0, col1, block.data(), width);
+                 task.col1, tile, width);
+    add_lora_block(down_lora, task.expert, d.H, inner_down, task, col0, col1, tile, width);
     for (int64_t g = task.begin; g < task.end; ++g) {
       const int64_t pair = routing.order[g];
       const float w = routing.weights[pair];
-      const float* row = block.data() + (g - task.begin) * width;
+      const float* row = tile + (g - task.begin) * width;
       to_bf16_scaled(row, w, per_pair + pair * d.H + col0, col1 - col0);
     }
   });
@@ -466,14 +454,14 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
   clock.mark("swiglu_grad");
   // d hidden per pair = dG W_gate_up + (s dG B) A.
   run_tasks(pool, make_tasks(routing.offsets, d.E, d.H, kGradColumnsPerTask, kProductRows), [&](const Task& task) {
-    thread_local std::vector<float> block;
+    thread_local AlignedBuffer<float> block;
     const int64_t n = task.end - task.begin;
-    block.resize(n * d.h_k);
+    float* const tile = block.get(n * d.h_k);
     gemm.input_grad(grad_gu_bf16 + task.begin * d.ld_dgu, d.ld_dgu, n, weights.gate_up + task.expert * d.gu_packed,
-                    gu_rows, d.h_k, task.col0, task.col1, block.data(), d.h_k);
+                    gu_rows, d.h_k, task.col0, task.col1, tile, d.h_k);
     const float* a = gate_up_lora.a ? gate_up_lora.a + task.expert * gate_up_lora.rank * d.H : nullptr;
     for (int64_t g = task.begin; g < task.end; ++g) {
-      float* row = block.data() + (g - task.begin) * d.h_k;
+      float* row = tile + (g - task.begin) * d.h_k;
       if (a) {
         for (int64_t r = 0; r < gate_up_lora.rank; ++r) {
           axpy(grad_inner_gu[g * gate_up_lora.rank + r], a + r * d.H + task.col0, row + task.col0,

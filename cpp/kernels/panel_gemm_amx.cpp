@@ -9,8 +9,8 @@
 #include <immintrin.h>
 
 #include <cstring>
-#include <vector>
 
+#include "aligned_buffer.h"
 #include "panel_gemm.h"
 #include "weight_packing.h"
 
@@ -132,21 +132,21 @@ MOECC_AMX void forward(const uint16_t* x, int64_t ldx, int64_t tokens, const uin
 // has zero columns there, see panel_gemm.h).
 MOECC_AMX void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* packed,
                           int64_t n_padded, int64_t k_padded, int64_t k0, int64_t k1, float* dx, int64_t ld_dx) {
-  thread_local std::vector<uint16_t> transposed;
+  thread_local AlignedBuffer<uint16_t> scratch;
   const int64_t chunks = (k1 - k0 + 15) / 16;
   const int64_t n_tiles = padded_k(n_padded);
   const int64_t chunk_elements = n_tiles * kPanelRows;
-  transposed.resize(static_cast<size_t>(chunks * chunk_elements));
+  uint16_t* const transposed = scratch.get(chunks * chunk_elements);
   if (n_tiles == n_padded) {
-    transpose_panel_columns_avx512(packed, n_padded, k_padded, k0, chunks, transposed.data());
+    transpose_panel_columns_avx512(packed, n_padded, k_padded, k0, chunks, transposed);
   } else {
     for (int64_t c = 0; c < chunks; ++c) {
-      uint16_t* chunk = transposed.data() + c * chunk_elements;
+      uint16_t* chunk = transposed + c * chunk_elements;
       transpose_panel_columns_avx512(packed, n_padded, k_padded, k0 + 16 * c, 1, chunk);
       std::memset(chunk + n_padded * kPanelRows, 0, (n_tiles - n_padded) * kPanelRows * sizeof(uint16_t));
     }
   }
-  forward(dy, ld_dy, tokens, transposed.data(), n_tiles, 0, chunks, dx + k0, ld_dx);
+  forward(dy, ld_dy, tokens, transposed, n_tiles, 0, chunks, dx + k0, ld_dx);
 }
 
 }  // namespace

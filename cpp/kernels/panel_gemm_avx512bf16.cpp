@@ -6,8 +6,8 @@
 // the row's bf16 pairs split into two fp32 vectors (k even / k odd) by shift and mask.
 #include <immintrin.h>
 
-#include <vector>
 
+#include "aligned_buffer.h"
 #include "panel_gemm.h"
 #include "weight_packing.h"
 
@@ -122,11 +122,11 @@ namespace {
 MOECC_AVX512BF16 void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* packed,
                                  int64_t n_padded, int64_t k_padded, int64_t k0, int64_t k1, float* dx,
                                  int64_t ld_dx) {
-  thread_local std::vector<uint16_t> transposed;
+  thread_local AlignedBuffer<uint16_t> scratch;
   const int64_t chunks = (k1 - k0 + 15) / 16;
-  transposed.resize(static_cast<size_t>(chunks * n_padded * kPanelRows));
-  transpose_panel_columns_avx512(packed, n_padded, k_padded, k0, chunks, transposed.data());
-  forward(dy, ld_dy, tokens, transposed.data(), n_padded, 0, chunks, dx + k0, ld_dx);
+  uint16_t* const transposed = scratch.get(chunks * n_padded * kPanelRows);
+  transpose_panel_columns_avx512(packed, n_padded, k_padded, k0, chunks, transposed);
+  forward(dy, ld_dy, tokens, transposed, n_padded, 0, chunks, dx + k0, ld_dx);
 }
 
 }  // namespace
