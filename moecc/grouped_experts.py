@@ -10,6 +10,12 @@ LoRA is computed factorised, ``x W_e^T + s (x A_e^T) B_e^T``: ``W + s B A`` is n
 factors into the weight first, so this is not bit-exact with them (or with the reference): it agrees to
 float32 rounding in float32 and to bf16 rounding in bf16.
 
+Memory: forward keeps for backward only ``SavedState`` (hidden ``[T, H]`` and the pre-activations ``[P, 2I]`` in
+the activation dtype, float32 routing weights ``[T, k]``, int64 grouping ``[E+1]`` and ``[P]``; P = T*k); the
+activation is recomputed from the pre-activations in backward. No float32 ``[P, *]`` intermediate outlives a
+call, and inside one, scalings and sums are taken in place and each stage's inputs are released once used, so
+at most two float32 ``[P, H]`` tensors exist at a time.
+
 Layouts (weights and factors as in :mod:`moecc.reference`):
     sorted rows  row p of every [P, *] tensor is pair ``order[p]`` (token ``order[p] // k``); expert e owns
                  rows ``offsets[e] .. offsets[e+1]``
@@ -156,10 +162,10 @@ def _project(groups: _Groups, x: torch.Tensor, weight: torch.Tensor, bias: torch
         x: ``[P, in]`` activation dtype. weight: ``[E, in, out]`` (a view of the stored weight).
         bias: ``[P, out]`` float32 rows of each row's expert, or None.
     """
-    z = groups.mm(x, weight).float()  # [P, out]
+    z = groups.mm(x, weight).float()  # [P, out], a new tensor (so what follows may be in place)
     if lora is not None:
-        z = z + lora.scaling * groups.mm(_lora_input(groups, x, lora), lora.b_t).float()
-    return z if bias is None else z + bias
+        z += groups.mm(_lora_input(groups, x, lora), lora.b_t).float().mul_(lora.scaling)
+    return z if bias is None else z.add_(bias)
 
 
 def _project_backward(groups: _Groups, grad_z: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor,
@@ -175,12 +181,12 @@ def _project_backward(groups: _Groups, grad_z: torch.Tensor, x: torch.Tensor, we
     Returns:
         ``(grad_z @ W_eff_e [P, in] float32, grad A [E, r8, in] | None, grad B^T [E, r8, out] | None)``.
     """
-    grad_x = groups.mm(grad_z, weight_t).float()  # [P, in]
+    grad_x = groups.mm(grad_z, weight_t).float()  # [P, in], a new tensor
     if lora is None:
         return grad_x, None, None
     dtype = grad_z.dtype
     grad_u = groups.mm(grad_z, lora.b_t.transpose(1, 2)).float() * lora.scaling  # [P, r8]
-    grad_x = grad_x + groups.mm(grad_u.to(dtype), lora.a).float()
+    grad_x += groups.mm(grad_u.to(dtype), lora.a).float()
     if row_scale is not None:
         grad_u = grad_u * row_scale[:, None]
         grad_z = (grad_z.float() * row_scale[:, None]).to(dtype)
@@ -227,6 +233,12 @@ def _sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.
     return torch.searchsorted(keys, bounds), order
 
 
+def _activation(gate_up: torch.Tensor, weights: ExpertWeights, dtype: torch.dtype) -> torch.Tensor:
+    """``[P, I]`` in ``dtype`` from the pre-activations ``[P, 2I]`` (their float32 copy is freed on return)."""
+    gate, up = reference._split(gate_up.float(), weights.interleaved)
+    return reference._activate(gate, up, weights, dtype).to(dtype)
+
+
 def _sum_per_token(rows: torch.Tensor, order: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
     """``[T, H]``: sorted rows put back in pair order and summed over each token's k slots (deterministic)."""
     per_pair = torch.empty_like(rows).index_copy_(0, order, rows)  # [T*k, H]
@@ -256,14 +268,12 @@ def experts_forward(
     has_bias = weights.gate_up_bias is not None or weights.down_bias is not None
     expert_ids = groups.expert_ids(order.numel()) if has_bias else None
     gate_up_w, down_w = _forward_weights(weights, dtype)
-    x = hidden[order // top_k]  # [P, H]
-    gate_up = _project(groups, x, gate_up_w, _bias_rows(weights.gate_up_bias, expert_ids),
+    gate_up = _project(groups, hidden[order // top_k], gate_up_w, _bias_rows(weights.gate_up_bias, expert_ids),
                        _factors(gate_up_lora, dtype)).to(dtype)  # [P, 2I], kept pre-activation
-    gate, up = reference._split(gate_up.float(), weights.interleaved)
-    act = reference._activate(gate, up, weights, dtype).to(dtype)  # [P, I]
-    y = _project(groups, act, down_w, _bias_rows(weights.down_bias, expert_ids), _factors(down_lora, dtype))
+    y = _project(groups, _activation(gate_up, weights, dtype), down_w, _bias_rows(weights.down_bias, expert_ids),
+                 _factors(down_lora, dtype))  # [P, H] float32
     routing = top_k_weights.float().reshape(-1)[order]  # [P]
-    out = _sum_per_token(y * routing[:, None], order, num_tokens, top_k)  # [T, H] float32
+    out = _sum_per_token(y.mul_(routing[:, None]), order, num_tokens, top_k)  # [T, H] float32
     saved = SavedState(hidden.clone(), top_k_weights.float().clone(), offsets, order, gate_up,
                        top_k_weights.dtype)
     return out.to(dtype), saved
@@ -302,8 +312,11 @@ def experts_backward(
     if weights.down_bias is not None:
         down_bias = _bias_rows(weights.down_bias, groups.expert_ids(order.numel()))
         grad_routing = grad_routing + (grad_z.float() * down_bias).sum(-1)
+    del act, grad_z  # done with: the gate/up projection's backward below is the peak
     grad_gate, grad_up = reference._activation_grads(grad_act * routing[:, None], gate, up, weights, dtype)
+    del gate, up, grad_act
     grad_gate_up = reference._merge(grad_gate, grad_up, weights.interleaved).to(dtype)  # [P, 2I]
+    del grad_gate, grad_up
 
     grad_x, grad_gate_up_a, grad_gate_up_b_t = _project_backward(
         groups, grad_gate_up, saved.hidden[tokens], gate_up_w.transpose(1, 2), gate_up_lora_e)  # [P, H]

@@ -1,10 +1,15 @@
 """Reusable host buffers for device<->host copies of routed activations.
 
-One buffer per role (hidden in, routing in, output, gradients ...), grown geometrically and reused by every
-layer and step, pinned when a CUDA device is in use so copies run asynchronously at full PCIe rate. A buffer
-written by the CPU and then copied to the GPU is not reused until that copy has finished.
+``StagingBuffers``: one buffer per role (hidden in, routing in, output, gradients ...), grown geometrically and
+reused by every layer and step, pinned when a CUDA device is in use so copies run asynchronously at full PCIe
+rate. A buffer written by the CPU and then copied to the GPU is not reused until that copy has finished.
+
+``HostBufferPool``: whole buffers lent out for longer (activations parked in host memory from a layer's forward
+until its backward), each given back with the event after which it may be overwritten.
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -37,7 +42,7 @@ class StagingBuffers:
             self._buffers[role] = buffer
         return buffer[:nbytes].view(dtype).view(shape)
 
-    def to_host(self, tensors: dict[str, torch.Tensor]) -> "HostCopy":
+    def to_host(self, tensors: dict[str, torch.Tensor]) -> HostCopy:
         """Starts copying each device tensor into its role's host buffer; returns a handle to wait on.
 
         On CUDA the copies run on a side stream that waits only for work queued so far, so later GPU work
@@ -82,7 +87,7 @@ class StagingBuffers:
 class HostCopy:
     """Host views being filled by ``StagingBuffers.to_host``; ``wait()`` returns them once complete."""
 
-    def __init__(self, views: dict[str, torch.Tensor], done: "torch.cuda.Event | None") -> None:
+    def __init__(self, views: dict[str, torch.Tensor], done: torch.cuda.Event | None) -> None:
         self._views = views
         self._done = done
 
@@ -91,3 +96,51 @@ class HostCopy:
             self._done.synchronize()
             self._done = None
         return self._views
+
+
+class HostBufferPool:
+    """Host byte buffers (pinned for CUDA) lent out whole and given back, reused across layers and steps.
+
+    Sizes are powers of two (at least ``min_bytes``), as PyTorch's pinned-memory allocator rounds them anyway,
+    so batches of slightly different lengths share buffers. ``acquire`` lends the smallest free buffer that
+    fits; when none does, it drops the largest free one (too small) before allocating, so the pool never holds
+    more buffers than were lent out at once. Safe to call from autograd's backward threads.
+    """
+
+    def __init__(self, pinned: bool, min_bytes: int = 4096) -> None:
+        self.pinned = pinned
+        self.min_bytes = min_bytes
+        self._free: list[tuple[torch.Tensor, object]] = []  # (buffer [nbytes] uint8, event or None)
+        self._lock = threading.Lock()
+        self.buffers = 0  # held by the pool, lent out or free
+        self.nbytes = 0  # their total size
+        self.allocations = 0  # buffers ever allocated (pinned allocation is slow: this should stop growing)
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def size_for(self, nbytes: int) -> int:
+        return max(self.min_bytes, 1 << max(0, nbytes - 1).bit_length())
+
+    def acquire(self, nbytes: int) -> tuple[torch.Tensor, object]:
+        """``(buffer, event)``: a buffer of at least ``nbytes`` bytes, and the event (None on the CPU or for a
+        new buffer) that whoever writes into it must wait for, since its previous contents may still be read."""
+        size = self.size_for(nbytes)
+        with self._lock:
+            fits = [i for i, (buffer, _) in enumerate(self._free) if buffer.numel() >= size]
+            if fits:
+                return self._free.pop(min(fits, key=lambda i: self._free[i][0].numel()))
+            if self._free:
+                dropped, _ = self._free.pop(max(range(len(self._free)), key=lambda i: self._free[i][0].numel()))
+                self.buffers, self.nbytes = self.buffers - 1, self.nbytes - dropped.numel()
+            self.buffers, self.nbytes = self.buffers + 1, self.nbytes + size
+            self.allocations += 1
+        # Outside the lock: pinning is slow. A dropped buffer still being copied stays valid until the copy ends
+        # (PyTorch's pinned allocator records the copy's event before reusing the memory).
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned), None
+
+    def release(self, buffer: torch.Tensor, event: object = None) -> None:
+        """Gives ``buffer`` back; it may be overwritten once ``event`` (a CUDA event, or None) has completed."""
+        with self._lock:
+            self._free.append((buffer, event))

@@ -116,6 +116,24 @@ def test_matches_reference(path, dtype, layout, num_tokens):
     assert (len(calls) > 0) == (mode == "grouped" and num_tokens > 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["default", "gpt_oss"])
+def test_saved_state_is_minimal(path, dtype, layout):
+    """Backward keeps hidden [T, H] and the pre-activations [P, 2I] in the activation dtype, float32 routing
+    weights [T, k] and the int64 grouping; no float32 [P, *] intermediate outlives forward."""
+    num_tokens = 40
+    pairs = num_tokens * TOP_K
+    _, saved = grouped_experts.experts_forward(*_problem(num_tokens, layout, dtype))
+    expected = {"hidden": ((num_tokens, HIDDEN), dtype), "top_k_weights": ((num_tokens, TOP_K), torch.float32),
+                "offsets": ((NUM_EXPERTS + 1,), torch.int64), "order": ((pairs,), torch.int64),
+                "gate_up_out": ((pairs, 2 * INTER), dtype)}
+    tensors = {f.name: getattr(saved, f.name) for f in dataclasses.fields(saved)
+               if isinstance(getattr(saved, f.name), torch.Tensor)}
+    assert {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()} == expected
+    assert sum(t.nbytes for t in tensors.values()) == (
+        (num_tokens * HIDDEN + pairs * 2 * INTER) * dtype.itemsize + pairs * (4 + 8) + (NUM_EXPERTS + 1) * 8)
+
+
 def test_without_lora(path):
     problem = _problem(17, lora=False)
     grad_out = torch.randn(17, HIDDEN, generator=torch.Generator().manual_seed(2))

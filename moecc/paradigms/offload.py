@@ -11,12 +11,21 @@ The expert math on the device is chosen per engine (``OffloadEngine.compute``, d
 LoRA factorised; agrees with HF + PEFT to the dtype's rounding; the default on CUDA) or ``"reference"``
 (``moecc.reference``: one expert at a time with PEFT's folded ``W + ΔW``, bit-exact with HF + PEFT; the default
 elsewhere, so CPU runs stay exact). LoRA factors stay host-resident parameters and travel with the activations.
+
+What a layer keeps for its backward (``SavedState``: hidden ``[T, H]``, pre-activations ``[T*k, 2I]``, routing
+weights and grouping, ~29 KB per token for Qwen3-30B-A3B) is parked in host memory between its forward and its
+backward (``OffloadEngine.park_activations``, default on): copied device to host on a side stream once the
+layer's forward is computed, and brought back in backward one layer ahead, next to the prefetched expert
+weights. A forward run inside backward (a checkpointed layer recomputed) keeps its state on the device instead,
+and prefetches nothing forwards.
 """
 from __future__ import annotations
 
 import os
 import time
+import weakref
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
@@ -24,12 +33,15 @@ from torch.profiler import record_function
 from .. import grouped_experts, reference
 from ..errors import MoeccError
 from ..lora import factor_gradients, layer_lora, lora_tensors, merge_revision
-from ..reference import ExpertLora, ExpertWeights
+from ..reference import ExpertLora, ExpertWeights, SavedState
+from ..staging import HostBufferPool
 from ..store import expert_weights
 from .cocompute import StepMetrics
 
 EXPERT_MATH = {"grouped": grouped_experts, "reference": reference}  # modules with experts_forward / _backward
 COMPUTE_ENV = "MOECC_OFFLOAD_COMPUTE"
+SAVED_TENSORS = ("hidden", "top_k_weights", "offsets", "order", "gate_up_out")  # SavedState's tensor fields
+_PARK_ALIGN = 64  # bytes; each tensor's offset in a parked buffer
 
 
 def check_compute(value: str, source: str) -> str:
@@ -63,8 +75,160 @@ class _Slot:
         self.released: torch.cuda.Event | None = None  # compute reading the slot done
 
 
+def _timed_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
+
+
+class ParkedState:
+    """One layer's :class:`SavedState` in host memory, from its forward until its backward.
+
+    ``views`` are the state's tensors inside one pooled host buffer, valid once ``parked`` (an event; None on the
+    CPU) has completed. :meth:`ActivationParking.restore` copies them into ``device`` tensors, ready at ``ready``,
+    and gives the buffer back to the pool.
+    """
+
+    def __init__(self, parking: ActivationParking, key: tuple[int, int], buffer: torch.Tensor,
+                 views: list[torch.Tensor], parked, weights_dtype: torch.dtype, nbytes: int) -> None:
+        self.parking, self.key, self.nbytes = parking, key, nbytes
+        self.buffer, self.views, self.parked = buffer, views, parked
+        self.weights_dtype = weights_dtype
+        self.device: list[torch.Tensor] | None = None
+        self.ready = None
+
+    def __del__(self) -> None:  # a graph freed without its backward: the buffer goes back to the pool
+        self.parking.discard(self)
+
+
+class ActivationParking:
+    """Moves offloaded layers' saved states to host memory after their forward and back before their backward.
+
+    Device to host runs on a stream of its own, after the layer's compute: PCIe is full duplex, so it overlaps
+    the next layer's weight copies. Host to device runs on the engine's copy stream, queued with the weight
+    copies it is prefetched alongside. Host buffers (pinned on CUDA) come from one pool, reused by every layer and
+    step. Layout of a parked buffer: ``SAVED_TENSORS`` one after another, each at a 64-byte aligned offset.
+    """
+
+    def __init__(self, device: torch.device, copy_stream: torch.cuda.Stream | None) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.copy_stream = copy_stream
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.pool = HostBufferPool(pinned=self.cuda)
+        self.bytes_to_host = self.bytes_to_device = 0
+        self.to_host_s = self.to_device_s = 0.0  # measured directly where copies are synchronous (no CUDA)
+        self.to_host_events: list[tuple] = []
+        self.to_device_events: list[tuple] = []
+        self._waiting: dict[tuple[int, int], weakref.ref] = {}  # parked, not yet restored: (pass, layer) -> state
+
+    def reset_metrics(self) -> None:
+        self.to_host_s = self.to_device_s = 0.0
+        self.to_host_events, self.to_device_events = [], []
+
+    def park(self, key: tuple[int, int], saved: SavedState) -> ParkedState:
+        """Starts copying ``saved`` into a host buffer, after the work queued so far on the current stream."""
+        tensors = [getattr(saved, name) for name in SAVED_TENSORS]
+        offsets, total = [], 0
+        for tensor in tensors:
+            offsets.append(total)
+            total += -(-tensor.nbytes // _PARK_ALIGN) * _PARK_ALIGN
+        buffer, previous_reader = self.pool.acquire(total)
+        views = [buffer[o:o + t.nbytes].view(t.dtype).view(t.shape) for o, t in zip(offsets, tensors)]
+        nbytes = sum(t.nbytes for t in tensors)
+        self.bytes_to_host += nbytes
+        with record_function("moecc.offload.park"):
+            parked = self._copy_to_host(views, tensors, previous_reader)
+        state = ParkedState(self, key, buffer, views, parked, saved.weights_dtype, nbytes)
+        self._waiting[key] = weakref.ref(state)
+        return state
+
+    def _copy_to_host(self, views: list[torch.Tensor], tensors: list[torch.Tensor], previous_reader):
+        """Copies ``tensors`` into ``views``; returns the event marking the end (None on the CPU)."""
+        if not self.cuda:
+            start = time.perf_counter()
+            for view, tensor in zip(views, tensors):
+                view.copy_(tensor)
+            self.to_host_s += time.perf_counter() - start
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the state is computed
+        if previous_reader is not None:
+            self.stream.wait_event(previous_reader)  # the buffer's last copy to the device has read it
+        with torch.cuda.stream(self.stream):
+            begin = _timed_event(self.stream)
+            for view, tensor in zip(views, tensors):
+                view.copy_(tensor, non_blocking=True)
+                if tensor.is_cuda and tensor.numel():
+                    tensor.record_stream(self.stream)  # its memory is not reused before the copy ends
+            parked = _timed_event(self.stream)
+        self.to_host_events.append((begin, parked))
+        return parked
+
+    def restore(self, state: ParkedState) -> None:
+        """Starts copying ``state`` back to the device (on the copy stream); nothing if already started."""
+        if state.buffer is None:
+            return
+        self._forget(state)
+        self.bytes_to_device += state.nbytes
+        with record_function("moecc.offload.unpark"):
+            state.device, state.ready = self._copy_to_device(state.views, state.parked)
+        self.pool.release(state.buffer, state.ready)  # refilled only after this copy has read it
+        state.buffer = state.views = None
+
+    def _copy_to_device(self, views: list[torch.Tensor], parked) -> tuple[list[torch.Tensor], object]:
+        """New device tensors holding ``views`` once ``parked`` is done, and the event marking the copies' end."""
+        if not self.cuda:
+            start = time.perf_counter()
+            tensors = [view.clone() for view in views]
+            self.to_device_s += time.perf_counter() - start
+            return tensors, None
+        stream = self.copy_stream
+        with torch.cuda.stream(stream):  # allocated for the copy stream; take() hands them to the compute stream
+            if parked is not None:
+                stream.wait_event(parked)
+            begin = _timed_event(stream)
+            tensors = [torch.empty(v.shape, dtype=v.dtype, device=self.device) for v in views]
+            for tensor, view in zip(tensors, views):
+                tensor.copy_(view, non_blocking=True)
+            ready = _timed_event(stream)
+        self.to_device_events.append((begin, ready))
+        return tensors, ready
+
+    def prefetch(self, key: tuple[int, int]) -> None:
+        """Starts restoring the state parked under ``key`` (forward pass, layer), if there is one."""
+        ref = self._waiting.get(key)
+        state = ref() if ref is not None else None
+        if state is not None:
+            self.restore(state)
+
+    def take(self, state: ParkedState) -> tuple[SavedState, object]:
+        """``(the state on the device, the event the current stream must wait for before reading it)``."""
+        self.restore(state)
+        tensors, state.device = state.device, None
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            for tensor in tensors:
+                if tensor.numel():
+                    tensor.record_stream(stream)  # allocated for the copy stream, freed after this one's reads
+        saved = SavedState(**dict(zip(SAVED_TENSORS, tensors)), weights_dtype=state.weights_dtype)
+        return saved, state.ready
+
+    def discard(self, state: ParkedState) -> None:
+        """Gives back the buffer of a state that will never be restored."""
+        if state.buffer is not None:
+            self._forget(state)
+            self.pool.release(state.buffer, state.parked)
+            state.buffer = state.views = None
+
+    def _forget(self, state: ParkedState) -> None:
+        ref = self._waiting.get(state.key)
+        if ref is not None and ref() in (state, None):
+            self._waiting.pop(state.key, None)
+
+
 class OffloadEngine:
-    """Copy stream, device slots (LRU over layers), metrics, and the layer list for prefetching."""
+    """Copy stream, device slots (LRU over layers), activation parking, metrics, and the layer list for
+    prefetching."""
 
     def __init__(self, device: torch.device, slots: int = 2, compute: str | None = None) -> None:
         self.device = device
@@ -73,10 +237,15 @@ class OffloadEngine:
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.slots: OrderedDict[int, _Slot] = OrderedDict()
         self.layers: list[OffloadLayer] = []
+        # Park each layer's saved state in host memory between its forward and its backward (see the module
+        # docstring); False keeps it on the device. On the CPU the same path runs with plain host copies.
+        self.park_activations = True
+        self.parking = ActivationParking(device, self.copy_stream)
+        self.forward_passes = 0  # forward passes begun (not recomputations); keys parked states with the layer
         self.metrics = StepMetrics()
-        self.h2d_bytes = 0
+        self.h2d_bytes = 0  # expert weights copied to the device
         self.copy_s = 0.0  # measured directly where copies are synchronous (no CUDA)
-        self._mark = 0
+        self._mark = (0, 0, 0)
         # CUDA event pairs: around each batch of copies on the copy stream, and around each wait of the compute
         # stream for a slot; read (and synchronised) only when metrics are asked for.
         self._copy_events: list[tuple] = []
@@ -94,7 +263,8 @@ class OffloadEngine:
 
     def reset_metrics(self) -> None:
         self.metrics.reset()
-        self._mark = self.h2d_bytes
+        self.parking.reset_metrics()
+        self._mark = (self.h2d_bytes, self.parking.bytes_to_device, self.parking.bytes_to_host)
         self.copy_s = 0.0
         self._copy_events, self._wait_events, self._compute_events = [], [], []
 
@@ -127,13 +297,20 @@ class OffloadEngine:
         return total
 
     def metrics_since_reset(self) -> dict[str, float]:
-        """Same keys as the co-compute engine's; ``cpu_experts_s`` is 0, ``copy_s`` the time copies took,
-        ``gpu_wait_s`` the time the compute stream stalled waiting for them and ``expert_compute_s`` the
-        device time of the expert math (all from CUDA events on a GPU)."""
-        m = self.metrics
-        return {"cpu_experts_s": 0.0, "h2d_gb": (self.h2d_bytes - self._mark) / 1e9, "d2h_gb": 0.0,
+        """Same keys as the co-compute engine's; ``cpu_experts_s`` is 0. ``h2d_gb`` counts expert weights and
+        restored activations, ``d2h_gb`` parked activations. ``copy_s`` is the time host-to-device copies took,
+        ``d2h_s`` the time parking copies took (a stream of their own, overlapping the others), ``gpu_wait_s``
+        the time the compute stream stalled waiting for copies and ``expert_compute_s`` the device time of the
+        expert math (all from CUDA events on a GPU)."""
+        m, parking = self.metrics, self.parking
+        weights_mark, restored_mark, parked_mark = self._mark
+        h2d = self.h2d_bytes - weights_mark + parking.bytes_to_device - restored_mark
+        copy_s = (self.copy_s + parking.to_device_s + self._elapsed_s(self._copy_events)
+                  + self._elapsed_s(parking.to_device_events))
+        return {"cpu_experts_s": 0.0, "h2d_gb": h2d / 1e9, "d2h_gb": (parking.bytes_to_host - parked_mark) / 1e9,
                 "gpu_wait_s": m.wait_s + self._elapsed_s(self._wait_events), "tokens": float(m.tokens),
-                "routing_skew": m.routing_skew, "copy_s": self.copy_s + self._elapsed_s(self._copy_events),
+                "routing_skew": m.routing_skew, "copy_s": copy_s,
+                "d2h_s": parking.to_host_s + self._elapsed_s(parking.to_host_events),
                 "expert_compute_s": m.cpu_forward_s + m.cpu_backward_s + self._elapsed_s(self._compute_events)}
 
     def _slot_for(self, layer: OffloadLayer) -> _Slot:
@@ -187,11 +364,14 @@ class OffloadEngine:
 
     def use(self, slot: _Slot) -> None:
         """Makes the current stream wait for the slot's copies; the stall is timed with events around it."""
-        if slot.ready is not None and self.device.type == "cuda":
+        self._wait_for(slot.ready)
+
+    def _wait_for(self, ready: torch.cuda.Event | None) -> None:
+        if ready is not None and self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             before.record(stream)
-            stream.wait_event(slot.ready)
+            stream.wait_event(ready)
             after.record(stream)
             self._wait_events.append((before, after))
 
@@ -204,6 +384,32 @@ class OffloadEngine:
         if 0 <= index < len(self.layers) and self.capacity > 1:
             layer = self.layers[index]
             self.fetch(layer, experts if experts is not None else list(range(layer.host_weights.num_experts)))
+
+    def keep_for_backward(self, call: _Call, saved: SavedState) -> SavedState | ParkedState | None:
+        """What a layer's autograd node holds until its backward: nothing when no gradient will be asked for,
+        else the state parked in host memory, or on the device for a recomputation (used at once)."""
+        if not call.keep:
+            return None
+        if self.park_activations and not call.recompute:
+            return self.parking.park(call.key, saved)
+        return saved
+
+    def unpark(self, state: SavedState | ParkedState) -> SavedState:
+        """The saved state on the device, the current stream waiting (timed) for its copy back."""
+        if not isinstance(state, ParkedState):
+            return state
+        saved, ready = self.parking.take(state)
+        self._wait_for(ready)
+        return saved
+
+
+@dataclass(frozen=True)
+class _Call:
+    """How one forward call of a layer runs."""
+
+    keep: bool  # a gradient may be asked for: keep the state backward needs
+    recompute: bool  # run inside backward (a checkpointed layer's forward again)
+    key: tuple[int, int]  # (forward pass, layer index), under which a parked state is prefetched
 
 
 class _Done:
@@ -237,9 +443,16 @@ class OffloadLayer:
 
     def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> _Done:
         lora = self.lora()
-        if self.index == 0 and torch._C._current_graph_task_id() == -1:
-            self.engine.metrics.tokens += hidden.shape[0]
-        out = OffloadExpertsFunction.apply(hidden, top_k_weights, top_k_index, self, lora, *lora_tensors(lora))
+        factors = lora_tensors(lora)
+        engine = self.engine
+        recompute = torch._C._current_graph_task_id() != -1  # inside backward: checkpoint recomputing the layer
+        if self.index == 0 and not recompute:
+            engine.metrics.tokens += hidden.shape[0]
+            engine.forward_passes += 1
+        keep = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (hidden, top_k_weights, *factors))
+        call = _Call(keep, recompute, (engine.forward_passes, self.index))
+        out = OffloadExpertsFunction.apply(hidden, top_k_weights, top_k_index, self, lora, call, *factors)
         return _Done(out)
 
     def device_weights(self, slot: _Slot) -> ExpertWeights:
@@ -263,11 +476,20 @@ def _on_device(lora: ExpertLora | None, device: torch.device) -> ExpertLora | No
     return ExpertLora(a, b, lora.scaling, lora.num_experts)
 
 
+def _token_counts(experts: list[int], counts: list[int], num_experts: int) -> list[int]:
+    """``[E]`` tokens per expert from the routed experts and their counts."""
+    token_counts = [0] * num_experts
+    for expert, count in zip(experts, counts):
+        token_counts[expert] = count
+    return token_counts
+
+
 class OffloadExpertsFunction(torch.autograd.Function):
-    """Autograd node of one offloaded layer; backward copies the layer's experts again (prefetched)."""
+    """Autograd node of one offloaded layer; backward copies the layer's experts again (prefetched), and its
+    saved state back from host memory (prefetched with them)."""
 
     @staticmethod
-    def forward(ctx, hidden, top_k_weights, top_k_index, layer, lora, *lora_tensors):
+    def forward(ctx, hidden, top_k_weights, top_k_index, layer, lora, call, *lora_tensors):
         engine, num_experts = layer.engine, layer.host_weights.num_experts
         # The one host sync per layer: which experts to copy, and their token counts for the metrics (read here,
         # before the compute is queued, so nothing waits for it).
@@ -275,8 +497,9 @@ class OffloadExpertsFunction(torch.autograd.Function):
         experts, counts = torch.stack([routed.long(), counts]).tolist()
         layer.last_experts = experts
         slot = engine.fetch(layer, experts)
-        many = len(experts) * 2 >= num_experts
-        engine.prefetch(layer.index + 1, None if many else [])  # next layer's routing is unknown: all or none
+        if not call.recompute:  # inside backward the engine prefetches the layers before, not after
+            many = len(experts) * 2 >= num_experts
+            engine.prefetch(layer.index + 1, None if many else [])  # next layer's routing is unknown: all or none
         engine.use(slot)
         begun = engine.compute_begins()
         device_lora = tuple(_on_device(part, engine.device) for part in lora)
@@ -286,31 +509,35 @@ class OffloadExpertsFunction(torch.autograd.Function):
                                               *device_lora)
         engine.done_with(slot)
         engine.compute_ends(begun, backward=False)
-        token_counts = [0] * num_experts
-        for expert, count in zip(experts, counts):
-            token_counts[expert] = count
-        engine.metrics.expert_token_counts.append(token_counts)
-        ctx.layer, ctx.saved, ctx.lora, ctx.experts, ctx.math = layer, saved, lora, experts, math
+        if not call.recompute:
+            engine.metrics.expert_token_counts.append(_token_counts(experts, counts, num_experts))
+        ctx.state = engine.keep_for_backward(call, saved)  # nothing else holds the saved tensors
+        ctx.layer, ctx.lora, ctx.experts, ctx.math, ctx.key = layer, lora, experts, math, call.key
         ctx.dtypes = (hidden.dtype, top_k_weights.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        layer, engine = ctx.layer, ctx.layer.engine
-        if ctx.saved is None:
+        layer, engine, state = ctx.layer, ctx.layer.engine, ctx.state
+        if state is None:
             raise RuntimeError("moecc: offloaded experts' saved activations were released after the first backward")
+        ctx.state = None
         slot = engine.fetch(layer, ctx.experts)
+        if isinstance(state, ParkedState):
+            engine.parking.restore(state)  # queued now unless the layer after prefetched it
         previous = engine.layers[layer.index - 1] if layer.index > 0 else None
         if previous is not None and getattr(previous, "last_experts", None) is not None:
             engine.prefetch(layer.index - 1, previous.last_experts)
+        if previous is not None:
+            engine.parking.prefetch((ctx.key[0], previous.index))
         engine.use(slot)
+        saved = engine.unpark(state)
         begun = engine.compute_begins()
         device_lora = tuple(_on_device(part, engine.device) for part in ctx.lora)
         with record_function("moecc.offload.backward"):
-            grad_hidden, grad_weights, grads = ctx.math.experts_backward(layer.device_weights(slot), ctx.saved,
+            grad_hidden, grad_weights, grads = ctx.math.experts_backward(layer.device_weights(slot), saved,
                                                                          grad_out, *device_lora)
         engine.done_with(slot)
         engine.compute_ends(begun, backward=True)
-        ctx.saved = None
-        return (grad_hidden.to(ctx.dtypes[0]), grad_weights.to(ctx.dtypes[1]), None, None, None,
+        return (grad_hidden.to(ctx.dtypes[0]), grad_weights.to(ctx.dtypes[1]), None, None, None, None,
                 *factor_gradients(ctx.lora, grads))

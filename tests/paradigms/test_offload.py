@@ -1,4 +1,5 @@
-"""The offload paradigm: copies only what is routed, reuses device slots, follows PEFT merges, GPU budget."""
+"""The offload paradigm: copies only what is routed, reuses device slots, follows PEFT merges, GPU budget, HF
+gradient checkpointing."""
 from __future__ import annotations
 
 import copy
@@ -161,6 +162,60 @@ def test_offload_on_cuda_bf16_defaults_to_grouped_math(monkeypatch):
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     reference, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="offload",
                                    device="cuda")
-    assert engine.moecc.engine.compute == "grouped"
+    assert engine.moecc.engine.compute == "grouped" and engine.moecc.engine.park_activations
     _assert_bf16_as_accurate_as_hf_peft(reference, engine, device="cuda")
     assert calls
+    assert engine.moecc.engine.metrics_since_reset()["d2h_gb"] > 0  # the saved states went through host memory
+
+
+def _copied_bytes(engine, model, data) -> tuple[int, int]:
+    """(expert weight bytes, activation bytes parked) that training on ``data`` from empty slots copies."""
+    state = engine.moecc.engine
+    state.slots.clear()
+    weights, parked = state.h2d_bytes, state.parking.bytes_to_host
+    for ids, mask, labels in data:
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    return state.h2d_bytes - weights, state.parking.bytes_to_host - parked
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])  # qwen2_moe: shared experts after the routed ones
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_gradient_checkpointing_matches_hf_peft_without_extra_copies(family, reentrant):
+    """HF gradient checkpointing recomputes each layer's forward inside backward: the offloaded experts must give
+    HF + PEFT's gradients, copy no expert weights beyond an uncheckpointed run (no prefetch of the next layer
+    from a recomputation) and park nothing a recomputation produces (its state is used at once)."""
+    reference, engine = build_pair(family, torch.float32, lora_config(family), paradigm="offload",
+                                   num_hidden_layers=3)
+    engine.moecc.engine.capacity = 2
+    data = batches(256, 2, batch=3, seq=16, seed=6, pad=True)  # two micro-batches accumulate
+    plain = _copied_bytes(engine, engine, data)
+    engine.zero_grad()
+    for model in (reference, engine):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    for ids, mask, labels in data:
+        reference(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    checkpointed = _copied_bytes(engine, engine, data)
+    assert_grads_match(reference, engine, TOLERANCE[torch.float32])
+    assert checkpointed[0] == plain[0]
+    # Non-reentrant: forward runs with gradients and parks as usual. Reentrant: forward runs without gradients
+    # (nothing to keep) and the recomputation inside backward keeps its state on the device.
+    assert checkpointed[1] == (0 if reentrant else plain[1]) and plain[1] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_gradient_checkpointing_on_cuda_matches_hf_peft():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    reference, engine = build_pair("qwen2_moe", torch.float32, lora_config("qwen2_moe"), paradigm="offload",
+                                   device="cuda", num_hidden_layers=4)
+    engine.moecc.engine.capacity = 2
+    for model in (reference, engine):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for ids, mask, labels in batches(256, 2, batch=4, seq=64, seed=8, pad=True):
+        reference(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        engine(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=labels.cuda()).loss.backward()
+    assert_grads_match(reference, engine, 1e-4)
+    assert engine.moecc.engine.metrics_since_reset()["d2h_gb"] > 0

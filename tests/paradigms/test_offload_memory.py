@@ -1,0 +1,280 @@
+"""What an offloaded layer keeps for backward, parked in host memory: exact byte counts, buffers reused across
+steps, metrics, parity with HF + PEFT with parking on and off, and (GPU) device memory actually freed."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import moecc
+from moecc import grouped_experts
+from moecc.paradigms.offload import SAVED_TENSORS, ActivationParking, ParkedState
+from moecc.reference import SavedState
+from moecc.staging import HostBufferPool
+from moecc.tiny_models import tiny_model
+
+from ..parity import (
+    TOLERANCE,
+    assert_grads_match,
+    batches,
+    build_pair,
+    lora_config,
+)
+
+FAMILY = "qwen3_moe"  # tiny: H = 64, I = 32, E = 8, k = 2, two MoE layers
+
+
+def saved_bytes(tokens: int, hidden: int, inter: int, experts: int, top_k: int, dtype: torch.dtype) -> int:
+    """The minimal saved state: hidden [T, H] and pre-activations [T*k, 2I] in the activation dtype, float32
+    routing weights [T, k], int64 offsets [E+1] and order [T*k]."""
+    pairs = tokens * top_k
+    return (tokens * hidden + pairs * 2 * inter) * dtype.itemsize + pairs * 4 + (experts + 1) * 8 + pairs * 8
+
+
+def _tiny_engine(dtype: torch.dtype = torch.float32, compute: str = "reference", **overrides):
+    model = moecc.prepare(tiny_model(FAMILY, dtype=dtype, **overrides), lora_config=lora_config(FAMILY),
+                          device="cpu", paradigm="offload")
+    model.moecc.engine.compute = compute
+    return model
+
+
+def _layer_call(layer, tokens: int, dtype: torch.dtype, grad: bool = True):
+    g = torch.Generator().manual_seed(tokens)
+    weights = layer.host_weights
+    hidden = torch.randn(tokens, weights.hidden_size, generator=g).to(dtype).requires_grad_(grad)
+    index = torch.stack([torch.randperm(weights.num_experts, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g).requires_grad_(grad)
+    return layer.submit(hidden, index, weights).result()
+
+
+def _state_bytes(state: SavedState) -> int:
+    return sum(getattr(state, name).nbytes for name in SAVED_TENSORS)
+
+
+@pytest.mark.parametrize("compute", ["reference", "grouped"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("park", [True, False], ids=["parked", "on-device"])
+def test_node_keeps_exactly_the_minimal_state(park, dtype, compute):
+    if compute == "grouped" and not grouped_experts.available(dtype, "cpu"):
+        pytest.skip(f"this PyTorch build has no CPU torch._grouped_mm for {dtype}")
+    model = _tiny_engine(dtype, compute)
+    engine, layer = model.moecc.engine, model.moecc.layers[0]
+    engine.park_activations = park
+    weights, tokens = layer.host_weights, 13
+    expected = saved_bytes(tokens, weights.hidden_size, weights.intermediate_size, weights.num_experts, 2, dtype)
+    node = _layer_call(layer, tokens, dtype).grad_fn
+    held = [value for value in vars(node).values() if isinstance(value, torch.Tensor)]
+    assert held == []  # besides the state, the node holds no tensor (its LoRA factors are the parameters)
+    if park:
+        state = node.state
+        assert isinstance(state, ParkedState) and state.nbytes == expected and state.device is None
+        buffer = state.buffer
+        for view in state.views:  # all in the pooled buffer
+            assert buffer.data_ptr() <= view.data_ptr() <= buffer.data_ptr() + buffer.numel() - view.nbytes
+        assert engine.parking.bytes_to_host == expected
+    else:
+        assert isinstance(node.state, SavedState) and _state_bytes(node.state) == expected
+        assert engine.parking.bytes_to_host == 0
+    engine.park_activations = True
+    with torch.no_grad():
+        _layer_call(layer, tokens, dtype, grad=False)  # nothing kept, nothing parked
+    assert engine.parking.bytes_to_host == (expected if park else 0)
+
+
+def _train_step(model, ids, mask, labels) -> None:
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+
+
+@pytest.mark.parametrize("compute", ["reference", "grouped"])
+def test_parked_training_matches_hf_peft_and_unparked(compute):
+    if compute == "grouped" and not grouped_experts.available(torch.float32, "cpu"):
+        pytest.skip("this PyTorch build has no CPU torch._grouped_mm for float32")
+    reference, engine = build_pair("qwen2_moe", torch.float32, lora_config("qwen2_moe"), paradigm="offload",
+                                   num_hidden_layers=3)
+    engine.moecc.engine.compute = compute
+    engine.moecc.engine.capacity = 2  # fewer slots than layers: weights and states prefetched together
+    data = batches(256, 2, batch=3, seq=16, seed=5, pad=True)
+    for batch in data:  # two micro-batches accumulate
+        _train_step(reference, *batch)
+        _train_step(engine, *batch)
+    assert engine.moecc.engine.metrics_since_reset()["d2h_gb"] > 0
+    assert_grads_match(reference, engine, TOLERANCE[torch.float32])
+    parked = {n: p.grad.clone() for n, p in engine.named_parameters() if p.requires_grad}
+    engine.zero_grad()
+    engine.moecc.engine.park_activations = False
+    for batch in data:
+        _train_step(engine, *batch)
+    for name, param in engine.named_parameters():  # parking is a copy: bit-identical gradients
+        if param.requires_grad:
+            assert torch.equal(param.grad, parked[name]), name
+
+
+def test_metrics_count_parked_and_restored_bytes():
+    model = _tiny_engine()
+    engine = model.moecc.engine
+    (ids, mask, labels), = batches(256, 1, batch=2, seq=9, seed=1)
+    weights = model.moecc.layers[0].host_weights
+    per_layer = saved_bytes(ids.numel(), weights.hidden_size, weights.intermediate_size, weights.num_experts, 2,
+                            torch.float32)
+    runs = {}
+    for park in (True, False):
+        engine.park_activations = park
+        engine.slots.clear()  # the same weight copies in both runs
+        engine.reset_metrics()
+        _train_step(model, ids, mask, labels)
+        runs[park] = engine.metrics_since_reset()
+    layers = len(model.moecc.layers)
+    assert runs[True]["d2h_gb"] * 1e9 == pytest.approx(layers * per_layer, rel=1e-12)
+    assert runs[False]["d2h_gb"] == 0
+    # Restored bytes are host-to-device copies too, on top of the same expert weights.
+    assert (runs[True]["h2d_gb"] - runs[False]["h2d_gb"]) * 1e9 == pytest.approx(layers * per_layer, rel=1e-9)
+    assert runs[True]["d2h_s"] > 0 and runs[False]["d2h_s"] == 0
+
+
+def test_host_buffers_are_reused_across_steps():
+    model = _tiny_engine()
+    engine = model.moecc.engine
+    pool = engine.parking.pool
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    data = batches(256, 4, batch=2, seq=16, seed=3)
+    data[2] = tuple(t[:, :11] for t in data[2])  # a shorter batch fits the same buffers
+    sizes = []
+    for batch in data:
+        _train_step(model, *batch)
+        optimizer.step()
+        optimizer.zero_grad()
+        assert pool.free == pool.buffers  # every buffer is back once backward is done
+        sizes.append((pool.allocations, pool.buffers, pool.nbytes))
+    assert sizes[0][0] == len(model.moecc.layers)  # one buffer per layer, allocated in the first step only
+    assert sizes == [sizes[0]] * len(sizes)
+    outputs = model(input_ids=data[0][0])  # a graph freed without backward gives its buffers back
+    assert pool.free == pool.buffers - len(model.moecc.layers)
+    del outputs
+    gc.collect()
+    assert pool.free == pool.buffers and pool.allocations == sizes[0][0]
+
+
+def test_pool_lends_the_smallest_fit_and_never_grows_past_the_peak():
+    pool = HostBufferPool(pinned=False, min_bytes=64)
+    a, _ = pool.acquire(100)
+    b, _ = pool.acquire(1000)
+    assert (a.numel(), b.numel()) == (128, 1024)
+    pool.release(b)
+    pool.release(a, "copy-event")
+    again, event = pool.acquire(90)  # the smallest that fits, with the event its next writer waits for
+    assert again.data_ptr() == a.data_ptr() and event == "copy-event"
+    pool.release(again)
+    bigger, event = pool.acquire(5000)  # nothing fits: the largest free buffer (1024) is dropped for it
+    assert bigger.numel() == 8192 and event is None
+    assert (pool.buffers, pool.free, pool.allocations, pool.nbytes) == (2, 1, 3, 128 + 8192)
+    assert pool.acquire(1)[0].data_ptr() == a.data_ptr()
+
+
+def test_parking_round_trip_keeps_values_and_layout():
+    parking = ActivationParking(torch.device("cpu"), None)
+    g = torch.Generator().manual_seed(0)
+    saved = SavedState(torch.randn(5, 7, generator=g).to(torch.bfloat16), torch.rand(5, 3, generator=g),
+                       torch.arange(4), torch.randperm(15, generator=g), torch.randn(15, 6, generator=g),
+                       torch.float16)
+    state = parking.park((1, 0), saved)
+    for name, view in zip(SAVED_TENSORS, state.views):
+        assert view.data_ptr() % 64 == 0 and view.data_ptr() != getattr(saved, name).data_ptr()
+    parking.prefetch((1, 0))  # starts the restore, gives the buffer back
+    assert parking.pool.free == 1 and state.buffer is None
+    back, ready = parking.take(state)
+    assert ready is None and back.weights_dtype == torch.float16
+    for name in SAVED_TENSORS:
+        assert torch.equal(getattr(back, name), getattr(saved, name)), name
+        assert getattr(back, name).dtype == getattr(saved, name).dtype
+    assert parking.bytes_to_host == parking.bytes_to_device == _state_bytes(saved)
+
+
+@pytest.mark.gpu
+def test_parking_on_cuda_frees_device_memory_and_matches():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    reference, engine = build_pair(FAMILY, torch.float32, lora_config(FAMILY), paradigm="offload", device="cuda",
+                                   num_hidden_layers=6, max_position_embeddings=2048)
+    state = engine.moecc.engine
+    state.capacity = 2
+    (ids, mask, labels), = batches(256, 1, batch=4, seq=1024, seed=7)
+    weights = engine.moecc.layers[0].host_weights
+    per_layer = saved_bytes(ids.numel(), weights.hidden_size, weights.intermediate_size, weights.num_experts, 2,
+                            torch.float32)
+    after_forward = {}
+    for park in (False, True):
+        state.park_activations = park
+        engine.zero_grad()
+        out = engine(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=labels.cuda())
+        torch.cuda.synchronize()
+        after_forward[park] = torch.cuda.memory_allocated()
+        out.loss.backward()
+        del out
+    layers = len(engine.moecc.layers)
+    assert after_forward[False] - after_forward[True] >= 0.95 * layers * per_layer
+    a = reference(input_ids=ids, attention_mask=mask, labels=labels)
+    a.loss.backward()
+    assert_grads_match(reference, engine, 1e-4)  # the parked run's gradients
+    buffer, _ = state.parking.pool.acquire(1)
+    assert buffer.is_pinned()
+    state.parking.pool.release(buffer)
+
+
+@pytest.mark.gpu
+def test_cuda_park_and_restore_never_sync_and_round_trip():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    device = torch.device("cuda")
+    parking = ActivationParking(device, torch.cuda.Stream(device))
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def state():
+        return SavedState(torch.randn(3000, 256, generator=g, device=device).to(torch.bfloat16),
+                          torch.rand(3000, 8, generator=g, device=device),
+                          torch.arange(129, device=device), torch.randperm(24000, generator=g, device=device),
+                          torch.randn(24000, 96, generator=g, device=device).to(torch.bfloat16), torch.bfloat16)
+
+    parking.take(parking.park((0, 0), state()))  # the pool's buffer is allocated (pinned) here
+    expected = state()
+    copies = {name: getattr(expected, name).clone() for name in SAVED_TENSORS}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        parked = parking.park((1, 0), expected)
+        del expected  # freed while the copy may still run: record_stream keeps the memory from reuse
+        torch.randn(3000, 256, device=device)  # work on the compute stream that could take that memory
+        parking.prefetch((1, 0))
+        back, ready = parking.take(parked)
+        torch.cuda.current_stream().wait_event(ready)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name in SAVED_TENSORS:
+        assert torch.equal(getattr(back, name), copies[name]), name
+    assert parking.pool.allocations == 1
+
+
+def test_backward_restores_each_layer_one_layer_ahead(monkeypatch):
+    """Backward of layer L queues its own state's copy back (if the layer after did not) and then layer L-1's,
+    before it uses its own."""
+    model = _tiny_engine(num_hidden_layers=4)
+    parking = model.moecc.engine.parking
+    events, restore, take = [], ActivationParking.restore, ActivationParking.take
+
+    def recording_restore(self, state):
+        if state.buffer is not None:
+            events.append(("restore", state.key[1]))
+        restore(self, state)
+
+    def recording_take(self, state):
+        events.append(("take", state.key[1]))
+        return take(self, state)
+
+    monkeypatch.setattr(ActivationParking, "restore", recording_restore)
+    monkeypatch.setattr(ActivationParking, "take", recording_take)
+    (ids, mask, labels), = batches(256, 1, batch=2, seq=8, seed=2)
+    _train_step(model, ids, mask, labels)
+    assert events == [("restore", 3), ("restore", 2), ("take", 3), ("restore", 1), ("take", 2), ("restore", 0),
+                      ("take", 1), ("take", 0)]
+    assert parking.pool.free == parking.pool.buffers
