@@ -64,7 +64,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
     rows: list[dict] = []
     for paradigm in tqdm(paradigms, desc="paradigms", unit="paradigm"):
         new_rows = run_case(args.preset, args.layers, paradigm, tokens, args.steps, args.rank, device,
-                            args.gpu_budget)
+                            args.gpu_budget, getattr(args, "checkpointing", "auto"))
         for row in new_rows:
             row["predicted_step_s"] = predict(args.preset, row["tokens"], rates, args.layers).get(row["paradigm"])
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
                                    "hf-offload (PEFT + accelerate's CPU offload of the experts)")
     bench_parser.add_argument("--gpu-budget", type=float, default=24.0, help="GPU memory budget in GB")
     bench_parser.add_argument("--steps", type=int, default=3)
+    bench_parser.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"],
+                              help="Hugging Face gradient checkpointing: auto = turned on for a paradigm once a token "
+                                   "count runs out of GPU memory (each row says whether it was on)")
     bench_parser.add_argument("--rank", type=int, default=8)
     bench_parser.add_argument("--out", default="benchmarks/results/bench")
     plan_parser = commands.add_parser("plan", help="predict each paradigm's step time on this machine")

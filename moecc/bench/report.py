@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 COLUMNS = ("paradigm", "tokens", "step_s", "predicted_step_s", "tokens_per_s", "peak_gpu_gb", "cpu_experts_s",
-           "pcie_s", "gpu_wait_s", "gpu_other_s", "h2d_gb")
+           "pcie_s", "gpu_wait_s", "gpu_other_s", "h2d_gb", "h2d_gbps_while_copying", "expert_compute_s",
+           "checkpointing")
 MISSING = "–"  # not measured, or no prediction for that paradigm
 UNITS_NOTE = (f"Times are seconds per training step (median), `_gb` columns are GB (10^9 bytes), "
               f"`{MISSING}` = not measured or no prediction. A row with an error has no plot point.")

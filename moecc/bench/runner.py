@@ -105,13 +105,42 @@ def _error_message(paradigm: str, error: Exception) -> str:
     return text
 
 
+CHECKPOINTING = ("auto", "on", "off")
+
+
+def _enable_checkpointing(model: torch.nn.Module) -> None:
+    """Hugging Face gradient checkpointing (non-reentrant), as a user short of GPU memory would turn it on."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _time_with_checkpointing(model: torch.nn.Module, device: torch.device, count: int, steps: int, state: dict):
+    """``time_training``; under ``auto``, a step that runs out of GPU memory is retried once with gradient
+    checkpointing turned on, which then stays on for the larger token counts."""
+    try:
+        return time_training(model, device, count, steps)
+    except torch.OutOfMemoryError:
+        if state["mode"] != "auto" or state["on"]:
+            raise
+    # Outside the except block, so the failed step's frames (and their tensors) are gone before the retry.
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    _enable_checkpointing(model)
+    state["on"] = True
+    return time_training(model, device, count, steps)
+
+
 def run_case(preset: str, layers: int | None, paradigm: str, tokens: list[int], steps: int, rank: int,
-             device: torch.device, budget_gb: float | None) -> list[dict]:
+             device: torch.device, budget_gb: float | None, checkpointing: str = "auto") -> list[dict]:
     """One row per token count; a paradigm that cannot run gives rows with an ``error`` saying why.
 
     ``hf-offload`` records whatever the stock route raises; when it runs but its expert LoRA does not train,
-    its rows carry the times and that as the ``error``.
+    its rows carry the times and that as the ``error``. ``checkpointing``: ``on`` / ``off`` Hugging Face
+    gradient checkpointing, or ``auto``: off until a token count runs out of GPU memory, then on (each row
+    says which it ran with).
     """
+    if checkpointing not in CHECKPOINTING:
+        raise ValueError(f"checkpointing must be one of {', '.join(CHECKPOINTING)}, got {checkpointing!r}")
     if device.type == "cuda" and device.index is None:  # the memory budget is set per numbered device
         device = torch.device("cuda", torch.cuda.current_device())
     if paradigm == "hf-offload" and device.type != "cuda":
@@ -122,8 +151,12 @@ def run_case(preset: str, layers: int | None, paradigm: str, tokens: list[int], 
     model, rows = None, []
     try:
         model, caveat = _build(paradigm, base, lora, device, budget_gb)
+        state = {"mode": checkpointing, "on": checkpointing == "on"}
+        if state["on"]:
+            _enable_checkpointing(model)
         for count in tokens:
-            row = {"paradigm": paradigm, "tokens": count, **time_training(model, device, count, steps)}
+            timing = _time_with_checkpointing(model, device, count, steps, state)
+            row = {"paradigm": paradigm, "tokens": count, **timing, "checkpointing": state["on"]}
             rows.append({**row, "error": caveat} if caveat else row)
     except Exception as error:
         if paradigm != "hf-offload" and not isinstance(error, _EXPECTED_FAILURES):

@@ -109,3 +109,28 @@ def test_random_model_fills_large_tensors_fast_and_deterministically(monkeypatch
     first, second = experts[0][1].flatten(), experts[1][1].flatten()
     assert not torch.equal(first[:1024], second[:1024])  # tiles start at different random offsets
     assert abs(first.float().std().item() - 0.02) < 0.002
+
+
+def test_auto_checkpointing_retries_an_out_of_memory_step(monkeypatch):
+    """Under ``auto`` a token count that runs out of GPU memory is timed again with gradient checkpointing on,
+    which stays on for the larger counts; ``off`` records the failure instead."""
+    from moecc.bench import runner
+
+    calls = []
+
+    def fake_time_training(model, device, count, steps):
+        on = bool(getattr(model, "is_gradient_checkpointing", False))
+        calls.append((count, on))
+        if count >= 64 and not on:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return {"step_s": 1.0}
+
+    monkeypatch.setattr(runner, "time_training", fake_time_training)
+    rows = runner.run_case("tiny", 1, "cocompute", [16, 64, 128], 1, 4, torch.device("cpu"), None)
+    assert [(r["tokens"], r["checkpointing"], "error" in r) for r in rows] == [
+        (16, False, False), (64, True, False), (128, True, False)]
+    assert calls == [(16, False), (64, False), (64, True), (128, True)]
+    rows = runner.run_case("tiny", 1, "cocompute", [16, 64], 1, 4, torch.device("cpu"), None, checkpointing="off")
+    assert "error" not in rows[0] and "out of memory" in rows[1]["error"]
+    with pytest.raises(ValueError, match="checkpointing must be one of"):
+        runner.run_case("tiny", 1, "cocompute", [16], 1, 4, torch.device("cpu"), None, checkpointing="maybe")
