@@ -12,6 +12,7 @@ experts, so autograd sees the same graph, in the same order, as the unmodified m
 from __future__ import annotations
 
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -22,8 +23,8 @@ from .. import _ops, reference
 from ..lora import factor_gradients, layer_lora, lora_tensors, merge_revision
 from ..native_experts import NativeExperts
 from ..reference import ExpertLora, ExpertWeights, SavedState
-from ..store import expert_weights
 from ..staging import HostCopy, StagingBuffers
+from ..store import expert_weights
 
 
 @dataclass
@@ -102,12 +103,13 @@ class CoComputeEngine:
 class ExpertJob:
     """One layer's forward on the CPU: its inputs, LoRA factors, and (once done) what backward needs."""
 
-    def __init__(self, layer: "CoComputeLayer", lora: tuple[ExpertLora | None, ExpertLora | None]) -> None:
+    def __init__(self, layer: CoComputeLayer, lora: tuple[ExpertLora | None, ExpertLora | None]) -> None:
         self.layer = layer
         self.weights = layer.weights
         self.lora = lora
         self.future: Future | None = None
         self.saved: SavedState | None = None
+        self.shape: tuple | None = None  # (hidden shape, top_k shape) it was submitted with
 
     def compute(self, staged: HostCopy) -> torch.Tensor:
         engine = self.layer.engine
@@ -151,6 +153,12 @@ class CoComputeLayer:
         self.experts = experts  # the Hugging Face experts module holding the host-resident weights
         self.wrappers = wrappers
         self.engine = engine
+        # Jobs whose backward is still to come, newest last. Under non-reentrant gradient checkpointing the
+        # layer's forward runs again inside backward only to regenerate saved tensors; the original autograd
+        # node (holding the first job) is the one differentiated, so that rerun takes the first job's result
+        # instead of running the experts on the CPU a second time.
+        # Weak references: a graph dropped without a backward frees its jobs as before.
+        self.pending_backward: list[weakref.ref] = []
 
     @property
     def weights(self) -> ExpertWeights:
@@ -164,19 +172,44 @@ class CoComputeLayer:
         """(gate_up, down) LoRA factors PEFT would apply now, None where a projection applies none."""
         return layer_lora(self.wrappers)
 
+    def _job_to_replay(self, hidden: torch.Tensor, top_k_index: torch.Tensor) -> ExpertJob | None:
+        """The newest job still waiting for its backward, if this call (a recomputation) repeats it."""
+        self.pending_backward = [ref for ref in self.pending_backward
+                                 if ref() is not None and (ref().saved is not None or not ref().future.done())]
+        if not self.pending_backward:
+            return None
+        job = self.pending_backward[-1]()
+        if job is None:
+            return None
+        job.future.result()  # long done: its layer's output was used before backward started
+        return job if _replayable(job, hidden, top_k_index) else None
+
     def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> PendingExperts:
         """Starts the routed experts on ``hidden [T, H]``; queue independent device work, then call ``result()``."""
+        recomputing = torch._C._current_graph_task_id() != -1
+        if recomputing and torch.is_grad_enabled():
+            earlier = self._job_to_replay(hidden, top_k_index)
+            if earlier is not None:
+                output = CpuExpertsFunction.apply(hidden, top_k_weights, earlier, *lora_tensors(earlier.lora))
+                return PendingExperts(output, earlier)
         staged = self.engine.staging.to_host({
             "hidden": hidden.detach().contiguous(),
             "top_k_index": top_k_index.contiguous(),
             "top_k_weights": top_k_weights.detach().contiguous(),
         })
         job = ExpertJob(self, self.lora())
-        if self.index == 0 and torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
+        job.shape = (tuple(hidden.shape), tuple(top_k_index.shape))
+        if self.index == 0 and not recomputing:
             self.engine.metrics.tokens += hidden.shape[0]
         job.future = self.engine.worker.submit(job.compute, staged)
+        if torch.is_grad_enabled() and not recomputing:
+            self.pending_backward.append(weakref.ref(job))
         output = CpuExpertsFunction.apply(hidden, top_k_weights, job, *lora_tensors(job.lora))
         return PendingExperts(output, job)
+
+
+def _replayable(job: ExpertJob, hidden: torch.Tensor, top_k_index: torch.Tensor) -> bool:
+    return job.saved is not None and job.shape == (tuple(hidden.shape), tuple(top_k_index.shape))
 
 
 class CpuExpertsFunction(torch.autograd.Function):
@@ -208,6 +241,7 @@ class CpuExpertsFunction(torch.autograd.Function):
                                                                        views["grad_out"], *job.lora)
         engine.metrics.cpu_backward_s += time.perf_counter() - start
         job.saved = None  # release host activations as soon as they are used
+        job.layer.pending_backward = [ref for ref in job.layer.pending_backward if ref() not in (job, None)]
         staging = engine.staging
         grad_hidden = staging.to_device("grad_hidden", grad_hidden.to(ctx.hidden_dtype))
         grad_weights = staging.to_device("grad_weights", grad_weights.to(ctx.weights_dtype))

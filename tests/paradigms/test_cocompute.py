@@ -1,9 +1,10 @@
-"""The co-compute layer on its own: empty batches, device moves and the overlap contract."""
+"""The co-compute layer on its own: empty batches, device moves, the overlap contract, checkpointing."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from ..parity import build_pair, lora_config, rel_err
+from ..parity import assert_grads_match, batches, build_pair, lora_config, rel_err
 
 
 def test_zero_tokens_forward_and_backward():
@@ -42,3 +43,26 @@ def test_experts_module_survives_and_returns_from_device_moves():
     wrapper = [m for n, m in engine.named_modules() if n.endswith("layers.0.mlp.experts")][0]
     assert wrapper.to("meta") is wrapper and wrapper.half() is wrapper
     assert experts.gate_up_proj.device.type == "cpu" and experts.gate_up_proj.dtype == torch.float32
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "deepseek_v3"])
+def test_checkpointing_runs_cpu_experts_forward_once_where_it_can(family, reentrant):
+    """Non-reentrant checkpointing differentiates the first pass's nodes, so its recomputation takes the first
+    CPU result instead of running the experts again; reentrant checkpointing differentiates the recomputed
+    graph (its first pass ran without grad), so there the experts run twice. Gradients match HF + PEFT."""
+    reference, engine = build_pair(family, torch.float32, lora_config(family))
+    for model in (reference, engine):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.enable_input_require_grads()
+    engine_state = engine.moecc.engine
+    calls = []
+    forward_fn = engine_state.forward_fn
+    engine_state.forward_fn = lambda *args: calls.append(1) or forward_fn(*args)
+    (ids, mask, labels), = batches(reference.config.vocab_size, 1, pad=True)
+    reference(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    engine(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    layers = len(engine.moecc.layers)
+    assert len(calls) == (2 * layers if reentrant else layers)
+    assert_grads_match(reference, engine, 1e-4)
+    assert all(not layer.pending_backward for layer in engine.moecc.layers)  # nothing held after backward
