@@ -143,13 +143,13 @@ def _address(tensor: torch.Tensor | None, name: str, dtype: torch.dtype, numel: 
 
 
 def _lora_args(prefix: str, lora: tuple | None, experts: int, n_in: int, n_out: int) -> dict:
-    """``lora`` is ``(A [E, r, in], B^T [E, r, out], scaling)`` float32 or None."""
+    """``lora`` is ``(A [E, r, in], B [out, r*E], scaling)`` float32 (PEFT's layouts) or None."""
     if lora is None:
         return {f"{prefix}_a": 0, f"{prefix}_b": 0, f"{prefix}_rank": 0, f"{prefix}_scaling": 0.0}
     a, b, scaling = lora
     rank = a.shape[1] if a.dim() == 3 else -1
-    if a.dim() != 3 or tuple(a.shape) != (experts, rank, n_in) or tuple(b.shape) != (experts, rank, n_out):
-        raise ValueError(f"{prefix} LoRA factors must be A [{experts}, r, {n_in}] and B^T [{experts}, r, {n_out}], "
+    if a.dim() != 3 or tuple(a.shape) != (experts, rank, n_in) or tuple(b.shape) != (n_out, rank * experts):
+        raise ValueError(f"{prefix} LoRA factors must be A [{experts}, r, {n_in}] and B [{n_out}, r*{experts}], "
                          f"got {tuple(a.shape)} and {tuple(b.shape)}")
     return {f"{prefix}_a": _address(a, f"{prefix} LoRA A", torch.float32, experts * rank * n_in),
             f"{prefix}_b": _address(b, f"{prefix} LoRA B", torch.float32, experts * n_out * rank),
@@ -222,7 +222,7 @@ def expert_ffn_backward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], sha
     the given tensor when passed).
 
     Returns ``(grad_hidden [T, H], grad_routing [T*k], (dA_gu, dB_gu) or None, (dA_down, dB_down) or None)``,
-    float32, LoRA gradients as ``A [E, r, in]``, ``B^T [E, r, out]``.
+    float32, LoRA gradients as ``A [E, r, in]``, ``B [out, r*E]`` (PEFT's layout).
     """
     experts, hidden_size, inter = shape
     tokens = hidden.shape[0]
@@ -230,7 +230,8 @@ def expert_ffn_backward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], sha
     _check_grouping(offsets, order, experts, pairs)
     grad_hidden = _output(grad_hidden, (tokens, hidden_size), torch.float32, "grad_hidden")
     grad_routing = torch.empty(pairs, dtype=torch.float32)
-    lora_grads = [None if lora is None else (torch.zeros_like(lora[0]), torch.zeros_like(lora[1]))
+    # A's gradient accumulates in place; B's is written whole.
+    lora_grads = [None if lora is None else (torch.zeros_like(lora[0]), torch.empty_like(lora[1]))
                   for lora in (gate_up_lora, down_lora)]
     flat = [0 if g is None else g[i].data_ptr() for g in lora_grads for i in (0, 1)]
     _C.expert_ffn_backward(

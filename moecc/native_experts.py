@@ -16,13 +16,13 @@ from .reference import ExpertLora, ExpertWeights, LoraGrads, SavedState
 
 
 def _kernel_lora(lora: ExpertLora | None) -> tuple | None:
-    """PEFT's ``A [r*E, in]``, ``B [out, r*E]`` as the kernels' ``A [E, r, in]``, ``B^T [E, r, out]`` float32."""
+    """PEFT's ``A [r*E, in]``, ``B [out, r*E]`` as the kernels take them: ``A`` viewed ``[E, r, in]``, both
+    float32 and contiguous (no copy for PEFT's usual float32 adapters; the kernels re-lay B themselves)."""
     if lora is None:
         return None
     experts, rank = lora.num_experts, lora.rank
-    a = lora.A.detach().float().reshape(experts, rank, -1).contiguous()
-    b_t = lora.B.detach().float().reshape(lora.B.shape[0], rank, experts).permute(2, 1, 0).contiguous()
-    return a, b_t, lora.scaling
+    a = lora.A.detach().float().contiguous().view(experts, rank, -1)
+    return a, lora.B.detach().float().contiguous(), lora.scaling
 
 
 def _lora_key(*loras: ExpertLora | None) -> tuple:
@@ -34,9 +34,8 @@ def _lora_key(*loras: ExpertLora | None) -> tuple:
 def _peft_grads(grads: tuple | None, lora: ExpertLora | None) -> tuple:
     if grads is None:
         return None, None
-    grad_a, grad_b_t = grads
-    experts, rank, out = grad_b_t.shape
-    return grad_a.reshape(experts * rank, -1), grad_b_t.permute(2, 1, 0).reshape(out, rank * experts)
+    grad_a, grad_b = grads
+    return grad_a.view(-1, grad_a.shape[-1]), grad_b
 
 
 _PACKED_ATTRIBUTE = "_moecc_packed_experts"

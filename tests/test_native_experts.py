@@ -180,9 +180,9 @@ def test_kernel_inputs_are_checked_before_crossing():
     with pytest.raises(ValueError, match="order has 8 elements, expected 6"):
         _ops.expert_ffn_forward("portable", packed, (4, 32, 16), 2, x[:3], offsets, order, routing, None, None)
     a = gate_up.A.reshape(4, 2, 32).contiguous()
-    b_untransposed = gate_up.B.reshape(32, 2, 4).permute(2, 0, 1).contiguous()  # [E, out, r], not [E, r, out]
-    with pytest.raises(ValueError, match="B\\^T"):
-        _ops.expert_ffn_forward("portable", packed, (4, 32, 16), 2, x, offsets, order, routing, (a, b_untransposed, 1.0),
+    b_transposed = gate_up.B.t().contiguous()  # [r*E, out], not PEFT's [out, r*E]
+    with pytest.raises(ValueError, match="B \\[32, r\\*4\\]"):
+        _ops.expert_ffn_forward("portable", packed, (4, 32, 16), 2, x, offsets, order, routing, (a, b_transposed, 1.0),
                                 None)
 
 

@@ -213,6 +213,48 @@ void sum_slots(const Dims& d, const float* per_pair, float* out, moecc::pool::Th
   });
 }
 
+// PEFT's B [out, r*E] (column j*E + e) <-> B^T [E, r, out]. Tasks are blocks of output rows: each reads or
+// writes whole rows of B and 64-value runs of B^T.
+constexpr int64_t kRelayoutRows = 64;
+
+void peft_b_to_rows(const float* b, int64_t out, int64_t rank, int64_t experts, float* b_t,
+                    moecc::pool::ThreadPool& pool) {
+  const int64_t columns = rank * experts;
+  pool.run((out + kRelayoutRows - 1) / kRelayoutRows, [&](int64_t block, int) {
+    const int64_t o0 = block * kRelayoutRows, o1 = std::min(out, o0 + kRelayoutRows);
+    for (int64_t e = 0; e < experts; ++e) {
+      for (int64_t j = 0; j < rank; ++j) {
+        float* dst = b_t + (e * rank + j) * out;
+        for (int64_t o = o0; o < o1; ++o) dst[o] = b[o * columns + j * experts + e];
+      }
+    }
+  });
+}
+
+void rows_to_peft_b(const float* b_t, int64_t out, int64_t rank, int64_t experts, float* b,
+                    moecc::pool::ThreadPool& pool) {
+  const int64_t columns = rank * experts;
+  pool.run((out + kRelayoutRows - 1) / kRelayoutRows, [&](int64_t block, int) {
+    const int64_t o0 = block * kRelayoutRows, o1 = std::min(out, o0 + kRelayoutRows);
+    for (int64_t o = o0; o < o1; ++o) {
+      for (int64_t j = 0; j < rank; ++j) {
+        for (int64_t e = 0; e < experts; ++e) b[o * columns + j * experts + e] = b_t[(e * rank + j) * out + o];
+      }
+    }
+  });
+}
+
+// The factors with B re-laid into `b_t` (scratch), as the loops below read them.
+LoraFactors with_rows_of_b(const LoraFactors& lora, int64_t out, int64_t experts, AlignedBuffer<float>& b_t,
+                           moecc::pool::ThreadPool& pool) {
+  if (lora.a == nullptr) return lora;
+  LoraFactors relaid = lora;
+  float* rows = b_t.get(experts * lora.rank * out);
+  peft_b_to_rows(lora.b, out, lora.rank, experts, rows, pool);
+  relaid.b = rows;
+  return relaid;
+}
+
 // Seconds per phase of the latest call, for benchmarks to show where the time goes. The lists are read by
 // last_phase_times from any thread, also while a call on another thread (GIL released) is writing them.
 std::mutex phase_times_mutex;
@@ -247,23 +289,26 @@ PhaseTimes last_phase_times(bool backward) {
 struct ForwardScratch {
   std::mutex mutex;  // calls are serialised by the engine; this keeps concurrent callers correct anyway
   AlignedBuffer<uint16_t> xg, act;
-  AlignedBuffer<float> inner_gu, inner_down, per_pair;
+  AlignedBuffer<float> inner_gu, inner_down, per_pair, b_gu, b_down;
 };
 
 struct BackwardScratch {
   std::mutex mutex;
   AlignedBuffer<uint16_t> xg, act, dy_bf16, grad_gu_bf16;
-  AlignedBuffer<float> inner_gu, inner_down, grad_inner_gu, grad_inner_down, dy, grad_act, grad_gu, per_pair, row_weight;
+  AlignedBuffer<float> inner_gu, inner_down, grad_inner_gu, grad_inner_down, dy, grad_act, grad_gu, per_pair,
+      row_weight, b_gu, b_down, grad_b_gu, grad_b_down;
 };
 
 void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts& weights,
-                        const LoraFactors& gate_up_lora, const LoraFactors& down_lora, const Routing& routing,
+                        const LoraFactors& gate_up_peft, const LoraFactors& down_peft, const Routing& routing,
                         const ForwardIo& io, moecc::pool::ThreadPool& pool) {
   static ForwardScratch scratch;
   std::lock_guard<std::mutex> lock(scratch.mutex);
   PhaseClock clock(forward_times);
   const PanelGemm& gemm = panel_gemm(isa);
   const Dims d(shapes);
+  const LoraFactors gate_up_lora = with_rows_of_b(gate_up_peft, 2 * d.I, d.E, scratch.b_gu, pool);
+  const LoraFactors down_lora = with_rows_of_b(down_peft, d.H, d.E, scratch.b_down, pool);
   const std::vector<Task> rows = make_tasks(routing.offsets, d.E, 1, 1);
   uint16_t* xg = scratch.xg.get(d.pairs * d.ld_x);
   uint16_t* act = scratch.act.get(d.pairs * d.ld_act);
@@ -380,13 +425,26 @@ void lora_grad_inner(const LoraFactors& lora, int64_t expert, int64_t out_featur
 }
 
 void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExperts& weights,
-                         const LoraFactors& gate_up_lora, const LoraFactors& down_lora, const Routing& routing,
-                         const BackwardIo& io, moecc::pool::ThreadPool& pool) {
+                         const LoraFactors& gate_up_peft, const LoraFactors& down_peft, const Routing& routing,
+                         const BackwardIo& io_peft, moecc::pool::ThreadPool& pool) {
   static BackwardScratch scratch;
   std::lock_guard<std::mutex> lock(scratch.mutex);
   PhaseClock clock(backward_times);
   const PanelGemm& gemm = panel_gemm(isa);
   const Dims d(shapes);
+  const LoraFactors gate_up_lora = with_rows_of_b(gate_up_peft, 2 * d.I, d.E, scratch.b_gu, pool);
+  const LoraFactors down_lora = with_rows_of_b(down_peft, d.H, d.E, scratch.b_down, pool);
+  // B gradients accumulate as rows of B^T (zeroed here) and are laid back into PEFT's layout at the end.
+  BackwardIo io = io_peft;
+  const auto zeroed = [&](AlignedBuffer<float>& buffer, int64_t n) {
+    float* data = buffer.get(n);
+    pool.run((n + (1 << 16) - 1) >> 16, [&](int64_t c, int) {
+      std::fill(data + (c << 16), data + std::min(n, (c + 1) << 16), 0.0f);
+    });
+    return data;
+  };
+  if (io_peft.grad_gate_up_b) io.grad_gate_up_b = zeroed(scratch.grad_b_gu, d.E * gate_up_lora.rank * 2 * d.I);
+  if (io_peft.grad_down_b) io.grad_down_b = zeroed(scratch.grad_b_down, d.E * down_lora.rank * d.H);
   const int64_t h_rows = padded_rows(d.H), gu_rows = padded_rows(2 * d.I);  // packed panels of each matrix
   const int64_t r_gu = std::max<int64_t>(gate_up_lora.rank, 1), r_d = std::max<int64_t>(down_lora.rank, 1);
   const std::vector<Task> rows = make_tasks(routing.offsets, d.E, 1, 1);
@@ -479,6 +537,10 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
                        d.ld_act, d.ld_dy, d.ld_dgu},
                       io, pool);
   }
+  if (io_peft.grad_gate_up_b) {
+    rows_to_peft_b(io.grad_gate_up_b, 2 * d.I, gate_up_lora.rank, d.E, io_peft.grad_gate_up_b, pool);
+  }
+  if (io_peft.grad_down_b) rows_to_peft_b(io.grad_down_b, d.H, down_lora.rank, d.E, io_peft.grad_down_b, pool);
   clock.mark("lora_grads");
   sum_slots(d, per_pair, io.grad_hidden, pool);
   clock.mark("sum_slots");

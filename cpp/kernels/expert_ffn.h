@@ -3,8 +3,9 @@
 // Shapes: T tokens, k experts per token, E experts, hidden H, intermediate I. Pairs (token t, slot j) have id
 // p = t*k + j; `order` lists pair ids grouped by expert (token_grouping.h), grouped position g = index in
 // `order`. Base weights are packed per expert (weight_packing.h): gate_up [2I, H] (gate rows, then up rows)
-// and down [H, I]. LoRA factors are fp32, A [E, r, in] and B transposed, B^T [E, r, out];
-// y = x W^T + s (x A^T) B^T.
+// and down [H, I]. LoRA factors are fp32 in PEFT's layout: A [E*r, in] expert-major (= [E, r, in]) and
+// B [out, r*E] rank-major (expert e's column j is j*E + e); y = x W^T + s (x A_e^T) B_e^T. B is re-laid
+// internally as B^T [E, r, out] (rows the loops read contiguously) and its gradient laid back.
 // Products take bf16 inputs and accumulate in fp32; gate/up outputs are kept in bf16 for backward.
 #pragma once
 
@@ -32,7 +33,7 @@ struct PackedExperts {
 
 struct LoraFactors {  // a == nullptr: no LoRA on this projection
   const float* a = nullptr;  // [E, r, in]
-  const float* b = nullptr;  // B^T [E, r, out]
+  const float* b = nullptr;  // [out, r*E], PEFT's layout
   int64_t rank = 0;
   float scaling = 0.0f;
 };
@@ -55,10 +56,10 @@ struct BackwardIo {
   const float* grad_out;        // [T, H]
   float* grad_hidden;           // [T, H]
   float* grad_routing;          // [T*k] per pair id
-  float* grad_gate_up_a;        // [E, r, H] or null
-  float* grad_gate_up_b;        // B^T [E, r, 2I] or null
-  float* grad_down_a;           // [E, r, I] or null
-  float* grad_down_b;           // B^T [E, r, H] or null
+  float* grad_gate_up_a;        // [E, r, H] or null; accumulated into
+  float* grad_gate_up_b;        // [2I, r*E] (PEFT's layout) or null; written
+  float* grad_down_a;           // [E, r, I] or null; accumulated into
+  float* grad_down_b;           // [H, r*E] (PEFT's layout) or null; written
 };
 
 void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts& weights,
