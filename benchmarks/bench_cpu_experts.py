@@ -154,8 +154,9 @@ def main() -> None:
     parser.add_argument("--isa", default="auto")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--amx-tuning", default=None, metavar="K_BLOCK,PREFETCH",
-                        help="AMX kernel knobs (K values per pass, A prefetch distance); default: built-in")
+    parser.add_argument("--amx-tuning", default=None, metavar="K_BLOCK,PREFETCH_A[,PREFETCH_B]",
+                        help="AMX kernel knobs (K values per pass, A-row and weight-tile prefetch distances in K "
+                             "values, 0 = off); default: built-in")
     args = parser.parse_args()
     if args.amx_tuning:
         from moecc import _C

@@ -28,9 +28,9 @@ struct PanelGemm {
 const PanelGemm& panel_gemm_portable();
 const PanelGemm& panel_gemm_avx512bf16();
 const PanelGemm& panel_gemm_amx();
-// AMX blocking knobs (panel_gemm_amx.cpp): K values per pass (0: all of K in one pass) and A-row prefetch
-// distance in K values (0: off). Not thread-safe against running kernels; for benchmarks.
-void set_amx_tuning(int64_t k_block, int64_t prefetch_ahead);
+// AMX blocking knobs (panel_gemm_amx.cpp): K values per pass (0: all of K in one pass), A-row and weight-tile
+// prefetch distances in K values (0: off). Not thread-safe against running kernels; for benchmarks.
+void set_amx_tuning(int64_t k_block, int64_t prefetch_ahead, int64_t prefetch_b_ahead);
 
 // Columns [k0, k0 + 16*chunks) of a packed [N, K] matrix re-laid as the packed matrix of their transpose
 // ([16*chunks, N], chunk c = panel c), so input gradients run on a forward kernel. AVX512-BF16 CPUs only

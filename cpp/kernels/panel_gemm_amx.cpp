@@ -47,6 +47,10 @@ MOECC_AMX void configure(int rows0, int rows1) {
 // streams, more than the hardware prefetchers follow.
 int64_t k_block = 1024;
 int64_t prefetch_ahead = 64;
+// prefetch_b: K values ahead at which the weight tiles are prefetched (0: none). When few tokens reach an expert
+// the products are bound by streaming weights from DRAM, and more requests in flight per core may help; it is a
+// knob until the host has measured it.
+int64_t prefetch_b_ahead = 0;
 
 // out[t][j] (+)= x[t][k0:k1] . W[j][k0:k1] for TWO_A ? 32 : rows0 tokens and TWO_B ? 32 : 16 outputs; `rows`
 // (the block's real token count) bounds the A prefetches, so none points past the activations.
@@ -68,10 +72,18 @@ MOECC_AMX void block(const uint16_t* x, int64_t ldx, int rows, const uint16_t* p
     if (TWO_A) _tile_zero(2);
     if (TWO_A && TWO_B) _tile_zero(3);
   }
-  const int64_t ahead = prefetch_ahead;
+  const int64_t ahead = prefetch_ahead, b_ahead = prefetch_b_ahead;
   for (int64_t k = k0; k < k1; k += kKAlign) {
     if (ahead > 0 && k + ahead < k1) {
       for (int r = 0; r < rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(x + r * ldx + k + ahead), _MM_HINT_T0);
+    }
+    if (b_ahead > 0 && k + b_ahead < k1) {  // one B tile is 16 cache lines, contiguous
+      const uint16_t* next = panel0 + (k + b_ahead) * kPanelRows;
+      for (int line = 0; line < 16; ++line) _mm_prefetch(reinterpret_cast<const char*>(next + line * 32), _MM_HINT_T0);
+      if (TWO_B) {
+        next = panel1 + (k + b_ahead) * kPanelRows;
+        for (int line = 0; line < 16; ++line) _mm_prefetch(reinterpret_cast<const char*>(next + line * 32), _MM_HINT_T0);
+      }
     }
     const int64_t b_offset = k * kPanelRows;  // 16 pair rows of 32 bf16 per 32 values of K
     _tile_loadd(4, x + k, x_stride);
@@ -151,9 +163,10 @@ MOECC_AMX void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, con
 
 }  // namespace
 
-void set_amx_tuning(int64_t k_block_values, int64_t prefetch_values) {
+void set_amx_tuning(int64_t k_block_values, int64_t prefetch_values, int64_t prefetch_b_values) {
   k_block = k_block_values;
   prefetch_ahead = prefetch_values;
+  prefetch_b_ahead = prefetch_b_values;
 }
 
 const PanelGemm& panel_gemm_amx() {
