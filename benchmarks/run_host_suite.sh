@@ -18,7 +18,7 @@ if [[ "$part" == all || "$part" == tests ]]; then
       tests/test_native_parity.py tests/test_grouped_experts.py tests/paradigms tests/bench 2>&1 | tail -5
 fi
 if [[ "$part" == all || "$part" == kernels ]]; then
-  python benchmarks/bench_panel_kernel.py --out "$out" 2>&1 | grep -v "^(" 
+  python benchmarks/bench_panel_kernel.py --out "$out" 2>&1 | grep -v "^("
   python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 256,1024,4096,8192 --out "$out" 2>&1 \
       | grep -v '^|'
 fi
