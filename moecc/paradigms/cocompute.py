@@ -36,7 +36,7 @@ class StepMetrics:
     wait_s: float = 0.0  # time the caller blocked on CPU expert results in forward
     tokens: int = 0  # tokens entering the first MoE layer (forward passes, not checkpoint recomputation)
     tokens_routed: int = 0  # (token, expert) pairs over all layers
-    expert_token_counts: list = field(default_factory=list)  # one [E] list per layer call
+    expert_token_counts: list = field(default_factory=list)  # one [E] list (or device tensor) per layer call
 
     def reset(self) -> None:
         self.cpu_forward_s = self.cpu_backward_s = self.wait_s = 0.0
@@ -46,7 +46,8 @@ class StepMetrics:
     @property
     def routing_skew(self) -> float:
         """Mean over layer calls of (most tokens on one expert) / (mean tokens per expert); 1 is perfectly even."""
-        skews = [max(c) * len(c) / sum(c) for c in self.expert_token_counts if sum(c) > 0]
+        counts = [c.tolist() if isinstance(c, torch.Tensor) else c for c in self.expert_token_counts]
+        skews = [max(c) * len(c) / sum(c) for c in counts if sum(c) > 0]
         return sum(skews) / len(skews) if skews else 0.0
 
 

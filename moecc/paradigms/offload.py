@@ -332,6 +332,12 @@ class OffloadEngine:
         self.slots[layer.index] = slot
         return slot
 
+    def holds_all(self, layer: OffloadLayer) -> bool:
+        """Whether the layer's slot has (or is being sent) every expert, as of the current merge state."""
+        slot = self.slots.get(layer.index)
+        return (slot is not None and slot.revision == layer.revision()
+                and len(slot.present) == layer.host_weights.num_experts)
+
     def fetch(self, layer: OffloadLayer, experts: list[int]) -> _Slot:
         """Starts copying the experts the slot lacks; returns the slot (wait on ``slot.ready`` before use)."""
         slot = self._slot_for(layer)
@@ -491,10 +497,20 @@ class OffloadExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, top_k_weights, top_k_index, layer, lora, call, *lora_tensors):
         engine, num_experts = layer.engine, layer.host_weights.num_experts
-        # The one host sync per layer: which experts to copy, and their token counts for the metrics (read here,
-        # before the compute is queued, so nothing waits for it).
-        routed, counts = torch.unique(top_k_index, return_counts=True)
-        experts, counts = torch.stack([routed.long(), counts]).tolist()
+        if engine.holds_all(layer):
+            # Every expert is on the device already (prefetched whole, as for every layer after the first when
+            # batches are large): no need to know which are routed, so no host sync; the token counts for the
+            # metrics stay on the device until the metrics are read.
+            experts, counts = list(range(num_experts)), None
+            token_counts = torch.zeros(num_experts, dtype=torch.int64, device=top_k_index.device).scatter_add_(
+                0, top_k_index.reshape(-1).long(), torch.ones(top_k_index.numel(), dtype=torch.int64,
+                                                               device=top_k_index.device))
+        else:
+            # A host sync: which experts to copy, and their token counts (read here, before the compute is
+            # queued, so nothing waits for it).
+            routed, counts = torch.unique(top_k_index, return_counts=True)
+            experts, counts = torch.stack([routed.long(), counts]).tolist()
+            token_counts = _token_counts(experts, counts, num_experts)
         layer.last_experts = experts
         slot = engine.fetch(layer, experts)
         if not call.recompute:  # inside backward the engine prefetches the layers before, not after
@@ -510,7 +526,7 @@ class OffloadExpertsFunction(torch.autograd.Function):
         engine.done_with(slot)
         engine.compute_ends(begun, backward=False)
         if not call.recompute:
-            engine.metrics.expert_token_counts.append(_token_counts(experts, counts, num_experts))
+            engine.metrics.expert_token_counts.append(token_counts)
         ctx.state = engine.keep_for_backward(call, saved)  # nothing else holds the saved tensors
         ctx.layer, ctx.lora, ctx.experts, ctx.math, ctx.key = layer, lora, experts, math, call.key
         ctx.dtypes = (hidden.dtype, top_k_weights.dtype)

@@ -219,3 +219,25 @@ def test_gradient_checkpointing_on_cuda_matches_hf_peft():
         engine(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=labels.cuda()).loss.backward()
     assert_grads_match(reference, engine, 1e-4)
     assert engine.moecc.engine.metrics_since_reset()["d2h_gb"] > 0
+
+
+def test_large_batches_skip_the_routing_sync_after_the_first_layer(monkeypatch):
+    """When a layer's slot already holds every expert (prefetched whole), its forward does not read the routing
+    back to the host; the token counts still reach the metrics."""
+    reference, engine = build_pair("qwen2_moe", torch.float32, lora_config("qwen2_moe"), paradigm="offload",
+                                   num_hidden_layers=3)
+    calls, unique = [], torch.unique
+    monkeypatch.setattr(torch, "unique", lambda *a, **kw: calls.append(1) or unique(*a, **kw))
+    (ids, mask, labels), = batches(256, 1, batch=4, seq=16, seed=2)
+    engine.moecc.engine.reset_metrics()
+    out = engine(input_ids=ids, attention_mask=mask, labels=labels)
+    assert len(calls) == 1  # the first layer only: it decides to prefetch the next layers whole
+    a = reference(input_ids=ids, attention_mask=mask, labels=labels)
+    assert rel_err(out.logits, a.logits) <= 1e-5
+    out.loss.backward()
+    a.loss.backward()
+    assert_grads_match(reference, engine, 1e-4)
+    metrics = engine.moecc.engine.metrics_since_reset()
+    assert metrics["routing_skew"] >= 1.0  # counts from every layer, device-side ones included
+    counts = engine.moecc.engine.metrics.expert_token_counts
+    assert len(counts) == 3 and all(int(sum(c)) == 4 * 16 * reference.config.num_experts_per_tok for c in counts)
