@@ -117,6 +117,15 @@ PYBIND11_MODULE(_C, m) {
       "Packs [experts, rows, cols] bf16 weights into the panel layout (weight_packing.h).");
 
   m.def(
+      "pack_rows",
+      [](int isa, std::uintptr_t src, int64_t rows, int64_t cols, int64_t p0, int64_t p1, std::uintptr_t dst) {
+        moecc::kernels::panel_gemm(static_cast<Isa>(isa))
+            .pack_rows(as_pointer<const uint16_t>(src), rows, cols, p0, p1, as_pointer<uint16_t>(dst));
+      },
+      py::arg("isa"), py::arg("src"), py::arg("rows"), py::arg("cols"), py::arg("p0"), py::arg("p1"), py::arg("dst"),
+      "Packs panels [p0, p1) of one row-major bf16 matrix with the `isa` variant's packer (for tests).");
+
+  m.def(
       "expert_ffn_forward",
       [](int isa, int64_t experts, int64_t hidden_size, int64_t inter, int64_t tokens, int64_t top_k,
          std::uintptr_t gate_up, std::uintptr_t down, std::uintptr_t gate_up_a, std::uintptr_t gate_up_b,

@@ -119,7 +119,8 @@ def best_isa() -> str:
 
 
 def pack_experts(weights: torch.Tensor) -> torch.Tensor:
-    """Packs bf16 expert weights ``[E, N, K]`` into the kernels' panel layout (cpp/kernels/weight_packing.h)."""
+    """Packs bf16 expert weights ``[E, N, K]`` into the kernels' panel layout (cpp/kernels/weight_packing.h),
+    element by element: the reference the vectorised per-task packers are tested against."""
     if weights.dim() != 3:
         raise ValueError(f"expert weights must be [experts, rows, cols], got shape {tuple(weights.shape)}")
     source = weights.contiguous()
@@ -129,6 +130,20 @@ def pack_experts(weights: torch.Tensor) -> torch.Tensor:
     if packed.data_ptr() % 64:
         raise RuntimeError("packed expert weights must be 64-byte aligned")
     _C.pack_experts(source.data_ptr(), experts, rows, cols, packed.data_ptr())
+    return packed
+
+
+def pack_rows(isa: str, matrix: torch.Tensor, p0: int, p1: int) -> torch.Tensor:
+    """Panels ``[p0, p1)`` of one bf16 matrix ``[N, K]`` packed by the ``isa`` variant's packer (the products
+    pack their weight slices this way; tests compare it with :func:`pack_experts`)."""
+    check_isa(isa)
+    source = matrix.contiguous()
+    _check_host("matrix", source, torch.bfloat16)
+    rows, cols = source.shape
+    if not 0 <= p0 <= p1 <= -(-rows // 16):
+        raise ValueError(f"panels [{p0}, {p1}) out of range for {rows} rows")
+    packed = torch.empty(_C.packed_elements(16 * (p1 - p0), cols), dtype=torch.bfloat16)
+    _C.pack_rows(ISAS[isa], source.data_ptr(), rows, cols, p0, p1, packed.data_ptr())
     return packed
 
 
@@ -156,11 +171,17 @@ def _lora_args(prefix: str, lora: tuple | None, experts: int, n_in: int, n_out: 
             f"{prefix}_rank": rank, f"{prefix}_scaling": float(scaling)}
 
 
-def _packed_args(packed: tuple[torch.Tensor, torch.Tensor], experts: int, hidden: int, inter: int) -> dict:
-    gate_up_elements = experts * _C.packed_elements(2 * inter, hidden)
-    down_elements = experts * _C.packed_elements(hidden, inter)
-    return {"gate_up": _address(packed[0], "packed gate_up", torch.bfloat16, gate_up_elements),
-            "down": _address(packed[1], "packed down", torch.bfloat16, down_elements)}
+def _weight_args(weights: tuple[torch.Tensor, torch.Tensor], experts: int, hidden: int, inter: int) -> dict:
+    """The experts' own weights, read in place: gate_up [E, 2I, H] and down [E, H, I], bf16, contiguous."""
+    gate_up, down = weights
+    for name, tensor, shape in (("gate_up", gate_up, (experts, 2 * inter, hidden)),
+                                ("down", down, (experts, hidden, inter))):
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"expert {name} weights must be {list(shape)}, got {list(tensor.shape)}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"expert {name} weights must be contiguous")
+    return {"gate_up": _address(gate_up, "expert gate_up weights", torch.bfloat16, gate_up.numel()),
+            "down": _address(down, "expert down weights", torch.bfloat16, down.numel())}
 
 
 def _check_grouping(offsets: torch.Tensor, order: torch.Tensor, experts: int, pairs: int) -> None:
@@ -185,7 +206,7 @@ def _output(given: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dty
     return given
 
 
-def expert_ffn_forward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int], top_k: int,
+def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int], top_k: int,
                        hidden: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor, routing: torch.Tensor,
                        gate_up_lora: tuple | None, down_lora: tuple | None, out: torch.Tensor | None = None,
                        gate_up_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,7 +223,7 @@ def expert_ffn_forward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], shap
     gate_up_out = _output(gate_up_out, (pairs, 2 * inter), torch.bfloat16, "gate_up_out")
     _C.expert_ffn_forward(
         isa=ISAS[isa], experts=experts, hidden_size=hidden_size, inter=inter, tokens=tokens, top_k=top_k,
-        **_packed_args(packed, experts, hidden_size, inter),
+        **_weight_args(weights, experts, hidden_size, inter),
         **_lora_args("gate_up", gate_up_lora, experts, hidden_size, 2 * inter),
         **_lora_args("down", down_lora, experts, inter, hidden_size),
         offsets=_address(offsets, "offsets", torch.int64, experts + 1),
@@ -214,7 +235,7 @@ def expert_ffn_forward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], shap
     return out, gate_up_out
 
 
-def expert_ffn_backward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int], top_k: int,
+def expert_ffn_backward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int], top_k: int,
                         hidden: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor, routing: torch.Tensor,
                         gate_up_lora: tuple | None, down_lora: tuple | None, gate_up_out: torch.Tensor,
                         grad_out: torch.Tensor, grad_hidden: torch.Tensor | None = None) -> tuple:
@@ -236,7 +257,7 @@ def expert_ffn_backward(isa: str, packed: tuple[torch.Tensor, torch.Tensor], sha
     flat = [0 if g is None else g[i].data_ptr() for g in lora_grads for i in (0, 1)]
     _C.expert_ffn_backward(
         isa=ISAS[isa], experts=experts, hidden_size=hidden_size, inter=inter, tokens=tokens, top_k=top_k,
-        **_packed_args(packed, experts, hidden_size, inter),
+        **_weight_args(weights, experts, hidden_size, inter),
         **_lora_args("gate_up", gate_up_lora, experts, hidden_size, 2 * inter),
         **_lora_args("down", down_lora, experts, inter, hidden_size),
         offsets=_address(offsets, "offsets", torch.int64, experts + 1),

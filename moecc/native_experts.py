@@ -1,5 +1,6 @@
 """The native CPU expert backend: ``experts_forward`` / ``experts_backward`` with the same contract as
-``moecc.reference``, computed by the C++ kernels on packed bf16 weights.
+``moecc.reference``, computed by the C++ kernels on the model's own bf16 weights (each product task packs the
+slice it needs into per-thread scratch; no second copy of the experts is kept).
 
 Supports the standard layout (``gate_up [E, 2I, H]``, ``down [E, H, I]``, SwiGLU, no biases) with bf16 weights
 and activations; anything else raises ``UnsupportedModelError`` naming the reference backend as the way out.
@@ -38,9 +39,6 @@ def _peft_grads(grads: tuple | None, lora: ExpertLora | None) -> tuple:
     return grad_a.view(-1, grad_a.shape[-1]), grad_b
 
 
-_PACKED_ATTRIBUTE = "_moecc_packed_experts"
-
-
 class _BufferPool:
     """Host buffers handed from one call to the next.
 
@@ -73,11 +71,7 @@ class _BufferPool:
 
 
 class NativeExperts:
-    """Packs each layer's weights once (repacking when PEFT merges into them) and runs the kernels.
-
-    Packed copies live on ``weights.cache_owner`` (the experts module), so they go away with the model; weights
-    without an owner are packed on every call.
-    """
+    """Runs the kernels on each layer's weights as they are now (so PEFT merges are seen at once)."""
 
     def __init__(self, isa: str) -> None:
         _ops.check_isa(isa)
@@ -92,26 +86,19 @@ class NativeExperts:
                     or weights.down_bias is not None or weights.swiglu_limit is not None
                     or weights.gate_up.dtype != torch.bfloat16 or weights.down.dtype != torch.bfloat16)
 
-    def _pack(self, weights: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    def _matrices(self, weights: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's own weight tensors, which the kernels read in place (no copy is kept)."""
         if not self.supports(weights):
             raise UnsupportedModelError(
                 "the native CPU expert kernels run bf16 SwiGLU experts in the standard layout; this model has "
                 f"{weights.gate_up.dtype} experts or gpt-oss-style experts. Use MOECC_BACKEND=reference"
             )
-        key = (weights.gate_up.data_ptr(), weights.down.data_ptr(), weights.gate_up._version,
-               weights.down._version, weights.revision)
-        owner = weights.cache_owner
-        cached = getattr(owner, _PACKED_ATTRIBUTE, None) if owner is not None else None
-        if cached is None or cached[0] != key:
-            cached = (key, (_ops.pack_experts(weights.gate_up), _ops.pack_experts(weights.down)))
-            if owner is not None:
-                owner.__dict__[_PACKED_ATTRIBUTE] = cached
-        return cached[1]
+        return weights.gate_up.detach().contiguous(), weights.down.detach().contiguous()
 
     def forward(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, gate_up_lora: ExpertLora | None,
                 down_lora: ExpertLora | None) -> tuple[torch.Tensor, SavedState]:
-        packed = self._pack(weights)
+        matrices = self._matrices(weights)
         shape = (weights.num_experts, weights.hidden_size, weights.intermediate_size)
         offsets, order = _ops.group_tokens_by_expert(top_k_index, weights.num_experts)
         hidden_bf16 = hidden.to(torch.bfloat16).contiguous()
@@ -121,7 +108,7 @@ class NativeExperts:
         gate_up_out = self._saved_buffers.take((tokens * top_k, 2 * shape[2]), torch.bfloat16)
         try:
             kernel_lora = (_kernel_lora(gate_up_lora), _kernel_lora(down_lora))
-            _ops.expert_ffn_forward(self.isa, packed, shape, top_k, hidden_bf16, offsets, order, routing,
+            _ops.expert_ffn_forward(self.isa, matrices, shape, top_k, hidden_bf16, offsets, order, routing,
                                     *kernel_lora, out=out, gate_up_out=gate_up_out)
             result = out.to(hidden.dtype, copy=True)
         finally:
@@ -143,7 +130,7 @@ class NativeExperts:
         if saved.gate_up_out is None:
             raise RuntimeError("moecc: this forward's saved state was already used by a backward (its buffers are "
                                "reused); run the forward again to differentiate it again")
-        packed = self._pack(weights)
+        matrices = self._matrices(weights)
         shape = (weights.num_experts, weights.hidden_size, weights.intermediate_size)
         routing = saved.top_k_weights.reshape(-1).contiguous()
         scratch = self._scratch.take(tuple(saved.hidden.shape), torch.float32)
@@ -155,7 +142,7 @@ class NativeExperts:
         saved.kernel_lora = None
         try:
             _, grad_routing, gu, down = _ops.expert_ffn_backward(
-                self.isa, packed, shape, saved.top_k_weights.shape[1], saved.hidden, saved.offsets, saved.order,
+                self.isa, matrices, shape, saved.top_k_weights.shape[1], saved.hidden, saved.offsets, saved.order,
                 routing, *kernel_lora, saved.gate_up_out,
                 grad_out.float().contiguous(), grad_hidden=scratch)
             grad_hidden = scratch.to(grad_out.dtype, copy=True)

@@ -114,6 +114,21 @@ def test_packing_layout():
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", [(20, 40), (16, 32), (33, 70), (1, 1), (48, 2048)])
+def test_each_isa_packs_weight_slices_exactly_like_the_reference_packer(isa, shape):
+    rows, cols = shape
+    matrix = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols)).bfloat16()
+    reference = _ops.pack_experts(matrix[None])
+    panels = -(-rows // 16)
+    panel_size = 16 * (-(-cols // 32) * 32)
+    assert torch.equal(_ops.pack_rows(isa, matrix, 0, panels), reference)
+    if panels > 1:  # a slice starting at a later panel, as a product task packs it
+        assert torch.equal(_ops.pack_rows(isa, matrix, 1, panels), reference[panel_size:])
+    with pytest.raises(ValueError, match="out of range"):
+        _ops.pack_rows(isa, matrix, 0, panels + 1)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_native_backend_through_prepare_matches_hf_peft_in_bf16(isa):
     import copy
 
@@ -166,7 +181,7 @@ def test_native_follows_merge_adapter():
 
 def test_kernel_inputs_are_checked_before_crossing():
     weights, x, index, w, gate_up, down = _problem(4, 4, 32, 16, 2, 2, seed=0)
-    packed = (_ops.pack_experts(weights.gate_up), _ops.pack_experts(weights.down))
+    packed = (weights.gate_up, weights.down)  # the kernels read the model's own weights
     offsets, order = _ops.group_tokens_by_expert(index, 4)
     routing = w.reshape(-1).contiguous()
     bad_offsets = offsets.clone()
@@ -184,6 +199,12 @@ def test_kernel_inputs_are_checked_before_crossing():
     with pytest.raises(ValueError, match="B \\[32, r\\*4\\]"):
         _ops.expert_ffn_forward("portable", packed, (4, 32, 16), 2, x, offsets, order, routing, (a, b_transposed, 1.0),
                                 None)
+    with pytest.raises(ValueError, match="gate_up weights must be \\[4, 32, 32\\]"):
+        _ops.expert_ffn_forward("portable", (weights.gate_up[:, :16].contiguous(), weights.down), (4, 32, 16), 2, x,
+                                offsets, order, routing, None, None)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        _ops.expert_ffn_forward("portable", (weights.gate_up.transpose(1, 2), weights.down), (4, 32, 16), 2, x,
+                                offsets, order, routing, None, None)
 
 
 def test_reused_buffers_never_alias_live_results():
@@ -215,6 +236,6 @@ def test_second_backward_of_one_forward_is_refused_not_a_crash():
     with pytest.raises(RuntimeError, match="already used by a backward"):
         native.backward(weights, saved, torch.ones_like(out), gu, down)
     with pytest.raises(ValueError, match="gate_up_out is missing"):  # straight to the kernel: no null pointer
-        _ops.expert_ffn_backward(native.isa, native._pack(weights), (4, 32, 16), 2, saved.hidden, saved.offsets,
+        _ops.expert_ffn_backward(native.isa, (weights.gate_up, weights.down), (4, 32, 16), 2, saved.hidden, saved.offsets,
                                  saved.order, saved.top_k_weights.reshape(-1), None, None, None,
                                  torch.ones(20, 32))

@@ -26,7 +26,7 @@ constexpr int64_t kTokenBlock = 64;       // rows per elementwise task
 // gradients also re-lay that slice once per task.
 constexpr int64_t kProductRows = 256;
 constexpr int64_t kPanelsPerTask = 4;     // 64 output columns per forward product task
-constexpr int64_t kGradColumnsPerTask = 64;
+constexpr int64_t kGradColumnsPerTask = 256;
 
 struct Task {
   int64_t expert, begin, end, col0, col1;
@@ -161,11 +161,11 @@ void add_lora_block(const LoraFactors& lora, int64_t expert, int64_t out_feature
 constexpr int64_t kRowPad = 32;
 
 struct Dims {
-  int64_t E, H, I, T, k, pairs, h_k, i_k, gu_packed, down_packed, ld_x, ld_act, ld_dy, ld_dgu;
+  int64_t E, H, I, T, k, pairs, h_k, i_k, gu_size, down_size, ld_x, ld_act, ld_dy, ld_dgu;
   explicit Dims(const ExpertShapes& s)
       : E(s.experts), H(s.hidden), I(s.inter), T(s.tokens), k(s.top_k), pairs(s.tokens * s.top_k),
-        h_k(padded_k(s.hidden)), i_k(padded_k(s.inter)), gu_packed(packed_elements(2 * s.inter, s.hidden)),
-        down_packed(packed_elements(s.hidden, s.inter)), ld_x(h_k + kRowPad), ld_act(i_k + kRowPad),
+        h_k(padded_k(s.hidden)), i_k(padded_k(s.inter)), gu_size(2 * s.inter * s.hidden),
+        down_size(s.hidden * s.inter), ld_x(h_k + kRowPad), ld_act(i_k + kRowPad),
         ld_dy(padded_k(s.hidden) + kRowPad), ld_dgu(padded_k(2 * s.inter) + kRowPad) {}
 };
 
@@ -299,7 +299,7 @@ struct BackwardScratch {
       row_weight, b_gu, b_down, grad_b_gu, grad_b_down;
 };
 
-void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts& weights,
+void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrices& weights,
                         const LoraFactors& gate_up_peft, const LoraFactors& down_peft, const Routing& routing,
                         const ForwardIo& io, moecc::pool::ThreadPool& pool) {
   static ForwardScratch scratch;
@@ -322,11 +322,13 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts
   const int64_t gu_panels = padded_rows(2 * d.I) / kPanelRows;
   run_tasks(pool, make_tasks(routing.offsets, d.E, gu_panels, kPanelsPerTask, kProductRows), [&](const Task& task) {
     thread_local AlignedBuffer<float> block;
+    thread_local AlignedBuffer<uint16_t> panels;
     const int64_t n = task.end - task.begin, width = (task.col1 - task.col0) * kPanelRows;
     const int64_t col0 = task.col0 * kPanelRows, col1 = std::min(2 * d.I, task.col1 * kPanelRows);
     float* const tile = block.get(n * width);
-    gemm.forward(xg + task.begin * d.ld_x, d.ld_x, n, weights.gate_up + task.expert * d.gu_packed, d.h_k, task.col0,
-                 task.col1, tile, width);
+    uint16_t* const slice = panels.get((task.col1 - task.col0) * kPanelRows * d.h_k);
+    gemm.pack_rows(weights.gate_up + task.expert * d.gu_size, 2 * d.I, d.H, task.col0, task.col1, slice);
+    gemm.forward(xg + task.begin * d.ld_x, d.ld_x, n, slice, d.h_k, 0, task.col1 - task.col0, tile, width);
     add_lora_block(gate_up_lora, task.expert, 2 * d.I, inner_gu, task, col0, col1, tile, width);
     for (int64_t g = task.begin; g < task.end; ++g) {
       const float* row = tile + (g - task.begin) * width;
@@ -341,11 +343,13 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts
   const int64_t down_panels = padded_rows(d.H) / kPanelRows;
   run_tasks(pool, make_tasks(routing.offsets, d.E, down_panels, kPanelsPerTask, kProductRows), [&](const Task& task) {
     thread_local AlignedBuffer<float> block;
+    thread_local AlignedBuffer<uint16_t> panels;
     const int64_t n = task.end - task.begin, width = (task.col1 - task.col0) * kPanelRows;
     const int64_t col0 = task.col0 * kPanelRows, col1 = std::min(d.H, task.col1 * kPanelRows);
     float* const tile = block.get(n * width);
-    gemm.forward(act + task.begin * d.ld_act, d.ld_act, n, weights.down + task.expert * d.down_packed, d.i_k, task.col0,
-                 task.col1, tile, width);
+    uint16_t* const slice = panels.get((task.col1 - task.col0) * kPanelRows * d.i_k);
+    gemm.pack_rows(weights.down + task.expert * d.down_size, d.H, d.I, task.col0, task.col1, slice);
+    gemm.forward(act + task.begin * d.ld_act, d.ld_act, n, slice, d.i_k, 0, task.col1 - task.col0, tile, width);
     add_lora_block(down_lora, task.expert, d.H, inner_down, task, col0, col1, tile, width);
     for (int64_t g = task.begin; g < task.end; ++g) {
       const int64_t pair = routing.order[g];
@@ -424,7 +428,7 @@ void lora_grad_inner(const LoraFactors& lora, int64_t expert, int64_t out_featur
   rank_dots(grad + g * ld, b_t, lora.rank, out_features, lora.scaling, inner + g * lora.rank);
 }
 
-void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExperts& weights,
+void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatrices& weights,
                          const LoraFactors& gate_up_peft, const LoraFactors& down_peft, const Routing& routing,
                          const BackwardIo& io_peft, moecc::pool::ThreadPool& pool) {
   static BackwardScratch scratch;
@@ -445,7 +449,6 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
   };
   if (io_peft.grad_gate_up_b) io.grad_gate_up_b = zeroed(scratch.grad_b_gu, d.E * gate_up_lora.rank * 2 * d.I);
   if (io_peft.grad_down_b) io.grad_down_b = zeroed(scratch.grad_b_down, d.E * down_lora.rank * d.H);
-  const int64_t h_rows = padded_rows(d.H), gu_rows = padded_rows(2 * d.I);  // packed panels of each matrix
   const int64_t r_gu = std::max<int64_t>(gate_up_lora.rank, 1), r_d = std::max<int64_t>(down_lora.rank, 1);
   const std::vector<Task> rows = make_tasks(routing.offsets, d.E, 1, 1);
   uint16_t* xg = scratch.xg.get(d.pairs * d.ld_x);
@@ -480,8 +483,8 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
   // d act (unweighted) = dy W_down + (s dy B) A.
   run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, kGradColumnsPerTask, kProductRows), [&](const Task& task) {
     const int64_t n = task.end - task.begin;
-    gemm.input_grad(dy_bf16 + task.begin * d.ld_dy, d.ld_dy, n, weights.down + task.expert * d.down_packed,
-                    h_rows, d.i_k, task.col0, task.col1, grad_act + task.begin * d.ld_act, d.ld_act);
+    gemm.input_grad(dy_bf16 + task.begin * d.ld_dy, d.ld_dy, n, weights.down + task.expert * d.down_size, d.H, d.I,
+                    task.col0, task.col1, grad_act + task.begin * d.ld_act, d.ld_act);
     if (!down_lora.a) return;
     const float* a = down_lora.a + task.expert * down_lora.rank * d.I;
     for (int64_t g = task.begin; g < task.end; ++g) {
@@ -515,8 +518,8 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExpert
     thread_local AlignedBuffer<float> block;
     const int64_t n = task.end - task.begin;
     float* const tile = block.get(n * d.h_k);
-    gemm.input_grad(grad_gu_bf16 + task.begin * d.ld_dgu, d.ld_dgu, n, weights.gate_up + task.expert * d.gu_packed,
-                    gu_rows, d.h_k, task.col0, task.col1, tile, d.h_k);
+    gemm.input_grad(grad_gu_bf16 + task.begin * d.ld_dgu, d.ld_dgu, n, weights.gate_up + task.expert * d.gu_size,
+                    2 * d.I, d.H, task.col0, task.col1, tile, d.h_k);
     const float* a = gate_up_lora.a ? gate_up_lora.a + task.expert * gate_up_lora.rank * d.H : nullptr;
     for (int64_t g = task.begin; g < task.end; ++g) {
       float* row = tile + (g - task.begin) * d.h_k;

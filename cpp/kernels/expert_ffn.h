@@ -2,8 +2,9 @@
 //
 // Shapes: T tokens, k experts per token, E experts, hidden H, intermediate I. Pairs (token t, slot j) have id
 // p = t*k + j; `order` lists pair ids grouped by expert (token_grouping.h), grouped position g = index in
-// `order`. Base weights are packed per expert (weight_packing.h): gate_up [2I, H] (gate rows, then up rows)
-// and down [H, I]. LoRA factors are fp32 in PEFT's layout: A [E*r, in] expert-major (= [E, r, in]) and
+// `order`. Base weights are the model's own, per expert gate_up [2I, H] (gate rows, then up rows) and
+// down [H, I], row-major; each product task packs the slice it needs (weight_packing.h) into per-thread
+// scratch, so host memory holds the experts once. LoRA factors are fp32 in PEFT's layout: A [E*r, in] expert-major (= [E, r, in]) and
 // B [out, r*E] rank-major (expert e's column j is j*E + e); y = x W^T + s (x A_e^T) B_e^T. B is re-laid
 // internally as B^T [E, r, out] (rows the loops read contiguously) and its gradient laid back.
 // Products take bf16 inputs and accumulate in fp32; gate/up outputs are kept in bf16 for backward.
@@ -26,9 +27,9 @@ struct ExpertShapes {
   int64_t experts, hidden, inter, tokens, top_k;
 };
 
-struct PackedExperts {
-  const uint16_t* gate_up;  // experts x packed_elements(2I, H)
-  const uint16_t* down;     // experts x packed_elements(H, I)
+struct ExpertMatrices {  // the model's own bf16 weights, row-major, read in place
+  const uint16_t* gate_up;  // [E, 2I, H]
+  const uint16_t* down;     // [E, H, I]
 };
 
 struct LoraFactors {  // a == nullptr: no LoRA on this projection
@@ -62,7 +63,7 @@ struct BackwardIo {
   float* grad_down_b;           // [H, r*E] (PEFT's layout) or null; written
 };
 
-void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts& weights,
+void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrices& weights,
                         const LoraFactors& gate_up_lora, const LoraFactors& down_lora, const Routing& routing,
                         const ForwardIo& io, moecc::pool::ThreadPool& pool);
 
@@ -70,7 +71,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const PackedExperts
 using PhaseTimes = std::vector<std::pair<std::string, double>>;
 PhaseTimes last_phase_times(bool backward);
 
-void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const PackedExperts& weights,
+void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatrices& weights,
                          const LoraFactors& gate_up_lora, const LoraFactors& down_lora, const Routing& routing,
                          const BackwardIo& io, moecc::pool::ThreadPool& pool);
 

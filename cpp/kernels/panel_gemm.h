@@ -10,19 +10,25 @@ namespace moecc::kernels {
 enum class Isa { kPortable = 0, kAvx512Bf16 = 1, kAmx = 2 };
 
 struct PanelGemm {
+  // Packs panels [p0, p1) (output rows 16*p0 .. 16*p1) of a row-major bf16 matrix W [n, k] into `dst` in the
+  // panel layout (weight_packing.h): (p1 - p0) * 16 * padded_k(k) elements, rows past n and columns past k zero.
+  // The products pack the slice of the model's own weights they need into per-thread scratch, so no packed
+  // copy of the experts is kept.
+  void (*pack_rows)(const uint16_t* w, int64_t n, int64_t k, int64_t p0, int64_t p1, uint16_t* dst);
   // out[t][j] = sum_k x[t][k] * W[16*p0 + j][k] for t < tokens, panels p0 <= p < p1 (j < 16*(p1-p0)).
   // @param x      bf16 [tokens, ldx], ldx >= padded K, columns K..padded K zero.
-  // @param packed one packed matrix; k_padded its padded K.
+  // @param packed panels in the layout pack_rows writes; k_padded their padded K.
   // @param out    fp32 [tokens, ldo]; written, not accumulated.
   void (*forward)(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed, int64_t k_padded,
                   int64_t p0, int64_t p1, float* out, int64_t ldo);
-  // dx[t][k] = sum_n dy[t][n] * W[n][k] for t < tokens and k0 <= k < k1; k0 a multiple of 16. Columns up to
-  // the next multiple of 16 past k1 may be written too (they lie in dx's padding).
-  // @param dy     bf16 [tokens, ld_dy], ld_dy >= padded_k(N) (a multiple of 32, not just of 16), columns
-  //               N..padded_k(N) zero.
-  // @param dx     fp32 [tokens, ld_dx], ld_dx >= padded K; written, not accumulated.
-  void (*input_grad)(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* packed, int64_t n_padded,
-                     int64_t k_padded, int64_t k0, int64_t k1, float* dx, int64_t ld_dx);
+  // dx[t][c] = sum_r dy[t][r] * W[r][c] for t < tokens and k0 <= c < k1, k0 a multiple of 16, from the
+  // row-major W [n, k] itself. Columns up to the next multiple of 16 past k1 may be written too (they lie in
+  // dx's padding).
+  // @param dy     bf16 [tokens, ld_dy], ld_dy >= padded_k(n) (a multiple of 32, not just of 16), columns
+  //               n..padded_k(n) zero.
+  // @param dx     fp32 [tokens, ld_dx], ld_dx >= padded_k(k); written, not accumulated.
+  void (*input_grad)(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* w, int64_t n, int64_t k,
+                     int64_t k0, int64_t k1, float* dx, int64_t ld_dx);
 };
 
 const PanelGemm& panel_gemm_portable();
@@ -32,11 +38,14 @@ const PanelGemm& panel_gemm_amx();
 // prefetch distances in K values (0: off). Not thread-safe against running kernels; for benchmarks.
 void set_amx_tuning(int64_t k_block, int64_t prefetch_ahead, int64_t prefetch_b_ahead);
 
-// Columns [k0, k0 + 16*chunks) of a packed [N, K] matrix re-laid as the packed matrix of their transpose
-// ([16*chunks, N], chunk c = panel c), so input gradients run on a forward kernel. AVX512-BF16 CPUs only
-// (every AMX CPU is one).
-void transpose_panel_columns_avx512(const uint16_t* packed, int64_t n_padded, int64_t k_padded, int64_t k0,
-                                    int64_t chunks, uint16_t* out);
+// The AVX512 packing routines, shared with the AMX variant (every AMX CPU has AVX512-BF16):
+// pack_rows_avx512 is PanelGemm::pack_rows; pack_columns_avx512 lays columns [k0, k0 + 16*chunks) of a
+// row-major W [n, k] out as panels of its transpose (chunk c: n_tiles/2 rows of the 16 pairs
+// (W[2r][col], W[2r+1][col]), rows past n zero, n_tiles a multiple of 32 >= n), so input gradients run on a
+// forward kernel.
+void pack_rows_avx512(const uint16_t* w, int64_t n, int64_t k, int64_t p0, int64_t p1, uint16_t* dst);
+void pack_columns_avx512(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t chunks, int64_t n_tiles,
+                         uint16_t* dst);
 
 // The variant for `isa`; throws std::invalid_argument if this build or CPU cannot run it.
 const PanelGemm& panel_gemm(Isa isa);

@@ -8,7 +8,6 @@
 // outputs): 4 tile loads feed 4 tile products, the most reuse 8 tile registers allow.
 #include <immintrin.h>
 
-#include <cstring>
 
 #include "aligned_buffer.h"
 #include "panel_gemm.h"
@@ -139,26 +138,19 @@ MOECC_AMX void forward(const uint16_t* x, int64_t ldx, int64_t tokens, const uin
   }
 }
 
-// dx = dy W: the needed columns of W transposed into packed panels (per thread, L2-sized), then forward. The
-// transposed panels' K is N, which tiles need in whole steps of 32: an odd 16 gets zero rows appended (and dy
-// has zero columns there, see panel_gemm.h).
-MOECC_AMX void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* packed,
-                          int64_t n_padded, int64_t k_padded, int64_t k0, int64_t k1, float* dx, int64_t ld_dx) {
+MOECC_AMX void pack_rows(const uint16_t* w, int64_t n, int64_t k, int64_t p0, int64_t p1, uint16_t* dst) {
+  pack_rows_avx512(w, n, k, p0, p1, dst);
+}
+
+// dx = dy W: the needed columns of W laid out as panels of its transpose (per thread, L2-sized), then forward.
+// Their K is n, padded to a multiple of 32 as tiles need (dy has zero columns there, see panel_gemm.h).
+MOECC_AMX void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* w, int64_t n,
+                          int64_t k, int64_t k0, int64_t k1, float* dx, int64_t ld_dx) {
   thread_local AlignedBuffer<uint16_t> scratch;
-  const int64_t chunks = (k1 - k0 + 15) / 16;
-  const int64_t n_tiles = padded_k(n_padded);
-  const int64_t chunk_elements = n_tiles * kPanelRows;
-  uint16_t* const transposed = scratch.get(chunks * chunk_elements);
-  if (n_tiles == n_padded) {
-    transpose_panel_columns_avx512(packed, n_padded, k_padded, k0, chunks, transposed);
-  } else {
-    for (int64_t c = 0; c < chunks; ++c) {
-      uint16_t* chunk = transposed + c * chunk_elements;
-      transpose_panel_columns_avx512(packed, n_padded, k_padded, k0 + 16 * c, 1, chunk);
-      std::memset(chunk + n_padded * kPanelRows, 0, (n_tiles - n_padded) * kPanelRows * sizeof(uint16_t));
-    }
-  }
-  forward(dy, ld_dy, tokens, transposed, n_tiles, 0, chunks, dx + k0, ld_dx);
+  const int64_t chunks = (k1 - k0 + 15) / 16, n_tiles = padded_k(n);
+  uint16_t* const panels = scratch.get(chunks * n_tiles * kPanelRows);
+  pack_columns_avx512(w, n, k, k0, chunks, n_tiles, panels);
+  forward(dy, ld_dy, tokens, panels, n_tiles, 0, chunks, dx + k0, ld_dx);
 }
 
 }  // namespace
@@ -170,7 +162,7 @@ void set_amx_tuning(int64_t k_block_values, int64_t prefetch_values, int64_t pre
 }
 
 const PanelGemm& panel_gemm_amx() {
-  static const PanelGemm gemm{forward, input_grad};
+  static const PanelGemm gemm{pack_rows, forward, input_grad};
   return gemm;
 }
 

@@ -6,6 +6,8 @@
 // the row's bf16 pairs split into two fp32 vectors (k even / k odd) by shift and mask.
 #include <immintrin.h>
 
+#include <algorithm>
+
 
 #include "aligned_buffer.h"
 #include "panel_gemm.h"
@@ -94,45 +96,90 @@ MOECC_AVX512BF16 inline void transpose_8x8_qwords(__m512i r[8]) {
 
 }  // namespace
 
-// Re-lays columns [k0, k0 + 16*chunks) of a packed matrix as the packed matrix of its transpose: chunk c is a
-// panel of 16 k-lanes whose row np holds the pairs (W[2np][k], W[2np+1][k]). Per panel, 8 consecutive 64-byte
-// rows (16 k) are an 8x8 qword matrix whose qword j covers outputs 2j, 2j+1; transposing it gives one output
-// row per j, and swapping the middle words of every qword, (a_k, a_k+1, b_k, b_k+1) -> (a_k, b_k, a_k+1, b_k+1),
-// gives the pairs.
-MOECC_AVX512BF16 void transpose_panel_columns_avx512(const uint16_t* packed, int64_t n_padded, int64_t k_padded,
-                                                     int64_t k0, int64_t chunks, uint16_t* out) {
-  const __m512i swap_middle = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15));
-  const int64_t panels = n_padded / kPanelRows;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t kp0 = (k0 + 16 * c) / 2;
-    uint16_t* dst = out + c * n_padded * kPanelRows;
-    for (int64_t p = 0; p < panels; ++p) {
-      const uint16_t* rows = packed + p * kPanelRows * k_padded + kp0 * 2 * kPanelRows;
-      __m512i r[8];
-      for (int i = 0; i < 8; ++i) r[i] = _mm512_loadu_si512(rows + i * 32);
-      transpose_8x8_qwords(r);
-      for (int j = 0; j < 8; ++j) _mm512_storeu_si512(dst + (p * 8 + j) * 32, _mm512_shuffle_epi8(r[j], swap_middle));
+// Panel p, 32 values of K (16 pairs): each of the panel's 16 rows gives 16 dwords (one bf16 pair each) and the
+// panel wants them the other way round, 16 rows of pairs with one dword per output row: a 16 x 16 dword
+// transpose, done as two 8 x 8 qword transposes (rows 0-7, rows 8-15) and a split of every qword's two
+// dwords (pairs 2q and 2q+1) into output rows 2q and 2q+1. Masked loads zero rows past n and columns past k
+// without touching memory there.
+MOECC_AVX512BF16 void pack_rows_avx512(const uint16_t* w, int64_t n, int64_t k, int64_t p0, int64_t p1,
+                                       uint16_t* dst) {
+  const int64_t k_padded = padded_k(k);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  for (int64_t p = p0; p < p1; ++p) {
+    uint16_t* panel = dst + (p - p0) * kPanelRows * k_padded;
+    for (int64_t k0 = 0; k0 < k_padded; k0 += kKAlign) {
+      const __mmask32 mask = k0 + kKAlign <= k ? ~__mmask32{0} : (k0 >= k ? 0 : (__mmask32{1} << (k - k0)) - 1);
+      __m512i lo[8], hi[8];
+      for (int i = 0; i < 8; ++i) {
+        const int64_t row_lo = p * kPanelRows + i, row_hi = row_lo + 8;
+        lo[i] = row_lo < n ? _mm512_maskz_loadu_epi16(mask, w + row_lo * k + k0) : _mm512_setzero_si512();
+        hi[i] = row_hi < n ? _mm512_maskz_loadu_epi16(mask, w + row_hi * k + k0) : _mm512_setzero_si512();
+      }
+      transpose_8x8_qwords(lo);
+      transpose_8x8_qwords(hi);
+      uint16_t* rows = panel + (k0 / 2) * 2 * kPanelRows;
+      for (int q = 0; q < 8; ++q) {
+        _mm512_storeu_si512(rows + (2 * q) * 32, _mm512_permutex2var_epi32(lo[q], even, hi[q]));
+        _mm512_storeu_si512(rows + (2 * q + 1) * 32, _mm512_permutex2var_epi32(lo[q], odd, hi[q]));
+      }
+    }
+  }
+}
+
+// Chunk c, pair row r: the 16 pairs (W[2r][col], W[2r+1][col]) for col = k0 + 16c + i, each a dword whose low
+// half is W[2r][col]. Per pair of rows and 32 columns (two chunks): two full cache lines in, a 16-bit
+// interleave (per 128-bit lane) and a qword permute to put the lanes in column order, two lines out. Rows are
+// the outer loop, so each row's slice is read once, contiguously.
+constexpr int64_t kPrefetchRows = 16;
+
+MOECC_AVX512BF16 void pack_columns_avx512(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t chunks,
+                                          int64_t n_tiles, uint16_t* dst) {
+  const __m512i first_half = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+  const __m512i second_half = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  const int64_t chunk_stride = n_tiles * kPanelRows;
+  const int64_t slice_end = std::min(k, k0 + 16 * chunks);
+  for (int64_t r = 0; r < n_tiles / 2; ++r) {
+    const int64_t a = 2 * r, b = 2 * r + 1;
+    // Each row's slice starts a new page, where the hardware prefetchers stop: ask for rows further down.
+    for (int64_t ahead = a + kPrefetchRows; ahead < std::min(n, a + kPrefetchRows + 2); ++ahead) {
+      for (int64_t col = k0; col < slice_end; col += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + ahead * k + col), _MM_HINT_T0);
+      }
+    }
+    for (int64_t c = 0; c < chunks; c += 2) {
+      const int64_t col = k0 + 16 * c;
+      const __mmask32 mask = col + 32 <= k ? ~__mmask32{0} : (col >= k ? 0 : (__mmask32{1} << (k - col)) - 1);
+      const __m512i top = a < n ? _mm512_maskz_loadu_epi16(mask, w + a * k + col) : _mm512_setzero_si512();
+      const __m512i bottom = b < n ? _mm512_maskz_loadu_epi16(mask, w + b * k + col) : _mm512_setzero_si512();
+      const __m512i lo = _mm512_unpacklo_epi16(top, bottom), hi = _mm512_unpackhi_epi16(top, bottom);
+      uint16_t* out = dst + c * chunk_stride + r * 2 * kPanelRows;
+      _mm512_storeu_si512(out, _mm512_permutex2var_epi64(lo, first_half, hi));
+      if (c + 1 < chunks) _mm512_storeu_si512(out + chunk_stride, _mm512_permutex2var_epi64(lo, second_half, hi));
     }
   }
 }
 
 namespace {
 
-// dx = dy W through the forward kernel on a transposed copy of the needed columns (kept per thread, L2-sized).
-MOECC_AVX512BF16 void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* packed,
-                                 int64_t n_padded, int64_t k_padded, int64_t k0, int64_t k1, float* dx,
-                                 int64_t ld_dx) {
+MOECC_AVX512BF16 void pack_rows(const uint16_t* w, int64_t n, int64_t k, int64_t p0, int64_t p1, uint16_t* dst) {
+  pack_rows_avx512(w, n, k, p0, p1, dst);
+}
+
+// dx = dy W through the forward kernel on the needed columns of W laid out as panels (per thread, L2-sized).
+MOECC_AVX512BF16 void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* w, int64_t n,
+                                 int64_t k, int64_t k0, int64_t k1, float* dx, int64_t ld_dx) {
   thread_local AlignedBuffer<uint16_t> scratch;
-  const int64_t chunks = (k1 - k0 + 15) / 16;
-  uint16_t* const transposed = scratch.get(chunks * n_padded * kPanelRows);
-  transpose_panel_columns_avx512(packed, n_padded, k_padded, k0, chunks, transposed);
-  forward(dy, ld_dy, tokens, transposed, n_padded, 0, chunks, dx + k0, ld_dx);
+  const int64_t chunks = (k1 - k0 + 15) / 16, n_tiles = padded_k(n);
+  uint16_t* const panels = scratch.get(chunks * n_tiles * kPanelRows);
+  pack_columns_avx512(w, n, k, k0, chunks, n_tiles, panels);
+  forward(dy, ld_dy, tokens, panels, n_tiles, 0, chunks, dx + k0, ld_dx);
 }
 
 }  // namespace
 
 const PanelGemm& panel_gemm_avx512bf16() {
-  static const PanelGemm gemm{forward, input_grad};
+  static const PanelGemm gemm{pack_rows, forward, input_grad};
   return gemm;
 }
 

@@ -1,5 +1,6 @@
 // Portable variant of panel_gemm.h: plain C++ over the packed layout, for CPUs without AVX512-BF16, and the
 // reference the vector variants are tested against. Also the dispatcher.
+#include <algorithm>
 #include <stdexcept>
 
 #include "cpu_features.h"
@@ -27,15 +28,23 @@ void forward(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* pac
   }
 }
 
-void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* packed, int64_t n_padded,
-                int64_t k_padded, int64_t k0, int64_t k1, float* dx, int64_t ld_dx) {
+void pack_rows(const uint16_t* w, int64_t n, int64_t k, int64_t p0, int64_t p1, uint16_t* dst) {
+  const int64_t k_padded = padded_k(k);
+  std::fill(dst, dst + (p1 - p0) * kPanelRows * k_padded, uint16_t{0});
+  for (int64_t row = p0 * kPanelRows; row < std::min(n, p1 * kPanelRows); ++row) {
+    for (int64_t col = 0; col < k; ++col) {
+      dst[packed_offset(row - p0 * kPanelRows, col, k_padded)] = w[row * k + col];
+    }
+  }
+}
+
+void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* w, int64_t n, int64_t k,
+                int64_t k0, int64_t k1, float* dx, int64_t ld_dx) {
   for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t k = k0; k < k1; ++k) {
+    for (int64_t c = k0; c < k1; ++c) {
       float acc = 0.0f;
-      for (int64_t n = 0; n < n_padded; ++n) {
-        acc += bf16_to_float(dy[t * ld_dy + n]) * bf16_to_float(packed[packed_offset(n, k, k_padded)]);
-      }
-      dx[t * ld_dx + k] = acc;
+      for (int64_t r = 0; r < n; ++r) acc += bf16_to_float(dy[t * ld_dy + r]) * bf16_to_float(w[r * k + c]);
+      dx[t * ld_dx + c] = acc;
     }
   }
 }
@@ -43,7 +52,7 @@ void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_
 }  // namespace
 
 const PanelGemm& panel_gemm_portable() {
-  static const PanelGemm gemm{forward, input_grad};
+  static const PanelGemm gemm{pack_rows, forward, input_grad};
   return gemm;
 }
 
