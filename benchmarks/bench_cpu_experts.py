@@ -10,6 +10,7 @@ table, JSON and (with matplotlib) a PNG plot under --out.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -91,9 +92,17 @@ def median_time(fn, reps: int, setup=None) -> float:
     return statistics.median(times)
 
 
+def resident_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: NativeExperts, baseline: bool):
     experts, top_k, hidden, inter = SHAPES[shape]
     g = torch.Generator().manual_seed(tokens)
+    gc.collect()
     weights = ExpertWeights((torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02).bfloat16(),
                             (torch.randn(experts, hidden, inter, generator=g) * 0.02).bfloat16(),
                             cache_owner=types.SimpleNamespace())  # keeps the packed copy between calls
@@ -116,6 +125,7 @@ def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: N
 
     from moecc import _C
 
+    resident_before_kernels = resident_bytes()
     forward_s = median_time(forward, reps, setup=release)
     forward_phases = {name: round(sec * 1e3, 2) for name, sec in _C.last_phase_times(False)}
     # A forward's saved state serves one backward (its buffers go back to the pool), so each backward gets a
@@ -123,6 +133,9 @@ def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: N
     backward_s = median_time(lambda: native.backward(weights, state["saved"], grad_out, gate_up, down), reps,
                              setup=forward)
     backward_phases = {name: round(sec * 1e3, 2) for name, sec in _C.last_phase_times(True)}
+    # Host memory the kernels add while they run: the weights are read in place (no copy); this is their scratch
+    # (per routed pair, shared by all layers of a model), this layer's saved activations and LoRA re-layouts.
+    scratch_gb = (resident_bytes() - resident_before_kernels) / 1e9
     counts = torch.bincount(index.reshape(-1), minlength=experts)
     active = int((counts > 0).sum())
     weight_bytes = active * 3 * hidden * inter * 2
@@ -131,7 +144,8 @@ def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: N
                backward_ms=backward_s * 1e3, forward_tflops=flops / forward_s / 1e12,
                backward_tflops=flops / backward_s / 1e12, forward_gbps=weight_bytes / forward_s / 1e9,
                dram_floor_ms=weight_bytes / DRAM_GBPS / 1e6, max_over_mean=float(counts.max() / counts.float().mean()),
-               forward_phases_ms=forward_phases, backward_phases_ms=backward_phases)
+               forward_phases_ms=forward_phases, backward_phases_ms=backward_phases,
+               weights_gb=(weights.gate_up.nbytes + weights.down.nbytes) / 1e9, scratch_gb=scratch_gb)
     if shape == "qwen3-30b-a3b" and tokens in PEER_MS:
         row["target_ms"] = 0.5 * sum(PEER_MS[tokens])
     if baseline:
@@ -187,7 +201,7 @@ def main() -> None:
     (out / f"{stem}.json").write_text(json.dumps(rows, indent=2))
     columns = ["shape", "tokens", "routing", "forward_ms", "backward_ms", "target_ms", "forward_tflops",
                "backward_tflops", "forward_gbps", "dram_floor_ms", "skew_ratio", "loop_forward_ms", "loop_backward_ms",
-               "speedup"]
+               "speedup", "weights_gb", "scratch_gb"]
     peak_all = peaks.get(f"{isa}_all")
     for row in rows:
         if peak_all:
@@ -197,6 +211,9 @@ def main() -> None:
     lines = [f"`python benchmarks/bench_cpu_experts.py --shapes {args.shapes} --tokens {args.tokens} "
              f"--isa {args.isa}` ({isa}, {_ops.num_threads()} threads)", "",
              f"Register-only bf16 peaks: {peak_text}. efficiency = best pass TFLOP/s / the {isa} all-thread peak.",
+             "weights_gb: the layer's expert weights, read in place (no packed or transposed copy); scratch_gb: "
+             "resident memory the kernels added (scratch per routed pair, shared by all layers, plus this layer's "
+             "saved activations).",
              "target_ms = half of forward + backward of the best public CPU MoE fine-tuning kernel on the same host "
              "(Qwen3 shape, Zipf routing; issue #3); compare with forward_ms + backward_ms.",
              "",
