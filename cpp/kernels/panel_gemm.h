@@ -44,6 +44,11 @@ void set_amx_tuning(int64_t k_block, int64_t prefetch_ahead, int64_t prefetch_b_
 // (W[2r][col], W[2r+1][col]), rows past n zero, n_tiles a multiple of 32 >= n), so input gradients run on a
 // forward kernel.
 void pack_rows_avx512(const uint16_t* w, int64_t n, int64_t k, int64_t p0, int64_t p1, uint16_t* dst);
+// PanelGemm::input_grad for the AVX512-BF16 and AMX variants: the needed columns through pack_columns_avx512
+// into per-thread scratch (L2-sized), then the variant's `forward` on them.
+void input_grad_through_columns(decltype(PanelGemm::forward) forward, const uint16_t* dy, int64_t ld_dy,
+                                int64_t tokens, const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t k1,
+                                float* dx, int64_t ld_dx);
 void pack_columns_avx512(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t chunks, int64_t n_tiles,
                          uint16_t* dst);
 

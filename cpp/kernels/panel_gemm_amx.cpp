@@ -9,7 +9,6 @@
 #include <immintrin.h>
 
 
-#include "aligned_buffer.h"
 #include "panel_gemm.h"
 #include "weight_packing.h"
 
@@ -142,15 +141,9 @@ MOECC_AMX void pack_rows(const uint16_t* w, int64_t n, int64_t k, int64_t p0, in
   pack_rows_avx512(w, n, k, p0, p1, dst);
 }
 
-// dx = dy W: the needed columns of W laid out as panels of its transpose (per thread, L2-sized), then forward.
-// Their K is n, padded to a multiple of 32 as tiles need (dy has zero columns there, see panel_gemm.h).
 MOECC_AMX void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* w, int64_t n,
                           int64_t k, int64_t k0, int64_t k1, float* dx, int64_t ld_dx) {
-  thread_local AlignedBuffer<uint16_t> scratch;
-  const int64_t chunks = (k1 - k0 + 15) / 16, n_tiles = padded_k(n);
-  uint16_t* const panels = scratch.get(chunks * n_tiles * kPanelRows);
-  pack_columns_avx512(w, n, k, k0, chunks, n_tiles, panels);
-  forward(dy, ld_dy, tokens, panels, n_tiles, 0, chunks, dx + k0, ld_dx);
+  input_grad_through_columns(forward, dy, ld_dy, tokens, w, n, k, k0, k1, dx, ld_dx);
 }
 
 }  // namespace
