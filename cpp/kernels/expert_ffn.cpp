@@ -286,23 +286,30 @@ PhaseTimes last_phase_times(bool backward) {
   return backward ? backward_times : forward_times;
 }
 
-struct ForwardScratch {
-  std::mutex mutex;  // calls are serialised by the engine; this keeps concurrent callers correct anyway
-  AlignedBuffer<uint16_t> xg, act;
-  AlignedBuffer<float> inner_gu, inner_down, per_pair, b_gu, b_down;
-};
+namespace {
 
-struct BackwardScratch {
+// One set of buffers for forward and backward: the engine runs one layer call at a time, so the buffers both
+// need (gathered rows, activations, per-pair outputs, LoRA re-layouts: about 14 KB per routed pair for
+// Qwen3-30B-A3B) are held once; the mutex keeps concurrent callers correct anyway.
+struct Scratch {
   std::mutex mutex;
   AlignedBuffer<uint16_t> xg, act, dy_bf16, grad_gu_bf16;
-  AlignedBuffer<float> inner_gu, inner_down, grad_inner_gu, grad_inner_down, dy, grad_act, grad_gu, per_pair,
+  AlignedBuffer<float> inner_gu, inner_down, grad_inner_gu, grad_inner_down, grad_act, grad_gu, per_pair,
       row_weight, b_gu, b_down, grad_b_gu, grad_b_down;
+  AlignedBuffer<int64_t> row_token;
 };
+
+Scratch& shared_scratch() {
+  static Scratch scratch;
+  return scratch;
+}
+
+}  // namespace
 
 void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrices& weights,
                         const LoraFactors& gate_up_peft, const LoraFactors& down_peft, const Routing& routing,
                         const ForwardIo& io, moecc::pool::ThreadPool& pool) {
-  static ForwardScratch scratch;
+  Scratch& scratch = shared_scratch();
   std::lock_guard<std::mutex> lock(scratch.mutex);
   PhaseClock clock(forward_times);
   const PanelGemm& gemm = panel_gemm(isa);
@@ -367,9 +374,10 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
 // Accumulates the four LoRA factor gradients, each a sum over an expert's rows of rank-r outer products. Tasks
 // are (expert, factor, block of columns), largest experts first, so a hot expert is spread over threads.
 struct LoraGradInputs {
-  const float *inner_gu, *inner_down, *grad_inner_gu, *grad_inner_down, *dy, *grad_gu, *row_weight;
+  const float *inner_gu, *inner_down, *grad_inner_gu, *grad_inner_down, *grad_out, *grad_gu, *row_weight;
+  const int64_t* row_token;  // grad_out row of each grouped row
   const uint16_t *xg, *act;
-  int64_t ld_x, ld_act, ld_dy, ld_dgu;
+  int64_t ld_x, ld_act, ld_dgu;
 };
 
 constexpr int64_t kGradFactorColumns = 256;
@@ -406,9 +414,9 @@ void lora_factor_grads(const Dims& d, const LoraFactors& gate_up_lora, const Lor
                             in.ld_act, count, r, t.c0, t.c1, io.grad_down_a + e * r * d.I, d.I);
     } else if (t.which == 1) {  // dB_down^T[r][h] = s sum_g w (act A)[g][r] dy[g][h]
       const int64_t r = down_lora.rank;
-      rank_outer_accumulate(in.inner_down + begin * r, in.row_weight + begin, down_lora.scaling,
-                            in.dy + begin * in.ld_dy, in.ld_dy, count, r, t.c0, t.c1, io.grad_down_b + e * r * d.H,
-                            d.H);
+      rank_outer_accumulate_gathered(in.inner_down + begin * r, in.row_weight + begin, down_lora.scaling,
+                                     in.grad_out, in.row_token + begin, d.H, count, r, t.c0, t.c1,
+                                     io.grad_down_b + e * r * d.H, d.H);
     } else if (t.which == 2) {  // dA_gu[r][h] = sum_g (s dG B)[g][r] x[g][h]
       const int64_t r = gate_up_lora.rank;
       rank_outer_accumulate(in.grad_inner_gu + begin * r, nullptr, 1.0f, in.xg + begin * in.ld_x, in.ld_x, count, r,
@@ -422,16 +430,16 @@ void lora_factor_grads(const Dims& d, const LoraFactors& gate_up_lora, const Lor
 }
 
 // inner[g][r] = s * sum_c grad[g][c] B^T[r][c]: the LoRA-B side of an input gradient.
-void lora_grad_inner(const LoraFactors& lora, int64_t expert, int64_t out_features, const float* grad, int64_t ld,
-                     int64_t g, float* inner) {
+void lora_grad_inner(const LoraFactors& lora, int64_t expert, int64_t out_features, const float* grad_row, int64_t g,
+                     float* inner) {
   const float* b_t = lora.b + expert * lora.rank * out_features;
-  rank_dots(grad + g * ld, b_t, lora.rank, out_features, lora.scaling, inner + g * lora.rank);
+  rank_dots(grad_row, b_t, lora.rank, out_features, lora.scaling, inner + g * lora.rank);
 }
 
 void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatrices& weights,
                          const LoraFactors& gate_up_peft, const LoraFactors& down_peft, const Routing& routing,
                          const BackwardIo& io_peft, moecc::pool::ThreadPool& pool) {
-  static BackwardScratch scratch;
+  Scratch& scratch = shared_scratch();
   std::lock_guard<std::mutex> lock(scratch.mutex);
   PhaseClock clock(backward_times);
   const PanelGemm& gemm = panel_gemm(isa);
@@ -457,7 +465,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   float* inner_down = scratch.inner_down.get(d.pairs * r_d);
   float* grad_inner_gu = scratch.grad_inner_gu.get(d.pairs * r_gu);
   float* grad_inner_down = scratch.grad_inner_down.get(d.pairs * r_d);
-  float* dy = scratch.dy.get(d.pairs * d.ld_dy);
+  int64_t* row_token = scratch.row_token.get(std::max<int64_t>(d.pairs, 1));  // token of each grouped row
   uint16_t* dy_bf16 = scratch.dy_bf16.get(d.pairs * d.ld_dy);
   uint16_t* grad_gu_bf16 = scratch.grad_gu_bf16.get(d.pairs * d.ld_dgu);
   float* grad_act = scratch.grad_act.get(d.pairs * d.ld_act);
@@ -468,14 +476,15 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool);
   activate(d, io.gate_up_out, down_lora, rows, act, inner_down, pool);
   clock.mark("gather_activate");
-  // Unweighted output gradient per grouped row (zero-padded), and its down-LoRA inner product s dy B.
+  // Unweighted output gradient per grouped row in bf16 (zero-padded), and its down-LoRA inner product s dy B;
+  // the float32 rows stay the token's own (grad_out), indexed through row_token.
   run_tasks(pool, rows, [&](const Task& task) {
     for (int64_t g = task.begin; g < task.end; ++g) {
-      const float* src = io.grad_out + (routing.order[g] / d.k) * d.H;
-      std::copy(src, src + d.H, dy + g * d.ld_dy);
-      std::fill(dy + g * d.ld_dy + d.H, dy + (g + 1) * d.ld_dy, 0.0f);
-      to_bf16(dy + g * d.ld_dy, dy_bf16 + g * d.ld_dy, d.ld_dy);
-      if (down_lora.a) lora_grad_inner(down_lora, task.expert, d.H, dy, d.ld_dy, g, grad_inner_down);
+      row_token[g] = routing.order[g] / d.k;
+      const float* src = io.grad_out + row_token[g] * d.H;
+      to_bf16(src, dy_bf16 + g * d.ld_dy, d.H);
+      std::fill(dy_bf16 + g * d.ld_dy + d.H, dy_bf16 + (g + 1) * d.ld_dy, uint16_t{0});
+      if (down_lora.a) lora_grad_inner(down_lora, task.expert, d.H, src, g, grad_inner_down);
     }
   });
 
@@ -508,7 +517,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
       swiglu_grad_row(gu, gu + d.I, grad_act + g * d.ld_act, w, dg, dg + d.I, d.I);
       std::fill(dg + 2 * d.I, dg + d.ld_dgu, 0.0f);
       to_bf16(dg, grad_gu_bf16 + g * d.ld_dgu, d.ld_dgu);
-      if (gate_up_lora.a) lora_grad_inner(gate_up_lora, task.expert, 2 * d.I, grad_gu, d.ld_dgu, g, grad_inner_gu);
+      if (gate_up_lora.a) lora_grad_inner(gate_up_lora, task.expert, 2 * d.I, dg, g, grad_inner_gu);
     }
   });
 
@@ -536,8 +545,8 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   clock.mark("gate_up_input_grad");
   if (gate_up_lora.a || down_lora.a) {
     lora_factor_grads(d, gate_up_lora, down_lora, routing,
-                      {inner_gu, inner_down, grad_inner_gu, grad_inner_down, dy, grad_gu, row_weight, xg, act, d.ld_x,
-                       d.ld_act, d.ld_dy, d.ld_dgu},
+                      {inner_gu, inner_down, grad_inner_gu, grad_inner_down, io.grad_out, grad_gu, row_weight,
+                       row_token, xg, act, d.ld_x, d.ld_act, d.ld_dgu},
                       io, pool);
   }
   if (io_peft.grad_gate_up_b) {

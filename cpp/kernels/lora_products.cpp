@@ -83,16 +83,16 @@ MOECC_INLINE void dots(const T* row, const float* factors, int64_t rank, int64_t
 }
 
 // Columns in steps of 2 x 16 (2G accumulators), then 16, then one at a time.
-template <int G, typename T>
-MOECC_INLINE void outer_group(const float* coef, int64_t rank, const float* row_scale, float scale, const T* rows,
-                              int64_t ld, int64_t count, int64_t c0, int64_t c1, float* out, int64_t out_ld) {
+template <int G, typename Rows>
+MOECC_INLINE void outer_group(const float* coef, int64_t rank, const float* row_scale, float scale, const Rows& rows,
+                              int64_t count, int64_t c0, int64_t c1, float* out, int64_t out_ld) {
   auto factor = [&](int64_t g, int j) { return coef[g * rank + j] * scale * (row_scale ? row_scale[g] : 1.0f); };
   int64_t c = c0;
   for (; c + 2 * kLanes <= c1; c += 2 * kLanes) {
     vf lo[G], hi[G];
     for (int j = 0; j < G; ++j) lo[j] = hi[j] = vf{};
     for (int64_t g = 0; g < count; ++g) {
-      const vf x0 = load16(rows + g * ld + c), x1 = load16(rows + g * ld + c + kLanes);
+      const vf x0 = load16(rows(g) + c), x1 = load16(rows(g) + c + kLanes);
       for (int j = 0; j < G; ++j) {
         const float f = factor(g, j);
         lo[j] += f * x0;
@@ -108,7 +108,7 @@ MOECC_INLINE void outer_group(const float* coef, int64_t rank, const float* row_
     vf acc[G];
     for (int j = 0; j < G; ++j) acc[j] = vf{};
     for (int64_t g = 0; g < count; ++g) {
-      const vf x = load16(rows + g * ld + c);
+      const vf x = load16(rows(g) + c);
       for (int j = 0; j < G; ++j) acc[j] += factor(g, j) * x;
     }
     for (int j = 0; j < G; ++j) store16(out + j * out_ld + c, load16(out + j * out_ld + c) + acc[j]);
@@ -116,27 +116,27 @@ MOECC_INLINE void outer_group(const float* coef, int64_t rank, const float* row_
   for (; c < c1; ++c) {
     for (int j = 0; j < G; ++j) {
       float s = 0.0f;
-      for (int64_t g = 0; g < count; ++g) s += factor(g, j) * widen(rows[g * ld + c]);
+      for (int64_t g = 0; g < count; ++g) s += factor(g, j) * widen(rows(g)[c]);
       out[j * out_ld + c] += s;
     }
   }
 }
 
-template <typename T>
-MOECC_INLINE void outer(const float* coef, const float* row_scale, float scale, const T* rows, int64_t ld,
-                        int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld) {
+template <typename Rows>
+MOECC_INLINE void outer(const float* coef, const float* row_scale, float scale, const Rows& rows, int64_t count,
+                        int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld) {
   for (int64_t j0 = 0; j0 < rank; j0 += kGroup) {
     const float* k = coef + j0;
     float* o = out + j0 * out_ld;
     switch (rank - j0 < kGroup ? rank - j0 : kGroup) {
-      case 8: outer_group<8>(k, rank, row_scale, scale, rows, ld, count, c0, c1, o, out_ld); break;
-      case 7: outer_group<7>(k, rank, row_scale, scale, rows, ld, count, c0, c1, o, out_ld); break;
-      case 6: outer_group<6>(k, rank, row_scale, scale, rows, ld, count, c0, c1, o, out_ld); break;
-      case 5: outer_group<5>(k, rank, row_scale, scale, rows, ld, count, c0, c1, o, out_ld); break;
-      case 4: outer_group<4>(k, rank, row_scale, scale, rows, ld, count, c0, c1, o, out_ld); break;
-      case 3: outer_group<3>(k, rank, row_scale, scale, rows, ld, count, c0, c1, o, out_ld); break;
-      case 2: outer_group<2>(k, rank, row_scale, scale, rows, ld, count, c0, c1, o, out_ld); break;
-      default: outer_group<1>(k, rank, row_scale, scale, rows, ld, count, c0, c1, o, out_ld); break;
+      case 8: outer_group<8>(k, rank, row_scale, scale, rows, count, c0, c1, o, out_ld); break;
+      case 7: outer_group<7>(k, rank, row_scale, scale, rows, count, c0, c1, o, out_ld); break;
+      case 6: outer_group<6>(k, rank, row_scale, scale, rows, count, c0, c1, o, out_ld); break;
+      case 5: outer_group<5>(k, rank, row_scale, scale, rows, count, c0, c1, o, out_ld); break;
+      case 4: outer_group<4>(k, rank, row_scale, scale, rows, count, c0, c1, o, out_ld); break;
+      case 3: outer_group<3>(k, rank, row_scale, scale, rows, count, c0, c1, o, out_ld); break;
+      case 2: outer_group<2>(k, rank, row_scale, scale, rows, count, c0, c1, o, out_ld); break;
+      default: outer_group<1>(k, rank, row_scale, scale, rows, count, c0, c1, o, out_ld); break;
     }
   }
 }
@@ -152,12 +152,17 @@ MOECC_VECTOR_CLONES void dots_f32(const float* row, const float* factors, int64_
 MOECC_VECTOR_CLONES void outer_bf16(const float* coef, const float* row_scale, float scale, const uint16_t* rows,
                                     int64_t ld, int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out,
                                     int64_t out_ld) {
-  outer(coef, row_scale, scale, rows, ld, count, rank, c0, c1, out, out_ld);
+  outer(coef, row_scale, scale, [=](int64_t g) { return rows + g * ld; }, count, rank, c0, c1, out, out_ld);
 }
 MOECC_VECTOR_CLONES void outer_f32(const float* coef, const float* row_scale, float scale, const float* rows,
                                    int64_t ld, int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out,
                                    int64_t out_ld) {
-  outer(coef, row_scale, scale, rows, ld, count, rank, c0, c1, out, out_ld);
+  outer(coef, row_scale, scale, [=](int64_t g) { return rows + g * ld; }, count, rank, c0, c1, out, out_ld);
+}
+MOECC_VECTOR_CLONES void outer_f32_gathered(const float* coef, const float* row_scale, float scale,
+                                            const float* base, const int64_t* index, int64_t ld, int64_t count,
+                                            int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld) {
+  outer(coef, row_scale, scale, [=](int64_t g) { return base + index[g] * ld; }, count, rank, c0, c1, out, out_ld);
 }
 
 }  // namespace
@@ -175,6 +180,11 @@ void rank_outer_accumulate(const float* coef, const float* row_scale, float scal
 void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const float* rows, int64_t ld,
                            int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld) {
   outer_f32(coef, row_scale, scale, rows, ld, count, rank, c0, c1, out, out_ld);
+}
+void rank_outer_accumulate_gathered(const float* coef, const float* row_scale, float scale, const float* base,
+                                    const int64_t* index, int64_t ld, int64_t count, int64_t rank, int64_t c0,
+                                    int64_t c1, float* out, int64_t out_ld) {
+  outer_f32_gathered(coef, row_scale, scale, base, index, ld, count, rank, c0, c1, out, out_ld);
 }
 
 }  // namespace moecc::kernels

@@ -18,5 +18,9 @@ void rank_outer_accumulate(const float* coef, const float* row_scale, float scal
                            int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld);
 void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const float* rows, int64_t ld,
                            int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld);
+// The same with row g at base + index[g] * ld (rows shared by several g, e.g. a token's output gradient).
+void rank_outer_accumulate_gathered(const float* coef, const float* row_scale, float scale, const float* base,
+                                    const int64_t* index, int64_t ld, int64_t count, int64_t rank, int64_t c0,
+                                    int64_t c1, float* out, int64_t out_ld);
 
 }  // namespace moecc::kernels
