@@ -14,7 +14,11 @@ COLUMNS = ("paradigm", "tokens", "step_s", "predicted_step_s", "tokens_per_s", "
            "checkpointing")
 MISSING = "–"  # not measured, or no prediction for that paradigm
 UNITS_NOTE = (f"Times are seconds per training step (median), `_gb` columns are GB (10^9 bytes), "
-              f"`{MISSING}` = not measured or no prediction. A row with an error has no plot point.")
+              f"`{MISSING}` = not measured or no prediction. A row with an error has no plot point. "
+              "cpu_experts_s: CPU time of the experts (co-compute); pcie_s: time the expert copies took (offload, "
+              "mostly hidden behind compute); gpu_wait_s: time the device waited for either; expert_compute_s: "
+              "expert math on the GPU (offload); gpu_other_s: the rest of the step (attention, dense layers, head, "
+              "optimizer, host overhead).")
 
 
 def _cell(value) -> str:
@@ -72,19 +76,20 @@ def _throughput_plot(plt, rows: list[dict], title: str, path: Path) -> None:
 
 def _breakdown_plot(plt, rows: list[dict], title: str, path: Path) -> None:
     ok = [row for row in rows if "error" not in row]
-    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(ok) + 4), 4.5))
+    fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(ok) + 2), 5.5))
     labels = [f"{row['paradigm']}\n{row['tokens']}" for row in ok]
     bottom = [0.0] * len(ok)
-    for key, label in (("cpu_experts_s", "CPU experts (device waits)"), ("pcie_s", "PCIe copies"),
-                       ("gpu_other_s", "GPU and the rest")):
+    for key, label in (("cpu_wait_s", "waiting for the CPU experts"), ("copy_wait_s", "waiting for PCIe copies"),
+                       ("expert_compute_s", "expert math on the GPU"),
+                       ("gpu_other_s", "GPU: attention, dense layers, head; optimizer; host")):
         values = [row.get(key, 0.0) for row in ok]
         ax.bar(labels, values, bottom=bottom, label=label, width=0.6)
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_xlabel("paradigm, tokens per training step")
     ax.set_ylabel("seconds per training step")
     ax.set_title(f"Where a step goes — {title}")
-    if ok:
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+    if ok:  # below the axes, so it never hides a bar nor squeezes the plot
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=9, frameon=False)
     else:
         _nothing_measured(ax)
     fig.text(0.01, 0.01, _not_plotted_note(rows), fontsize=8, color="dimgray")

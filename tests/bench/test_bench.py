@@ -13,9 +13,12 @@ def test_bench_writes_table_json_and_plots(tmp_path):
     assert {(r["paradigm"], r["tokens"]) for r in rows} == {(p, t) for p in ("cocompute", "offload", "gpu")
                                                            for t in (16, 64)}
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows)
-    for row in rows:  # the stacked parts add up to the step (unless CPU + copies alone exceed it)
-        parts = row["cpu_experts_s"] + row["pcie_s"]
+    for row in rows:  # the stacked parts add up to the step (unless the waits and expert math alone exceed it)
+        parts = row["cpu_wait_s"] + row["copy_wait_s"] + row["expert_compute_s"]
         assert abs(parts + row["gpu_other_s"] - row["step_s"]) < 1e-6 or parts > row["step_s"]
+        assert row["cpu_wait_s"] == 0 or row["copy_wait_s"] == 0  # one paradigm waits for one thing
+    cocompute = [row for row in rows if row["paradigm"] == "cocompute"]
+    assert all(row["cpu_wait_s"] > 0 for row in cocompute)  # the device waits for the CPU experts in backward
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert len(saved["rows"]) == 6 and saved["command"].startswith("moecc bench")
     assert "| cocompute | 16 |" in (tmp_path / "bench.md").read_text()
