@@ -154,7 +154,7 @@ def prepare(
         check_host_experts(base_experts, name)
         if paradigm == "offload":
             if device.type == "cuda":
-                pin_experts(base_experts)
+                pin_experts(base_experts, wrappers)
             layer = OffloadLayer(name, base_experts, wrappers, engine, index)
             engine.layers.append(layer)
         else:
@@ -167,9 +167,14 @@ def prepare(
     return peft_model
 
 
-def pin_experts(experts: torch.nn.Module) -> None:
-    """Moves one experts module's weights into page-locked host memory (the copy replaces the original)."""
-    for param in experts.parameters(recurse=False):
+def pin_experts(experts: torch.nn.Module, wrappers: dict | None = None) -> None:
+    """Moves one experts module's weights, and the expert LoRA factors of its PEFT ``wrappers``, into
+    page-locked host memory (the copies replace the originals). Offload copies both to the device every layer
+    call; from pageable memory each such copy would stall the host while CUDA stages it."""
+    params = list(experts.parameters(recurse=False))
+    for wrapper in (wrappers or {}).values():
+        params += [p for name, p in wrapper.named_parameters() if "lora_" in name and p.device.type == "cpu"]
+    for param in params:
         if not param.is_pinned():
             param.data = param.data.pin_memory()
 

@@ -473,9 +473,10 @@ class OffloadLayer:
 
 
 def _on_device(lora: ExpertLora | None, device: torch.device) -> ExpertLora | None:
-    """Device copies of the factors, queued without a blocking copy's stream sync. Safe while the optimizer
-    writes the host factors: CUDA stages pageable memory before returning, and backward's gradient copy back to
-    the host waits for this layer's stream before any optimizer step can run."""
+    """Device copies of the factors, queued without a blocking copy's stream sync (from pinned memory on CUDA,
+    see ``moecc.api.pin_experts``). Safe while the optimizer writes the host factors: backward's gradient copy
+    back to the host waits for this layer's stream, so every copy queued before it has finished before any
+    optimizer step can run."""
     if lora is None:
         return None
     a, b = (t.detach().to(device, non_blocking=True) for t in (lora.A, lora.B))

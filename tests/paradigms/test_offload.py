@@ -146,6 +146,8 @@ def test_offload_on_cuda_matches_and_respects_budget():
     assert rel_err(b.logits, a.logits) <= 1e-4
     b.loss.backward()
     assert all(p.is_pinned() for layer in engine.moecc.layers for p in layer.experts.parameters(recurse=False))
+    expert_lora = [p for n, p in engine.named_parameters() if ".experts." in n and "lora_" in n]
+    assert expert_lora and all(p.is_pinned() for p in expert_lora)  # copied every layer call: pinned, async
     from moecc.tiny_models import tiny_model
 
     with pytest.raises(moecc.MoeccError, match="too small"):
