@@ -66,7 +66,8 @@ def bench(args: argparse.Namespace) -> list[dict]:
         new_rows = run_case(args.preset, args.layers, paradigm, tokens, args.steps, args.rank, device,
                             args.gpu_budget, getattr(args, "checkpointing", "auto"))
         for row in new_rows:
-            row["predicted_step_s"] = predict(args.preset, row["tokens"], rates, args.layers).get(row["paradigm"])
+            row["predicted_step_s"] = predict(args.preset, row["tokens"], rates, args.layers,
+                                              checkpointing=bool(row.get("checkpointing"))).get(row["paradigm"])
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
         rows += new_rows
         files = write_report(rows, Path(args.out), title, command)  # after each paradigm: a cut-short run keeps them

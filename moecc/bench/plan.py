@@ -133,12 +133,20 @@ def _gpu_paradigm_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int) -
     return s["moe_layers"] * (attention + experts) + rest
 
 
-def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, rank: int = RANK) -> dict[str, float]:
+# With gradient checkpointing every layer's forward runs again before its backward: about a third more GPU
+# work for the layers (a forward is about a third of forward + backward).
+RECOMPUTE = 1 / 3
+
+
+def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, rank: int = RANK,
+            checkpointing: bool = False) -> dict[str, float]:
     """Predicted seconds per training step of ``tokens`` tokens for ``cocompute``, ``offload`` and ``gpu`` (only
     ``cocompute``, all on the CPU, without GPU rates), with LoRA of ``rank`` on attention and experts.
 
     ``rates``: from :func:`moecc.bench.rates.measure` (which times a preset's shape when it is first predicted),
-    or a dict of the same form that already holds the preset's shape rates.
+    or a dict of the same form that already holds the preset's shape rates. ``checkpointing``: Hugging Face
+    gradient checkpointing (non-reentrant): the GPU recomputes each layer's forward, offload its expert math
+    too; co-compute replays the CPU experts' first result, so their time does not grow.
     """
     s = moe_shape(preset_config(preset, layers))
     timed = shape_rates(rates, preset)
@@ -152,10 +160,15 @@ def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, ra
         return {"cocompute": s["moe_layers"] * (layer + cpu) + rest + optimizer}
     attention, rest = _gpu_nonexpert_s(s, tokens, rates, timed)
     forward, backward = _gpu_experts_s(s, tokens, rates, timed, rank)
+    recompute = RECOMPUTE if checkpointing else 0.0
+    attention *= 1 + recompute
+    offload = _offload_layers_s(s, tokens, rates, attention, forward, backward)
+    if checkpointing:
+        offload += s["moe_layers"] * forward  # the expert math of each forward again (its experts are resident)
     return {
         "cocompute": s["moe_layers"] * (attention + cpu + _activations_s(s, tokens, rates)) + rest + optimizer,
-        "offload": _offload_layers_s(s, tokens, rates, attention, forward, backward) + rest + optimizer,
-        "gpu": _gpu_paradigm_s(s, tokens, rates, timed, rank),
+        "offload": offload + rest + optimizer,
+        "gpu": _gpu_paradigm_s(s, tokens, rates, timed, rank) * (1 + recompute),
     }
 
 

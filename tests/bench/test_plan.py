@@ -141,3 +141,14 @@ def test_gpu_timings_run_on_any_device():
 @pytest.fixture(autouse=True)
 def _cache_in_tmp(tmp_path, monkeypatch):
     monkeypatch.setattr(rates_module, "CACHE", tmp_path / "rates.json")
+
+
+def test_checkpointing_costs_a_forward_again_but_not_the_cpu_experts():
+    rates = qwen3_rates()
+    plain = predict("qwen3-30b-a3b", 2048, rates)
+    again = predict("qwen3-30b-a3b", 2048, rates, checkpointing=True)
+    layers = preset_config("qwen3-30b-a3b").num_hidden_layers
+    # co-compute: only the GPU part of each layer grows (by a third); the CPU experts are replayed, not rerun
+    attention = rates["shapes"][key_of("qwen3-30b-a3b")]["gpu_attention_layer_s"][1]
+    assert again["cocompute"] - plain["cocompute"] == pytest.approx(layers * attention / 3, rel=1e-6)
+    assert again["offload"] > plain["offload"] and again["gpu"] == pytest.approx(plain["gpu"] * 4 / 3)
