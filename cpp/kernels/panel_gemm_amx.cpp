@@ -2,12 +2,12 @@
 // target attributes; reached only after dispatch has seen AMX in cpuid, the tile state in XCR0 and the kernel's
 // grant of tile data to this process (cpu_features.cpp).
 //
-// The packed layout already is the AMX B operand: 16 consecutive 64-byte rows of a panel (32 values of K, 16
-// outputs, bf16 pairs) are one B tile, loaded with a 64-byte stride and no re-layout. A tiles (16 tokens x 32
+// The panel layout (weight_packing.h; each task packs its weight slice into it) is the AMX B operand: 16
+// consecutive 64-byte rows of a panel (32 values of K, 16 outputs, bf16 pairs) are one B tile, loaded with a
+// 64-byte stride and no further re-layout. A tiles (16 tokens x 32
 // K) come straight from the row-major activations. Each step holds a 2 x 2 block of C tiles (32 tokens x 32
 // outputs): 4 tile loads feed 4 tile products, the most reuse 8 tile registers allow.
 #include <immintrin.h>
-
 
 #include "panel_gemm.h"
 #include "weight_packing.h"
