@@ -144,7 +144,7 @@ def prepare(
 
     _ops.configure_pool(config.num_threads, config.pin_threads)
     if paradigm == "offload":
-        engine = OffloadEngine(device, config.offload_slots)
+        engine = OffloadEngine(device, config.offload_slots, cache_bytes=int(config.offload_cache_gb * 1e9))
     else:
         engine = CoComputeEngine(device, config.backend, config.isa)
     layers = []
@@ -189,12 +189,13 @@ def apply_gpu_budget(model: torch.nn.Module, layers: list, paradigm: str, device
     if paradigm == "offload":
         resident += config.offload_slots * max(layer.experts.gate_up_proj.nbytes + layer.experts.down_proj.nbytes
                                                for layer in layers)
+        resident += int(config.offload_cache_gb * 1e9)
     needed_gb = resident / 1e9 * 1.1  # 10% for activations of a small batch and allocator slack
     if needed_gb > budget:
         raise MoeccError(
             f"gpu_memory_budget_gb={budget:g} is too small: the parts that stay on the GPU ({paradigm}) need about "
             f"{needed_gb:.1f} GB before activations; raise the budget"
-            + (" or lower offload_slots" if paradigm == "offload" else "")
+            + (" or lower offload_slots / offload_cache_gb" if paradigm == "offload" else "")
         )
     index = device.index if device.index is not None else torch.cuda.current_device()  # torch wants an index
     total = torch.cuda.get_device_properties(index).total_memory

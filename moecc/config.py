@@ -27,6 +27,9 @@ class MoeccConfig:
         gpu_memory_budget_gb: cap on this process's GPU memory (enforced with the allocator's per-process
             fraction); ``prepare`` fails up front, saying how much is needed, when the resident parts do not
             fit. None: no cap. Environment: ``MOECC_GPU_BUDGET_GB``.
+        offload_cache_gb: device memory for offload's cache of the most frequently routed experts, served to the
+            slots without crossing PCIe again (0: no cache). Counted in the GPU budget. Environment:
+            ``MOECC_OFFLOAD_CACHE_GB``.
         offload_slots: layers of experts the offload paradigm keeps on the device at once (2 = the current
             layer plus the one being prefetched).
     """
@@ -37,12 +40,15 @@ class MoeccConfig:
     isa: str = "auto"
     gpu_memory_budget_gb: float | None = None
     offload_slots: int = 2
+    offload_cache_gb: float = 0.0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown moecc backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
         if self.gpu_memory_budget_gb is not None and self.gpu_memory_budget_gb <= 0:
             raise ValueError(f"gpu_memory_budget_gb must be positive, got {self.gpu_memory_budget_gb}")
+        if self.offload_cache_gb < 0:
+            raise ValueError(f"offload_cache_gb must be >= 0 (0 = no cache), got {self.offload_cache_gb}")
         if self.offload_slots < 1:
             raise ValueError(f"offload_slots must be >= 1, got {self.offload_slots}")
         if self.isa not in ISAS:
@@ -51,8 +57,8 @@ class MoeccConfig:
             raise ValueError(f"num_threads must be >= 1 or None (all CPUs), got {self.num_threads}")
 
     @classmethod
-    def from_env(cls) -> "MoeccConfig":
-        """Defaults, overridden by ``MOECC_NUM_THREADS``, ``MOECC_BACKEND``, ``MOECC_ISA``, ``MOECC_PIN_THREADS``."""
+    def from_env(cls) -> MoeccConfig:
+        """Defaults, overridden by the ``MOECC_*`` variables named in the attributes above."""
         kwargs: dict = {}
         threads = os.environ.get("MOECC_NUM_THREADS")
         if threads:
@@ -63,6 +69,12 @@ class MoeccConfig:
             kwargs["backend"] = os.environ["MOECC_BACKEND"]
         if os.environ.get("MOECC_ISA"):
             kwargs["isa"] = os.environ["MOECC_ISA"]
+        cache = os.environ.get("MOECC_OFFLOAD_CACHE_GB")
+        if cache:
+            try:
+                kwargs["offload_cache_gb"] = float(cache)
+            except ValueError:
+                raise ValueError(f"MOECC_OFFLOAD_CACHE_GB={cache!r} is not a number of GB") from None
         budget = os.environ.get("MOECC_GPU_BUDGET_GB")
         if budget:
             try:

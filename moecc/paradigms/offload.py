@@ -37,6 +37,7 @@ from ..reference import ExpertLora, ExpertWeights, SavedState
 from ..staging import HostBufferPool
 from ..store import expert_weights
 from .cocompute import StepMetrics
+from .expert_cache import ExpertCache
 
 EXPERT_MATH = {"grouped": grouped_experts, "reference": reference}  # modules with experts_forward / _backward
 COMPUTE_ENV = "MOECC_OFFLOAD_COMPUTE"
@@ -230,8 +231,11 @@ class OffloadEngine:
     """Copy stream, device slots (LRU over layers), activation parking, metrics, and the layer list for
     prefetching."""
 
-    def __init__(self, device: torch.device, slots: int = 2, compute: str | None = None) -> None:
+    def __init__(self, device: torch.device, slots: int = 2, compute: str | None = None,
+                 cache_bytes: int = 0) -> None:
         self.device = device
+        # Device copies of the hottest experts (moecc.paradigms.expert_cache); None when no budget is given.
+        self.cache = ExpertCache(device, cache_bytes) if cache_bytes > 0 else None
         self.capacity = max(1, slots)
         self.compute = default_compute(device) if compute is None else compute
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -246,6 +250,7 @@ class OffloadEngine:
         self.h2d_bytes = 0  # expert weights copied to the device
         self.copy_s = 0.0  # measured directly where copies are synchronous (no CUDA)
         self._mark = (0, 0, 0)
+        self._cache_mark = 0
         # CUDA event pairs: around each batch of copies on the copy stream, and around each wait of the compute
         # stream for a slot; read (and synchronised) only when metrics are asked for.
         self._copy_events: list[tuple] = []
@@ -265,6 +270,7 @@ class OffloadEngine:
         self.metrics.reset()
         self.parking.reset_metrics()
         self._mark = (self.h2d_bytes, self.parking.bytes_to_device, self.parking.bytes_to_host)
+        self._cache_mark = self.cache.hits if self.cache is not None else 0
         self.copy_s = 0.0
         self._copy_events, self._wait_events, self._compute_events = [], [], []
 
@@ -311,7 +317,9 @@ class OffloadEngine:
                 "gpu_wait_s": m.wait_s + self._elapsed_s(self._wait_events), "tokens": float(m.tokens),
                 "routing_skew": m.routing_skew, "copy_s": copy_s,
                 "d2h_s": parking.to_host_s + self._elapsed_s(parking.to_host_events),
-                "expert_compute_s": m.cpu_forward_s + m.cpu_backward_s + self._elapsed_s(self._compute_events)}
+                "expert_compute_s": m.cpu_forward_s + m.cpu_backward_s + self._elapsed_s(self._compute_events),
+                "cache_hits": float(self.cache.hits - self._cache_mark) if self.cache is not None else 0.0,
+                "cache_gb": self.cache.bytes / 1e9 if self.cache is not None else 0.0}
 
     def _slot_for(self, layer: OffloadLayer) -> _Slot:
         if layer.index in self.slots:
@@ -347,24 +355,35 @@ class OffloadEngine:
         if not missing:
             return slot
         host = layer.host_weights
+        # Experts the cache holds come from device memory; only the rest cross PCIe.
+        sources = {e: self.cache.take(layer.index, e, slot.revision) if self.cache is not None else None
+                   for e in missing}
+        copied = 0
         with record_function("moecc.offload.copy_experts"):
             if self.copy_stream is None:
                 start = time.perf_counter()
                 for e in missing:
-                    slot.gate_up[e].copy_(host.gate_up[e])
-                    slot.down[e].copy_(host.down[e])
+                    gate_up, down = sources[e] or (host.gate_up[e], host.down[e])
+                    slot.gate_up[e].copy_(gate_up)
+                    slot.down[e].copy_(down)
+                    copied += sources[e] is None
                 self.copy_s += time.perf_counter() - start
             else:
                 with torch.cuda.stream(self.copy_stream):
                     begin = torch.cuda.Event(enable_timing=True)
                     begin.record(self.copy_stream)
                     for e in missing:
-                        slot.gate_up[e].copy_(host.gate_up[e], non_blocking=True)
-                        slot.down[e].copy_(host.down[e], non_blocking=True)
+                        gate_up, down = sources[e] or (host.gate_up[e], host.down[e])
+                        slot.gate_up[e].copy_(gate_up, non_blocking=True)
+                        slot.down[e].copy_(down, non_blocking=True)
+                        copied += sources[e] is None
+                        if sources[e] is not None:  # a refill may drop the entry while this copy still reads it
+                            gate_up.record_stream(self.copy_stream)
+                            down.record_stream(self.copy_stream)
                     slot.ready = torch.cuda.Event(enable_timing=True)
                     slot.ready.record(self.copy_stream)
                     self._copy_events.append((begin, slot.ready))
-        self.h2d_bytes += len(missing) * (host.gate_up[0].nbytes + host.down[0].nbytes)
+        self.h2d_bytes += copied * (host.gate_up[0].nbytes + host.down[0].nbytes)
         slot.present.update(missing)
         return slot
 
@@ -455,6 +474,8 @@ class OffloadLayer:
         if self.index == 0 and not recompute:
             engine.metrics.tokens += hidden.shape[0]
             engine.forward_passes += 1
+            if engine.cache is not None:
+                engine.cache.refill(engine.layers)  # from the routing of the passes so far
         keep = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (hidden, top_k_weights, *factors))
         call = _Call(keep, recompute, (engine.forward_passes, self.index))
@@ -528,6 +549,8 @@ class OffloadExpertsFunction(torch.autograd.Function):
         engine.compute_ends(begun, backward=False)
         if not call.recompute:
             engine.metrics.expert_token_counts.append(token_counts)
+            if engine.cache is not None:
+                engine.cache.observe(layer.index, token_counts)
         ctx.state = engine.keep_for_backward(call, saved)  # nothing else holds the saved tensors
         ctx.layer, ctx.lora, ctx.experts, ctx.math, ctx.key = layer, lora, experts, math, call.key
         ctx.dtypes = (hidden.dtype, top_k_weights.dtype)
