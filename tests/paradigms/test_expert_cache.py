@@ -79,3 +79,29 @@ def test_merge_makes_cached_copies_stale():
 def test_negative_cache_budget_is_refused():
     with pytest.raises(ValueError, match="offload_cache_gb"):
         moecc.MoeccConfig(offload_cache_gb=-1.0)
+
+
+@pytest.mark.gpu
+def test_cache_on_cuda_serves_copies_and_matches():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from peft import get_peft_model
+
+    base = tiny_model("qwen3_moe", dtype=torch.float32, seed=0)
+    reference = get_peft_model(copy.deepcopy(base), lora_config("qwen3_moe"))
+    randomize_lora(reference, 3)
+    config = moecc.MoeccConfig(offload_cache_gb=1.0, offload_slots=1)
+    engine = moecc.prepare(copy.deepcopy(base), lora_config=lora_config("qwen3_moe"), device="cuda",
+                           paradigm="offload", config=config)
+    engine.load_state_dict(reference.state_dict())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    (ids, mask, labels), = batches(256, 1, batch=2, seq=12, seed=5)
+    state = engine.moecc.engine
+    for _ in range(2):
+        state.reset_metrics()
+        with torch.no_grad():
+            out = engine(input_ids=ids.cuda(), attention_mask=mask.cuda())
+    assert state.metrics_since_reset()["cache_hits"] > 0
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).logits
+    assert rel_err(out.logits, expected) <= 1e-4
