@@ -69,18 +69,14 @@ class MoeccConfig:
             kwargs["backend"] = os.environ["MOECC_BACKEND"]
         if os.environ.get("MOECC_ISA"):
             kwargs["isa"] = os.environ["MOECC_ISA"]
-        cache = os.environ.get("MOECC_OFFLOAD_CACHE_GB")
-        if cache:
-            try:
-                kwargs["offload_cache_gb"] = float(cache)
-            except ValueError:
-                raise ValueError(f"MOECC_OFFLOAD_CACHE_GB={cache!r} is not a number of GB") from None
-        budget = os.environ.get("MOECC_GPU_BUDGET_GB")
-        if budget:
-            try:
-                kwargs["gpu_memory_budget_gb"] = float(budget)
-            except ValueError:
-                raise ValueError(f"MOECC_GPU_BUDGET_GB={budget!r} is not a number of GB") from None
+        for variable, field_name in (("MOECC_OFFLOAD_CACHE_GB", "offload_cache_gb"),
+                                     ("MOECC_GPU_BUDGET_GB", "gpu_memory_budget_gb")):
+            value = os.environ.get(variable)
+            if value:
+                try:
+                    kwargs[field_name] = float(value)
+                except ValueError:
+                    raise ValueError(f"{variable}={value!r} is not a number of GB") from None
         pin = os.environ.get("MOECC_PIN_THREADS")
         if pin:
             flags = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
