@@ -10,7 +10,9 @@ The expert math on the device is chosen per engine (``OffloadEngine.compute``, d
 ``MOECC_OFFLOAD_COMPUTE``): ``"grouped"`` (``moecc.grouped_experts``: one grouped matrix product per projection,
 LoRA factorised; agrees with HF + PEFT to the dtype's rounding; the default on CUDA) or ``"reference"``
 (``moecc.reference``: one expert at a time with PEFT's folded ``W + ΔW``, bit-exact with HF + PEFT; the default
-elsewhere, so CPU runs stay exact). LoRA factors stay host-resident parameters and travel with the activations.
+elsewhere, so CPU runs stay exact). LoRA factors stay host-resident parameters (pinned on CUDA) and travel with
+the activations. With a cache budget (``MoeccConfig.offload_cache_gb``) the most frequently routed experts also
+stay on the device (``moecc.paradigms.expert_cache``) and fill slots without crossing PCIe.
 
 What a layer keeps for its backward (``SavedState``: hidden ``[T, H]``, pre-activations ``[T*k, 2I]``, routing
 weights and grouping, ~29 KB per token for Qwen3-30B-A3B) is parked in host memory between its forward and its
