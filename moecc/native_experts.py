@@ -9,6 +9,8 @@ weight as PEFT does), so results agree with the reference to bf16 tolerance, not
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from . import _ops
@@ -50,24 +52,30 @@ class _BufferPool:
 
     def __init__(self) -> None:
         self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()  # forwards run on the engine's worker thread, backwards on autograd's
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = 1
         for size in shape:
             numel *= size
-        fitting = [b for b in self._free if b.dtype == dtype and b.numel() >= numel]
-        if fitting:
-            buffer = min(fitting, key=torch.Tensor.numel)
-            self._free.remove(buffer)
-        else:
-            too_small = [b for b in self._free if b.dtype == dtype]
-            if too_small:  # outgrown: let the largest go, so the pool does not fill with unusable buffers
-                self._free.remove(max(too_small, key=torch.Tensor.numel))
+        with self._lock:
+            fitting = [b for b in self._free if b.dtype == dtype and b.numel() >= numel]
+            if fitting:
+                buffer = min(fitting, key=torch.Tensor.numel)
+                self._free = [b for b in self._free if b is not buffer]
+            else:
+                too_small = [b for b in self._free if b.dtype == dtype]
+                if too_small:  # outgrown: let the largest go, so the pool does not fill with unusable buffers
+                    largest = max(too_small, key=torch.Tensor.numel)
+                    self._free = [b for b in self._free if b is not largest]
+                buffer = None
+        if buffer is None:
             buffer = torch.empty(numel, dtype=dtype)
         return buffer[:numel].view(shape)
 
     def give(self, tensor: torch.Tensor) -> None:
-        self._free.append(tensor if tensor._base is None else tensor._base)
+        with self._lock:
+            self._free.append(tensor if tensor._base is None else tensor._base)
 
 
 class NativeExperts:

@@ -270,3 +270,18 @@ def test_experts_are_held_once_in_host_memory():
     scratch_allowance = 48e6
     assert growth < 0.05 * weight_bytes + scratch_allowance, (
         f"{growth / 1e6:.0f} MB more resident for {weight_bytes / 1e6:.0f} MB of experts")
+
+
+def test_buffer_pool_hands_out_the_smallest_fitting_buffer_once():
+    from moecc.native_experts import _BufferPool
+
+    pool = _BufferPool()
+    buffers = [torch.zeros(n, dtype=torch.bfloat16) for n in (100, 10, 50)]
+    for buffer in buffers:
+        pool.give(buffer)
+    taken = pool.take((4, 10), torch.bfloat16)  # 40 elements: the 50-element buffer, not the first or largest
+    assert taken.shape == (4, 10) and taken._base is buffers[2]
+    again = pool.take((4, 10), torch.bfloat16)  # the 50 is out now: the 100 is next
+    assert again._base is buffers[0]
+    fresh = pool.take((4, 10), torch.bfloat16)  # only the 10 is left, too small: dropped, a new one made
+    assert all(fresh._base is not b for b in buffers) and pool.take((1,), torch.float32).numel() == 1
