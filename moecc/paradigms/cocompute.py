@@ -204,6 +204,8 @@ class CoComputeLayer:
             self.engine.metrics.tokens += hidden.shape[0]
         job.future = self.engine.worker.submit(job.compute, staged)
         if torch.is_grad_enabled() and not recomputing:
+            # Forwards whose graph was dropped without a backward leave dead references: drop them here.
+            self.pending_backward = [ref for ref in self.pending_backward if ref() is not None]
             self.pending_backward.append(weakref.ref(job))
         output = CpuExpertsFunction.apply(hidden, top_k_weights, job, *lora_tensors(job.lora))
         return PendingExperts(output, job)

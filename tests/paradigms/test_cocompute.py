@@ -66,3 +66,15 @@ def test_checkpointing_runs_cpu_experts_forward_once_where_it_can(family, reentr
     assert len(calls) == (2 * layers if reentrant else layers)
     assert_grads_match(reference, engine, 1e-4)
     assert all(not layer.pending_backward for layer in engine.moecc.layers)  # nothing held after backward
+
+
+def test_forwards_without_backward_leave_nothing_pending():
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"))
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(5):
+        engine(input_ids=ids, labels=ids)  # grad enabled, graph dropped unused
+    import gc
+
+    gc.collect()
+    engine(input_ids=ids, labels=ids)
+    assert all(len(layer.pending_backward) <= 2 for layer in engine.moecc.layers)
