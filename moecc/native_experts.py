@@ -28,12 +28,6 @@ def _kernel_lora(lora: ExpertLora | None) -> tuple | None:
     return a, lora.B.detach().float().contiguous(), lora.scaling
 
 
-def _lora_key(*loras: ExpertLora | None) -> tuple:
-    """Identifies the LoRA factors' current values (storage and in-place version)."""
-    return tuple(None if lora is None else (lora.A.data_ptr(), lora.A._version, lora.B.data_ptr(), lora.B._version)
-                 for lora in loras)
-
-
 def _peft_grads(grads: tuple | None, lora: ExpertLora | None) -> tuple:
     if grads is None:
         return None, None
@@ -115,16 +109,14 @@ class NativeExperts:
         out = self._scratch.take((tokens, shape[1]), torch.float32)
         gate_up_out = self._saved_buffers.take((tokens * top_k, 2 * shape[2]), torch.bfloat16)
         try:
-            kernel_lora = (_kernel_lora(gate_up_lora), _kernel_lora(down_lora))
             _ops.expert_ffn_forward(self.isa, matrices, shape, top_k, hidden_bf16, offsets, order, routing,
-                                    *kernel_lora, out=out, gate_up_out=gate_up_out)
+                                    _kernel_lora(gate_up_lora), _kernel_lora(down_lora), out=out,
+                                    gate_up_out=gate_up_out)
             result = out.to(hidden.dtype, copy=True)
         finally:
             self._scratch.give(out)
         saved = SavedState(hidden_bf16.clone() if hidden_bf16 is hidden else hidden_bf16,
                            top_k_weights.float().clone(), offsets, order, gate_up_out, top_k_weights.dtype)
-        # The re-laid LoRA factors serve the backward too (the optimizer changes them only after it).
-        saved.kernel_lora = (_lora_key(gate_up_lora, down_lora), kernel_lora)
         return result, saved
 
     def release(self, saved: SavedState) -> None:
@@ -142,16 +134,10 @@ class NativeExperts:
         shape = (weights.num_experts, weights.hidden_size, weights.intermediate_size)
         routing = saved.top_k_weights.reshape(-1).contiguous()
         scratch = self._scratch.take(tuple(saved.hidden.shape), torch.float32)
-        cached = getattr(saved, "kernel_lora", None)
-        if cached is not None and cached[0] == _lora_key(gate_up_lora, down_lora):
-            kernel_lora = cached[1]
-        else:
-            kernel_lora = (_kernel_lora(gate_up_lora), _kernel_lora(down_lora))
-        saved.kernel_lora = None
         try:
             _, grad_routing, gu, down = _ops.expert_ffn_backward(
                 self.isa, matrices, shape, saved.top_k_weights.shape[1], saved.hidden, saved.offsets, saved.order,
-                routing, *kernel_lora, saved.gate_up_out,
+                routing, _kernel_lora(gate_up_lora), _kernel_lora(down_lora), saved.gate_up_out,
                 grad_out.float().contiguous(), grad_hidden=scratch)
             grad_hidden = scratch.to(grad_out.dtype, copy=True)
         finally:
