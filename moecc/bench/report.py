@@ -68,6 +68,11 @@ def _throughput_plot(plt, rows: list[dict], title: str, path: Path) -> None:
         ax.legend(title="paradigm")
     else:
         _nothing_measured(ax)
+    _save(plt, fig, rows, path)
+
+
+def _save(plt, fig, rows: list[dict], path: Path) -> None:
+    """Notes the paradigms left out of a plot (their rows have errors), then writes and closes the figure."""
     fig.text(0.01, 0.01, _not_plotted_note(rows), fontsize=8, color="dimgray")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=120)
@@ -92,10 +97,7 @@ def _breakdown_plot(plt, rows: list[dict], title: str, path: Path) -> None:
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=9, frameon=False)
     else:
         _nothing_measured(ax)
-    fig.text(0.01, 0.01, _not_plotted_note(rows), fontsize=8, color="dimgray")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, rows, path)
 
 
 def write_report(rows: list[dict], out: Path, title: str, command: str) -> list[Path]:
