@@ -39,14 +39,15 @@ def info() -> dict:
 
 
 def bench(args: argparse.Namespace) -> list[dict]:
-    """Runs ``moecc bench``: every paradigm at every token count, then writes the report."""
+    """Runs ``moecc bench``: every paradigm at every token count, each paradigm in a process of its own, writing
+    the report after each."""
     from pathlib import Path
 
     import torch
     from tqdm import tqdm
 
     from .bench.report import write_report
-    from .bench.runner import PARADIGMS, run_case
+    from .bench.runner import PARADIGMS, run_case_isolated
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -63,8 +64,8 @@ def bench(args: argparse.Namespace) -> list[dict]:
     title = f"{args.preset}, {layers}, LoRA r={args.rank}, {device}"
     rows: list[dict] = []
     for paradigm in tqdm(paradigms, desc="paradigms", unit="paradigm"):
-        new_rows = run_case(args.preset, args.layers, paradigm, tokens, args.steps, args.rank, device,
-                            args.gpu_budget, getattr(args, "checkpointing", "auto"))
+        new_rows = run_case_isolated(args.preset, args.layers, paradigm, tokens, args.steps, args.rank, device,
+                                     args.gpu_budget, args.checkpointing, args.row_seconds)
         for row in new_rows:
             row["predicted_step_s"] = predict(args.preset, row["tokens"], rates, args.layers,
                                               checkpointing=bool(row.get("checkpointing"))).get(row["paradigm"])
@@ -109,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
                               help="comma-separated: cocompute, offload, gpu (whole model on the GPU), "
                                    "hf-offload (PEFT + accelerate's CPU offload of the experts)")
     bench_parser.add_argument("--gpu-budget", type=float, default=24.0, help="GPU memory budget in GB")
-    bench_parser.add_argument("--steps", type=int, default=3)
+    bench_parser.add_argument("--steps", type=int, default=3, help="timed steps per row, after one warm-up step")
+    bench_parser.add_argument("--row-seconds", type=float, default=30.0,
+                              help="time fewer steps (at least one) where --steps of them would take longer")
     bench_parser.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"],
                               help="Hugging Face gradient checkpointing: auto = turned on for a paradigm once a token "
                                    "count runs out of GPU memory (each row says whether it was on)")

@@ -100,3 +100,12 @@ def random_model(name: str, layers: int | None = None, dtype: torch.dtype = torc
             parent, _, attr = module_name.rpartition(".")
             setattr(model.get_submodule(parent), attr, type(module)(config=model.config))
     return model.train()
+
+
+def preset_nbytes(name: str, layers: int | None = None, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of a preset's parameters in ``dtype``, counted on the meta device (nothing is allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(preset_config(name, layers), dtype=dtype)
+    return sum(p.nbytes for p in model.parameters())

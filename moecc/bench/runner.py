@@ -2,14 +2,21 @@
 from __future__ import annotations
 
 import gc
+import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
+from typing import Callable
 
 import torch
 
 from ..api import default_lora_config, prepare
 from ..config import MoeccConfig
-from .presets import random_model
+from ..losses import chunked_causal_lm_loss
+from .presets import preset_nbytes, random_model
 
 PARADIGMS = ("cocompute", "offload", "gpu", "hf-offload")
 
@@ -20,21 +27,28 @@ def _sync(device: torch.device) -> None:
 
 
 def time_training(model: torch.nn.Module, device: torch.device, tokens: int, steps: int,
-                  warmup: int = 1) -> dict:
-    """Median step time and its breakdown over ``steps`` optimizer steps of ``tokens`` tokens each."""
+                  warmup: int = 1, max_seconds: float | None = None) -> dict:
+    """Median step time and its breakdown over ``steps`` optimizer steps of ``tokens`` tokens each.
+
+    The loss is :func:`moecc.losses.chunked_causal_lm_loss` for every paradigm, so no paradigm pays for the full
+    logits tensor (15 GB at 8192 tokens for Qwen3's vocabulary). With ``max_seconds``, fewer steps are timed
+    (at least one) when ``steps`` of them would take longer than that.
+    """
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     seq = min(tokens, 2048)
     ids = torch.randint(0, model.config.vocab_size, (max(1, tokens // seq), seq), device=device)
     engine = getattr(getattr(model, "moecc", None), "engine", None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    records = []
+    records: list[tuple[float, dict]] = []
     for step in range(warmup + steps):
+        if records and max_seconds is not None and sum(r[0] for r in records) * (1 + 1 / len(records)) > max_seconds:
+            break  # the next step would take the timed ones past max_seconds
         if engine is not None:
             engine.reset_metrics()
         _sync(device)
         start = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
+        chunked_causal_lm_loss(model, ids, ids).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
@@ -55,7 +69,7 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
     cpu_wait_s = wait_s if cpu_s > 0 else 0.0
     copy_wait_s = wait_s if cpu_s == 0 else 0.0
     return {
-        "step_s": step_s, "tokens_per_s": ids.numel() / step_s,
+        "step_s": step_s, "tokens_per_s": ids.numel() / step_s, "steps_timed": len(records),
         "peak_gpu_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0,
         "cpu_experts_s": cpu_s, "pcie_s": copy_s, "gpu_wait_s": wait_s,
         "cpu_wait_s": cpu_wait_s, "copy_wait_s": copy_wait_s, "expert_compute_s": expert_gpu_s,
@@ -70,15 +84,20 @@ HF_OFFLOAD_NEEDS_CUDA = ("hf-offload needs a CUDA GPU: accelerate's offload copi
 _EXPECTED_FAILURES = (RuntimeError, ValueError, torch.OutOfMemoryError)
 
 
-def _whole_model_on_gpu(base: torch.nn.Module, lora, device: torch.device, budget_gb: float | None):
-    """The ``gpu`` paradigm: plain PEFT with every weight on the device, if the budget allows it."""
-    from peft import get_peft_model
-
-    needed_gb = sum(p.nbytes for p in base.parameters()) / 1e9
+def _check_whole_model_fits(needed_bytes: int, device: torch.device, budget_gb: float | None) -> None:
+    """The ``gpu`` paradigm's up-front check: every weight (plus ~10% for LoRA, activations) under the budget."""
+    needed_gb = needed_bytes / 1e9
     limit = budget_gb if budget_gb is not None else (
         torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda" else None)
     if limit is not None and needed_gb * 1.1 > limit:
         raise RuntimeError(f"the whole model needs {needed_gb:.1f} GB on the GPU; the budget is {limit:g} GB")
+
+
+def _whole_model_on_gpu(base: torch.nn.Module, lora, device: torch.device, budget_gb: float | None):
+    """The ``gpu`` paradigm: plain PEFT with every weight on the device, if the budget allows it."""
+    from peft import get_peft_model
+
+    _check_whole_model_fits(sum(p.nbytes for p in base.parameters()), device, budget_gb)
     return get_peft_model(base, lora).to(device)
 
 
@@ -119,11 +138,12 @@ def _enable_checkpointing(model: torch.nn.Module) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def _time_with_checkpointing(model: torch.nn.Module, device: torch.device, count: int, steps: int, state: dict):
+def _time_with_checkpointing(model: torch.nn.Module, device: torch.device, count: int, steps: int, state: dict,
+                             max_seconds: float | None = None):
     """``time_training``; under ``auto``, a step that runs out of GPU memory is retried once with gradient
     checkpointing turned on, which then stays on for the larger token counts."""
     try:
-        return time_training(model, device, count, steps)
+        return time_training(model, device, count, steps, max_seconds=max_seconds)
     except torch.OutOfMemoryError:
         if state["mode"] != "auto" or state["on"]:
             raise
@@ -133,17 +153,20 @@ def _time_with_checkpointing(model: torch.nn.Module, device: torch.device, count
     torch.cuda.empty_cache()
     _enable_checkpointing(model)
     state["on"] = True
-    return time_training(model, device, count, steps)
+    return time_training(model, device, count, steps, max_seconds=max_seconds)
 
 
 def run_case(preset: str, layers: int | None, paradigm: str, tokens: list[int], steps: int, rank: int,
-             device: torch.device, budget_gb: float | None, checkpointing: str = "auto") -> list[dict]:
+             device: torch.device, budget_gb: float | None, checkpointing: str = "auto",
+             max_seconds: float | None = None, on_row: Callable[[dict], None] | None = None) -> list[dict]:
     """One row per token count; a paradigm that cannot run gives rows with an ``error`` saying why.
 
     ``hf-offload`` records whatever the stock route raises; when it runs but its expert LoRA does not train,
     its rows carry the times and that as the ``error``. ``checkpointing``: ``on`` / ``off`` Hugging Face
     gradient checkpointing, or ``auto``: off until a token count runs out of GPU memory, then on (each row
-    says which it ran with).
+    says which it ran with). ``max_seconds``: time fewer than ``steps`` steps for a token count whose steps
+    would take longer than that (see :func:`time_training`). ``on_row`` is called with each timed row as soon
+    as it is done.
     """
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing must be one of {', '.join(CHECKPOINTING)}, got {checkpointing!r}")
@@ -152,18 +175,25 @@ def run_case(preset: str, layers: int | None, paradigm: str, tokens: list[int], 
     if paradigm == "hf-offload" and device.type != "cuda":
         return [{"paradigm": paradigm, "tokens": count, "error": HF_OFFLOAD_NEEDS_CUDA} for count in tokens]
     dtype = torch.float32 if preset == "tiny" else torch.bfloat16
-    base = random_model(preset, layers, dtype)
-    lora = default_lora_config(base, rank=rank)
-    model, rows = None, []
+    if device.type == "cuda":  # budgets count from a clean device: no blocks cached by an earlier case
+        gc.collect()
+        torch.cuda.empty_cache()
+    model, base, rows = None, None, []
     try:
+        if paradigm == "gpu":  # before building: a model that cannot fit is not worth minutes of set-up
+            _check_whole_model_fits(preset_nbytes(preset, layers, dtype), device, budget_gb)
+        base = random_model(preset, layers, dtype)
+        lora = default_lora_config(base, rank=rank)
         model, caveat = _build(paradigm, base, lora, device, budget_gb)
         state = {"mode": checkpointing, "on": checkpointing == "on"}
         if state["on"]:
             _enable_checkpointing(model)
         for count in tokens:
-            timing = _time_with_checkpointing(model, device, count, steps, state)
+            timing = _time_with_checkpointing(model, device, count, steps, state, max_seconds)
             row = {"paradigm": paradigm, "tokens": count, **timing, "checkpointing": state["on"]}
             rows.append({**row, "error": caveat} if caveat else row)
+            if on_row is not None:
+                on_row(rows[-1])
     except Exception as error:
         if paradigm != "hf-offload" and not isinstance(error, _EXPECTED_FAILURES):
             raise
@@ -176,3 +206,48 @@ def run_case(preset: str, layers: int | None, paradigm: str, tokens: list[int], 
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def _died(returncode: int) -> str:
+    if returncode < 0:
+        signal = -returncode
+        return f"was killed by signal {signal}" + (" (most likely out of host memory)" if signal == 9 else "")
+    return f"exited with status {returncode}"
+
+
+def run_case_isolated(preset: str, layers: int | None, paradigm: str, tokens: list[int], steps: int, rank: int,
+                      device: torch.device, budget_gb: float | None, checkpointing: str = "auto",
+                      max_seconds: float | None = None) -> list[dict]:
+    """:func:`run_case` in a fresh Python process, so one paradigm's host memory (a 60 GB model, pinned buffers
+    PyTorch keeps cached), GPU memory cap and CUDA state cannot slow down or break the next one. Rows finished
+    before the process died are kept; the others say how it died."""
+    case = dict(preset=preset, layers=layers, paradigm=paradigm, tokens=tokens, steps=steps, rank=rank,
+                device=str(device), budget_gb=budget_gb, checkpointing=checkpointing, max_seconds=max_seconds)
+    with tempfile.TemporaryDirectory(prefix="moecc-bench-") as folder:
+        result = Path(folder) / "rows.jsonl"
+        process = subprocess.run([sys.executable, "-m", "moecc.bench.runner", json.dumps(case), str(result)])
+        rows = [json.loads(line) for line in result.read_text().splitlines()] if result.exists() else []
+    if process.returncode != 0:
+        done = {row["tokens"] for row in rows}
+        rows += [{"paradigm": paradigm, "tokens": count,
+                  "error": f"the benchmark process {_died(process.returncode)}; its output is above"}
+                 for count in tokens if count not in done]
+    return rows
+
+
+def _run_case_main(case_json: str, result_path: str) -> None:
+    """Child side of :func:`run_case_isolated`: one JSON line per row, appended as each is done."""
+    case = json.loads(case_json)
+    case["device"] = torch.device(case["device"])
+    with open(result_path, "a") as result:
+        def write(row: dict) -> None:
+            result.write(json.dumps(row) + "\n")
+            result.flush()
+        rows = run_case(**case, on_row=write)
+        for row in rows:
+            if "error" in row and "step_s" not in row:  # rows without timings (on_row saw only timed ones)
+                write(row)
+
+
+if __name__ == "__main__":
+    _run_case_main(*sys.argv[1:3])

@@ -96,7 +96,34 @@ def cli_args(out):
     import argparse
 
     return argparse.Namespace(preset="tiny", layers=None, tokens="16,64", paradigms="cocompute,offload,gpu",
-                              gpu_budget=None, steps=1, rank=4, out=str(out))
+                              gpu_budget=None, steps=1, rank=4, out=str(out), checkpointing="auto",
+                              row_seconds=None)
+
+
+def test_gpu_paradigm_over_budget_is_refused_before_building_the_model(monkeypatch):
+    from moecc.bench import runner
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built although it cannot fit")
+
+    monkeypatch.setattr(runner, "random_model", no_build)
+    rows = runner.run_case("tiny", 1, "gpu", [16], 1, 4, torch.device("cpu"), budget_gb=1e-6)
+    assert "needs" in rows[0]["error"] and "budget is 1e-06 GB" in rows[0]["error"]
+
+
+def test_max_seconds_times_fewer_steps():
+    from moecc.bench.runner import time_training
+
+    model = random_model("tiny", layers=1, dtype=torch.float32)
+    assert time_training(model, torch.device("cpu"), 16, steps=4, max_seconds=0.0)["steps_timed"] == 1
+    assert time_training(model, torch.device("cpu"), 16, steps=3, max_seconds=1e6)["steps_timed"] == 3
+
+
+def test_isolated_case_reports_how_its_process_died():
+    from moecc.bench.runner import _died
+
+    assert _died(-9) == "was killed by signal 9 (most likely out of host memory)"
+    assert _died(-11) == "was killed by signal 11" and _died(1) == "exited with status 1"
 
 
 
@@ -121,7 +148,7 @@ def test_auto_checkpointing_retries_an_out_of_memory_step(monkeypatch):
 
     calls = []
 
-    def fake_time_training(model, device, count, steps):
+    def fake_time_training(model, device, count, steps, max_seconds=None):
         on = bool(getattr(model, "is_gradient_checkpointing", False))
         calls.append((count, on))
         if count >= 64 and not on:
@@ -137,3 +164,12 @@ def test_auto_checkpointing_retries_an_out_of_memory_step(monkeypatch):
     assert "error" not in rows[0] and "out of memory" in rows[1]["error"]
     with pytest.raises(ValueError, match="checkpointing must be one of"):
         runner.run_case("tiny", 1, "cocompute", [16], 1, 4, torch.device("cpu"), None, checkpointing="maybe")
+
+
+def test_isolated_case_turns_a_crashed_process_into_error_rows():
+    from moecc.bench.runner import run_case_isolated
+
+    # steps=None makes the child fail with a TypeError inside the timing loop, an unexpected crash
+    rows = run_case_isolated("tiny", 1, "cocompute", [16, 32], None, 4, torch.device("cpu"), None)
+    assert [row["tokens"] for row in rows] == [16, 32]
+    assert all(row["error"].startswith("the benchmark process exited with status 1") for row in rows)
