@@ -8,8 +8,9 @@ With T tokens per step, each MoE layer, forward then backward:
   offload     the experts are copied on their own stream while the GPU works on the layer before, so a pass
               costs max(copy, g + a/2), ``g`` the GPU's expert math (timed on this shape). Forward prefetches all
               of the next layer's experts once most are routed (its routing is not known yet; otherwise each
-              copy waits for its router), backward the routed ones (uniform-routing estimate); the first forward
-              copy is exposed, and the last ``SLOTS`` layers are still on the GPU for backward
+              copy waits for its router), backward the routed ones (uniform-routing estimate) and the layer's parked
+              activations; the first forward copy is exposed, and the last ``SLOTS`` layers are still on the
+              GPU for backward
   gpu         everything on the GPU: a timed training step of one MoE layer.
 Once per step comes the rest (embeddings, dense layers, LM head, loss, the optimizer on the GPU), timed, and for
 co-compute and offload the AdamW step over the expert LoRA factors, which live in host memory. Timings are
@@ -121,7 +122,18 @@ def _offload_layers_s(s: dict, tokens: int, rates: dict, attention: float, forwa
     else:
         forward_s = layers * (copy_routed + gpu_forward)
     resident = min(SLOTS, layers)
-    return forward_s + resident * gpu_backward + (layers - resident) * max(copy_routed, gpu_backward)
+    # Backward also brings each layer's parked state back on the same stream (its forward sent it the other way,
+    # on a stream of its own: PCIe is full duplex).
+    copy_backward = copy_routed + _parked_bytes(s, tokens) / (rates["h2d_gbps"] * 1e9)
+    return forward_s + resident * gpu_backward + (layers - resident) * max(copy_backward, gpu_backward)
+
+
+def _parked_bytes(s: dict, tokens: int) -> int:
+    """One offloaded layer's saved state, parked in host memory: the hidden states, and per (token, expert) pair
+    its routing weight (float32), grouping indices (int64) and gate/up output (2I bf16); 29 KB per token for
+    Qwen3-30B-A3B."""
+    pairs = tokens * s["top_k"]
+    return tokens * s["hidden"] * BF16 + pairs * (4 + 8 + 2 * s["inter"] * BF16)
 
 
 def _gpu_paradigm_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int) -> float:

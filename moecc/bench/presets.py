@@ -60,6 +60,14 @@ def preset_config(name: str, layers: int | None = None):
 # takes seconds, and the step time of a benchmark does not depend on the values.
 _DRAWN_ELEMENTS = 1 << 24
 
+# With N(0, 0.02) everywhere the residual stream is soon dominated by attention outputs that average over the
+# context and look alike for every token, and the routers send most tokens to a few experts: 2048 tokens reached
+# 40 of Qwen3's 128 experts per layer after the first few layers, the busiest 15x the mean. That flatters
+# co-compute (fewer expert weights to read) and no trained model routes like that. Token-specific embeddings
+# that dominate the residual stream spread them out: all 128 experts, busiest about 1.3x the mean.
+_EMBEDDING_STD = 1.0
+_RESIDUAL_OUTPUTS = ("o_proj.weight", "down_proj", "down_proj.weight")
+
 
 def _fill_random(param: torch.Tensor, block: torch.Tensor, generator: torch.Generator) -> None:
     """N(0, 0.02) values: drawn for small tensors, tiled from ``block`` (at a random offset) for large ones."""
@@ -79,7 +87,9 @@ def random_model(name: str, layers: int | None = None, dtype: torch.dtype = torc
     """A preset's causal LM in host memory with random weights, built without transformers' slow init.
 
     Linear-like weights get N(0, 0.02) (large tensors repeat one random block of 2^24 values from a random
-    offset), norms 1, biases 0; non-persistent buffers (rotary tables) are computed as usual.
+    offset), norms 1, biases 0; non-persistent buffers (rotary tables) are computed as usual. So that tokens are
+    routed as in a trained model (spread over all experts, not piled on a few), embeddings get N(0, 1) and the
+    projections that write into the residual stream are scaled by 1/sqrt(2 x layers), as GPT-2 initialises them.
     """
     from transformers import AutoModelForCausalLM
 
@@ -89,12 +99,17 @@ def random_model(name: str, layers: int | None = None, dtype: torch.dtype = torc
     model.to_empty(device="cpu")
     generator = torch.Generator().manual_seed(seed)
     block = torch.randn(_DRAWN_ELEMENTS, generator=generator) * 0.02
+    branch_scale = (2 * config.num_hidden_layers) ** -0.5
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if param.dim() == 1:
                 param.fill_(1.0 if "norm" in param_name else 0.0)
-            else:
-                _fill_random(param, block, generator)
+                continue
+            _fill_random(param, block, generator)
+            if "embed_tokens" in param_name:
+                param.mul_(_EMBEDDING_STD / 0.02)
+            elif param_name.endswith(_RESIDUAL_OUTPUTS):
+                param.mul_(branch_scale)
     for module_name, module in list(model.named_modules()):
         if type(module).__name__.endswith("RotaryEmbedding"):
             parent, _, attr = module_name.rpartition(".")

@@ -35,7 +35,7 @@ from ..reference import ExpertLora, ExpertWeights
 from .presets import preset_config
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moecc" / "rates.json"
-VERSION = 2  # a cache written in another layout is measured again
+VERSION = 3  # a cache written in another layout (or timed with the unchunked loss, before 3) is measured again
 LOADS = (32, 128, 512)  # (token, expert) pairs per expert at which the CPU kernels are timed
 GPU_LOADS = LOADS[:2]  # GPU times are close to linear in tokens beyond these
 RANK = 8  # LoRA rank of the timed layers

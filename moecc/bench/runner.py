@@ -93,11 +93,19 @@ def _check_whole_model_fits(needed_bytes: int, device: torch.device, budget_gb: 
         raise RuntimeError(f"the whole model needs {needed_gb:.1f} GB on the GPU; the budget is {limit:g} GB")
 
 
+def _cap_device_memory(device: torch.device, budget_gb: float | None) -> None:
+    """Makes an allocation past the budget fail, as ``moecc.prepare`` does for its own paradigms."""
+    if budget_gb is not None and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gb * 1e9 / total), device)
+
+
 def _whole_model_on_gpu(base: torch.nn.Module, lora, device: torch.device, budget_gb: float | None):
     """The ``gpu`` paradigm: plain PEFT with every weight on the device, if the budget allows it."""
     from peft import get_peft_model
 
     _check_whole_model_fits(sum(p.nbytes for p in base.parameters()), device, budget_gb)
+    _cap_device_memory(device, budget_gb)
     return get_peft_model(base, lora).to(device)
 
 
@@ -106,9 +114,7 @@ def _hf_offload(base: torch.nn.Module, lora, device: torch.device, budget_gb: fl
     would not train, if it would not."""
     from . import hf_offload
 
-    if budget_gb is not None:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gb * 1e9 / total), device)
+    _cap_device_memory(device, budget_gb)
     model = hf_offload.build(base, lora, device)
     return model, hf_offload.untrained_expert_lora(model, device)
 

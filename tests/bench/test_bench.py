@@ -173,3 +173,18 @@ def test_isolated_case_turns_a_crashed_process_into_error_rows():
     rows = run_case_isolated("tiny", 1, "cocompute", [16, 32], None, 4, torch.device("cpu"), None)
     assert [row["tokens"] for row in rows] == [16, 32]
     assert all(row["error"].startswith("the benchmark process exited with status 1") for row in rows)
+
+
+def test_random_model_routes_like_a_trained_one():
+    """Tokens spread over all experts in every layer (a plain N(0, 0.02) init piles them on a few)."""
+    model = random_model("tiny", layers=6, dtype=torch.float32)
+    loads = []
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.register_forward_hook(lambda mod, args, out: loads.append(torch.bincount(
+                out[2].reshape(-1), minlength=model.config.num_experts).float()))
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 256, (2, 512), generator=torch.Generator().manual_seed(0)))
+    assert len(loads) == 6
+    for load in loads:
+        assert (load > 0).all() and load.max() / load.mean() < 1.5, load
