@@ -71,7 +71,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
                                               checkpointing=bool(row.get("checkpointing"))).get(row["paradigm"])
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
         rows += new_rows
-        files = write_report(rows, Path(args.out), title, command)  # after each paradigm: a cut-short run keeps them
+        files = write_report(rows, Path(args.out), title, command, dict(rates))  # after each paradigm: a cut-short run keeps them
     print("wrote", ", ".join(str(f) for f in files))
     return rows
 

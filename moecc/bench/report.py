@@ -100,12 +100,14 @@ def _breakdown_plot(plt, rows: list[dict], title: str, path: Path) -> None:
     _save(plt, fig, rows, path)
 
 
-def write_report(rows: list[dict], out: Path, title: str, command: str) -> list[Path]:
-    """``out``/bench.md, bench.json, tokens_per_s.png, breakdown.png; returns the files written."""
+def write_report(rows: list[dict], out: Path, title: str, command: str, rates: dict | None = None) -> list[Path]:
+    """``out``/bench.md, bench.json, tokens_per_s.png, breakdown.png; returns the files written. ``rates``: the
+    machine rates the predictions came from, kept in the JSON so a prediction can be checked later."""
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "bench.md", out / "bench.json", out / "tokens_per_s.png", out / "breakdown.png"]
     files[0].write_text(_table(rows, title, command))
-    files[1].write_text(json.dumps({"title": title, "command": command, "rows": rows}, indent=2))
+    files[1].write_text(json.dumps({"title": title, "command": command, "rows": rows, "rates": rates}, indent=2,
+                                    default=str))
 
     import matplotlib
 

@@ -21,6 +21,7 @@ def test_bench_writes_table_json_and_plots(tmp_path):
     assert all(row["cpu_wait_s"] > 0 for row in cocompute)  # the device waits for the CPU experts in backward
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert len(saved["rows"]) == 6 and saved["command"].startswith("moecc bench")
+    assert saved["rates"]["dram_gbps"] > 0 and saved["rates"]["shapes"]  # what the predictions came from
     assert "| cocompute | 16 |" in (tmp_path / "bench.md").read_text()
     for plot in ("tokens_per_s.png", "breakdown.png"):
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
