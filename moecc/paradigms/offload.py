@@ -76,6 +76,10 @@ class _Slot:
         self.present: set[int] = set()
         self.ready: torch.cuda.Event | None = None  # copies into the slot done
         self.released: torch.cuda.Event | None = None  # compute reading the slot done
+        # Device copies of the layer's expert LoRA factors (``lora_tensors`` order) and the host factors' identity
+        # and version they were copied at: the optimizer's in-place updates change the version.
+        self.lora: list[torch.Tensor | None] = []
+        self.lora_key: tuple | None = None
 
 
 def _timed_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
@@ -383,7 +387,9 @@ class OffloadEngine:
         if slot.revision != layer.revision():
             slot.present, slot.revision = set(), layer.revision()  # merged into: device copies are stale
         missing = [e for e in experts if e not in slot.present]
-        if not missing:
+        factors = lora_tensors(layer.lora())
+        stale_lora = slot.lora_key != _lora_key(factors)
+        if not missing and not stale_lora:
             return slot
         host = layer.host_weights
         # Experts the cache holds come from device memory; only the rest cross PCIe.
@@ -394,12 +400,16 @@ class OffloadEngine:
         with record_function("moecc.offload.copy_experts"):
             if self.copy_stream is None:
                 start = time.perf_counter()
+                if stale_lora:
+                    self._stage_lora(slot, factors)
                 _copy_runs(slot, host, runs, None)
                 self.copy_s += time.perf_counter() - start
             else:
                 with torch.cuda.stream(self.copy_stream):
                     begin = torch.cuda.Event(enable_timing=True)
                     begin.record(self.copy_stream)
+                    if stale_lora:  # first: small, and the layer's compute needs them as soon as the weights
+                        self._stage_lora(slot, factors)
                     _copy_runs(slot, host, runs, self.copy_stream)
                     slot.ready = torch.cuda.Event(enable_timing=True)
                     slot.ready.record(self.copy_stream)
@@ -407,6 +417,36 @@ class OffloadEngine:
         self.h2d_bytes += copied * (host.gate_up[0].nbytes + host.down[0].nbytes)
         slot.present.update(missing)
         return slot
+
+    def _stage_lora(self, slot: _Slot, factors: list[torch.Tensor | None]) -> None:
+        """Copies the layer's expert LoRA factors to the device on the current stream (the copy stream on CUDA).
+
+        Not on the compute stream: a host-to-device copy queued there waits behind the copy stream's transfer
+        of the next layer's experts (one copy engine serves both), stalling the compute for up to a whole layer
+        copy. Safe while the optimizer writes the host factors: the layer's compute waits for these copies, and
+        its backward's blocking gradient copy to the host waits for that compute, before any optimizer step.
+        """
+        # copy=True: on the CPU too, so the slot's copies are checked for staleness there as on a GPU
+        slot.lora = [None if t is None else t.detach().to(self.device, non_blocking=True, copy=True)
+                     for t in factors]
+        slot.lora_key = _lora_key(factors)
+        self.h2d_bytes += sum(t.nbytes for t in factors if t is not None)
+
+    def device_lora(self, slot: _Slot, lora: tuple) -> tuple[ExpertLora | None, ExpertLora | None]:
+        """The slot's device copies of ``lora`` (the layer's ``(gate_up, down)`` factors); call after
+        :meth:`use`. On CUDA they are marked as used by the current stream, so a later staging cannot reuse
+        their memory before this stream has read them."""
+        current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        out = []
+        for part, a, b in zip(lora, slot.lora[0::2], slot.lora[1::2]):
+            if part is None:
+                out.append(None)
+                continue
+            if current is not None:
+                a.record_stream(current)
+                b.record_stream(current)
+            out.append(ExpertLora(a, b, part.scaling, part.num_experts))
+        return tuple(out)
 
     def use(self, slot: _Slot) -> None:
         """Makes the current stream wait for the slot's copies; the stall is timed with events around it."""
@@ -514,15 +554,10 @@ class OffloadLayer:
         )
 
 
-def _on_device(lora: ExpertLora | None, device: torch.device) -> ExpertLora | None:
-    """Device copies of the factors, queued without a blocking copy's stream sync (from pinned memory on CUDA,
-    see ``moecc.api.pin_experts``). Safe while the optimizer writes the host factors: backward's gradient copy
-    back to the host waits for this layer's stream, so every copy queued before it has finished before any
-    optimizer step can run."""
-    if lora is None:
-        return None
-    a, b = (t.detach().to(device, non_blocking=True) for t in (lora.A, lora.B))
-    return ExpertLora(a, b, lora.scaling, lora.num_experts)
+def _lora_key(factors: list[torch.Tensor | None]) -> tuple:
+    """Identifies the host factors' current values: their storage and version counter (bumped by every in-place
+    write, the optimizer's included)."""
+    return tuple(None if t is None else (t.data_ptr(), t._version) for t in factors)
 
 
 def _token_counts(experts: list[int], counts: list[int], num_experts: int) -> list[int]:
@@ -561,7 +596,7 @@ class OffloadExpertsFunction(torch.autograd.Function):
             engine.prefetch(layer.index + 1, None if many else [])  # next layer's routing is unknown: all or none
         engine.use(slot)
         begun = engine.compute_begins()
-        device_lora = tuple(_on_device(part, engine.device) for part in lora)
+        device_lora = engine.device_lora(slot, lora)
         math = EXPERT_MATH[engine.compute]  # backward uses the same, whatever compute is by then
         with record_function("moecc.offload.forward"):
             out, saved = math.experts_forward(layer.device_weights(slot), hidden, top_k_index, top_k_weights,
@@ -594,7 +629,7 @@ class OffloadExpertsFunction(torch.autograd.Function):
         engine.use(slot)
         saved = engine.unpark(state)
         begun = engine.compute_begins()
-        device_lora = tuple(_on_device(part, engine.device) for part in ctx.lora)
+        device_lora = engine.device_lora(slot, ctx.lora)
         with record_function("moecc.offload.backward"):
             grad_hidden, grad_weights, grads = ctx.math.experts_backward(layer.device_weights(slot), saved,
                                                                          grad_out, *device_lora)
