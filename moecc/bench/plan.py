@@ -12,6 +12,9 @@ With T tokens per step, each MoE layer, forward then backward:
               activations; the first forward copy is exposed, and the last ``SLOTS`` layers are still on the
               GPU for backward
   gpu         everything on the GPU: a timed training step of one MoE layer.
+Where co-compute's own steps were timed (models of one and two MoE layers), its prediction is those per-layer
+and rest-of-step times instead of the sum of its parts above: on the accelerator host the parts, timed apart,
+came to 1.4x the step at 512 tokens.
 Once per step comes the rest (embeddings, dense layers, LM head, loss, the optimizer on the GPU), timed, and for
 co-compute and offload the AdamW step over the expert LoRA factors, which live in host memory. Timings are
 interpolated linearly in T between the token counts they were taken at, and kept above the floors the rates set
@@ -169,6 +172,11 @@ def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, ra
     optimizer = _host_optimizer_s(s, rates, rank)
     if "h2d_gbps" not in rates:
         layer, rest = (flops / (rates["cpu_matmul_tflops"] * 1e12) for flops in _nonexpert_flops(s, tokens))
+        if "cocompute_layer_s" in timed:  # timed in place, on the CPU
+            counts, scale = timed["tokens"], _lora_factor(s, rank) / _lora_factor(s, RANK)
+            return {"cocompute": s["moe_layers"] * (scale * _at(tokens, counts, timed["cocompute_layer_s"])
+                                                    + layer * (RECOMPUTE if checkpointing else 0.0))
+                    + _at(tokens, counts, timed["cocompute_rest_s"])}
         return {"cocompute": s["moe_layers"] * (layer + cpu) + rest + optimizer}
     attention, rest = _gpu_nonexpert_s(s, tokens, rates, timed)
     forward, backward = _gpu_experts_s(s, tokens, rates, timed, rank)
@@ -177,8 +185,14 @@ def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, ra
     offload = _offload_layers_s(s, tokens, rates, attention, forward, backward)
     if checkpointing:
         offload += s["moe_layers"] * forward  # the expert math of each forward again (its experts are resident)
+    cocompute = s["moe_layers"] * (attention + cpu + _activations_s(s, tokens, rates)) + rest + optimizer
+    if "cocompute_layer_s" in timed:  # timed in place: per layer (its share of the optimizer too) and the rest
+        counts, scale = timed["tokens"], _lora_factor(s, rank) / _lora_factor(s, RANK)
+        cocompute = (s["moe_layers"] * (scale * _at(tokens, counts, timed["cocompute_layer_s"])
+                                        + attention * recompute / (1 + recompute))
+                     + _at(tokens, counts, timed["cocompute_rest_s"]))
     return {
-        "cocompute": s["moe_layers"] * (attention + cpu + _activations_s(s, tokens, rates)) + rest + optimizer,
+        "cocompute": cocompute,
         "offload": offload + rest + optimizer,
         "gpu": _gpu_paradigm_s(s, tokens, rates, timed, rank) * (1 + recompute),
     }
@@ -204,7 +218,8 @@ def describe(preset: str, rates: dict) -> list[str]:
     parts = (("CPU experts (ours)", "tokens", ("cpu_forward_s", "cpu_backward_s")),
              ("GPU experts (offload)", "gpu_tokens", ("gpu_experts_forward_s", "gpu_experts_backward_s")),
              ("GPU rest of a layer", "gpu_tokens", ("gpu_attention_layer_s",)),
-             ("GPU whole layer (gpu)", "gpu_tokens", ("gpu_layer_s",)))
+             ("GPU whole layer (gpu)", "gpu_tokens", ("gpu_layer_s",)),
+             ("co-compute layer in a step", "tokens", ("cocompute_layer_s",)))
     lines = []
     for label, counts, names in parts:
         if all(name in timed for name in names):

@@ -18,6 +18,8 @@ not FLOPs alone, sets how efficient small per-expert products are:
                                            layers
     gpu_attention_layer_s, _rest_s         the same with the routed experts left out: what co-compute and
                                            offload leave on the GPU
+    cocompute_layer_s, _rest_s             a co-compute training step (moecc's own, GPU side on the GPU if
+                                           any): per MoE layer and the rest, the same way
 The GPU entries are absent without a GPU, or where a measurement could not run (say, out of memory). Layers are
 timed in bf16 with random weights, uniform routing and LoRA rank ``RANK``, in the standard expert layout.
 """
@@ -35,7 +37,7 @@ from ..reference import ExpertLora, ExpertWeights
 from .presets import preset_config
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moecc" / "rates.json"
-VERSION = 3  # a cache written in another layout (or timed with the unchunked loss, before 3) is measured again
+VERSION = 4  # a cache written in another layout (or timed with the unchunked loss, before 3) is measured again
 LOADS = (32, 128, 512)  # (token, expert) pairs per expert at which the CPU kernels are timed
 GPU_LOADS = LOADS[:2]  # GPU times are close to linear in tokens beyond these
 RANK = 8  # LoRA rank of the timed layers
@@ -299,14 +301,52 @@ def _gpu_shape_rates(preset: str, shape: dict, device: torch.device) -> dict:
     return rates
 
 
+def _cocompute_step_s(preset: str, layers: int, device: torch.device, tokens: list[int]) -> list[float]:
+    """Median seconds of a co-compute LoRA training step (as ``moecc bench`` times it) of ``preset`` cut to
+    ``layers`` decoder layers, built as ``moecc bench`` builds it (tokens spread over the experts as trained
+    routers spread them)."""
+    from ..api import default_lora_config, prepare
+    from .presets import random_model
+    from .runner import time_training
+
+    base = random_model(preset, layers, torch.float32 if preset == "tiny" else torch.bfloat16)
+    model = prepare(base, lora_config=default_lora_config(base, rank=RANK), paradigm="cocompute", device=device)
+    try:
+        return [time_training(model, device, count, steps=3, max_seconds=10.0)["step_s"] for count in tokens]
+    finally:
+        del model, base
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def cocompute_layer_and_rest(preset: str, device: torch.device, tokens: list[int]) -> tuple[list[float], list[float]]:
+    """Co-compute step seconds per MoE layer, and of the rest of the step, at each token count: the difference of
+    models with two and one MoE layers (after any dense layers), and what one MoE layer leaves of the smaller.
+
+    Timed in place rather than summed from the CPU kernels' own timings, which on the accelerator host came out
+    1.7x slower than the same kernels inside a training step at 512 tokens (100 ms against 60 per layer)."""
+    dense = moe_shape(preset_config(preset))["dense_layers"]
+    one = _cocompute_step_s(preset, dense + 1, device, tokens)
+    two = _cocompute_step_s(preset, dense + 2, device, tokens)
+    layer = [max(0.0, b - a) for a, b in zip(one, two)]
+    return layer, [max(0.0, a - per_layer) for a, per_layer in zip(one, layer)]
+
+
 def measure_shape(preset: str) -> dict:
     """The shape rates of ``preset`` (see the module docstring): a few seconds on the CPU, and on the GPU if any."""
     shape = moe_shape(preset_config(preset))
     tokens = token_counts(shape)
     rates: dict = {"tokens": tokens}
     rates["cpu_forward_s"], rates["cpu_backward_s"] = cpu_expert_passes(shape, tokens)
-    if torch.cuda.is_available():
-        rates.update(_gpu_shape_rates(preset, shape, torch.device("cuda", torch.cuda.current_device())))
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        rates["cocompute_layer_s"], rates["cocompute_rest_s"] = cocompute_layer_and_rest(preset, device, tokens)
+    except (RuntimeError, ValueError) as error:  # out of memory, say: the planner sums the parts instead
+        text = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        warnings.warn(f"moecc plan: {preset}'s co-compute steps could not be timed ({text}); the planner adds up "
+                      "its parts instead", stacklevel=2)
+    if device.type == "cuda":
+        rates.update(_gpu_shape_rates(preset, shape, device))
     return rates
 
 

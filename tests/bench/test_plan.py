@@ -67,6 +67,26 @@ def test_without_a_gpu_only_cocompute_is_predicted_all_on_the_cpu():
     assert crossover("tiny", cpu_only) is None
 
 
+def test_cocompute_timed_in_place_is_predicted_from_its_own_steps():
+    timed = {"cocompute_layer_s": [0.03, 0.05], "cocompute_rest_s": [0.010, 0.020]}
+    rates = tiny_rates()
+    rates["shapes"][key_of("tiny")].update(timed)
+    layer, rest = 0.04, 0.015  # halfway between the timings at 100 and 300 tokens
+    assert predict("tiny", 200, rates, layers=3)["cocompute"] == pytest.approx(3 * layer + rest)
+    # with checkpointing the GPU recomputes each layer's attention (a third of its 5 ms); the CPU experts replay
+    assert predict("tiny", 200, rates, layers=3, checkpointing=True)["cocompute"] == pytest.approx(
+        3 * (layer + 0.005 / 3) + rest)
+    cpu_only = {k: v for k, v in rates.items() if k not in ("h2d_gbps", "d2h_gbps", "gpu_tflops")}
+    assert predict("tiny", 200, cpu_only, layers=3) == {"cocompute": pytest.approx(3 * layer + rest)}
+
+
+def test_shape_rates_time_cocompute_steps_in_place():
+    shape = rates_module.measure_shape("tiny")
+    assert len(shape["cocompute_layer_s"]) == len(shape["tokens"]) == len(shape["cocompute_rest_s"])
+    assert all(t >= 0 for t in shape["cocompute_layer_s"] + shape["cocompute_rest_s"])
+    assert sum(shape["cocompute_layer_s"]) + sum(shape["cocompute_rest_s"]) > 0
+
+
 def test_predictions_grow_with_tokens_and_scale_linearly_with_layers():
     rates = qwen3_rates()
     counts = [16 * 2**i for i in range(11)]
