@@ -109,22 +109,32 @@ def _whole_model_on_gpu(base: torch.nn.Module, lora, device: torch.device, budge
     return get_peft_model(base, lora).to(device)
 
 
-def _hf_offload(base: torch.nn.Module, lora, device: torch.device, budget_gb: float | None):
+def _hf_offload(base: torch.nn.Module, lora, device: torch.device, budget_gb: float | None, state: dict):
     """The ``hf-offload`` paradigm under the GPU budget (an allocation past it fails), and why its expert LoRA
-    would not train, if it would not."""
+    would not train, if it would not. That check runs a step; under ``auto`` checkpointing (``state``) a step
+    that runs out of memory is tried again with gradient checkpointing, as for the timed steps."""
     from . import hf_offload
 
     _cap_device_memory(device, budget_gb)
     model = hf_offload.build(base, lora, device)
+    try:
+        return model, hf_offload.untrained_expert_lora(model, device)
+    except torch.OutOfMemoryError:
+        if state["mode"] != "auto" or state["on"]:
+            raise
+    _free_after_out_of_memory(model)
+    _enable_checkpointing(model)
+    state["on"] = True
     return model, hf_offload.untrained_expert_lora(model, device)
 
 
-def _build(paradigm: str, base: torch.nn.Module, lora, device: torch.device, budget_gb: float | None):
+def _build(paradigm: str, base: torch.nn.Module, lora, device: torch.device, budget_gb: float | None,
+           state: dict):
     """``(model, caveat)``: the model to time under ``paradigm``, and a reason its numbers mislead, or None."""
     if paradigm == "gpu":
         return _whole_model_on_gpu(base, lora, device, budget_gb), None
     if paradigm == "hf-offload":
-        return _hf_offload(base, lora, device, budget_gb)
+        return _hf_offload(base, lora, device, budget_gb, state)
     config = MoeccConfig(gpu_memory_budget_gb=budget_gb)
     return prepare(base, lora_config=lora, paradigm=paradigm, device=device, config=config), None
 
@@ -144,6 +154,13 @@ def _enable_checkpointing(model: torch.nn.Module) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def _free_after_out_of_memory(model: torch.nn.Module) -> None:
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _time_with_checkpointing(model: torch.nn.Module, device: torch.device, count: int, steps: int, state: dict,
                              max_seconds: float | None = None):
     """``time_training``; under ``auto``, a step that runs out of GPU memory is retried once with gradient
@@ -154,9 +171,7 @@ def _time_with_checkpointing(model: torch.nn.Module, device: torch.device, count
         if state["mode"] != "auto" or state["on"]:
             raise
     # Outside the except block, so the failed step's frames (and their tensors) are gone before the retry.
-    model.zero_grad(set_to_none=True)
-    gc.collect()
-    torch.cuda.empty_cache()
+    _free_after_out_of_memory(model)
     _enable_checkpointing(model)
     state["on"] = True
     return time_training(model, device, count, steps, max_seconds=max_seconds)
@@ -190,8 +205,8 @@ def run_case(preset: str, layers: int | None, paradigm: str, tokens: list[int], 
             _check_whole_model_fits(preset_nbytes(preset, layers, dtype), device, budget_gb)
         base = random_model(preset, layers, dtype)
         lora = default_lora_config(base, rank=rank)
-        model, caveat = _build(paradigm, base, lora, device, budget_gb)
         state = {"mode": checkpointing, "on": checkpointing == "on"}
+        model, caveat = _build(paradigm, base, lora, device, budget_gb, state)
         if state["on"]:
             _enable_checkpointing(model)
         for count in tokens:

@@ -189,3 +189,31 @@ def test_random_model_routes_like_a_trained_one():
     assert len(loads) == 6
     for load in loads:
         assert (load > 0).all() and load.max() / load.mean() < 1.5, load
+
+
+def test_hf_offload_check_that_runs_out_of_memory_is_retried_with_checkpointing(monkeypatch):
+    """Under ``auto`` the stock route's first step (the expert-LoRA check) may not fit either: it gets gradient
+    checkpointing like a timed step would; with ``off`` the failure stands."""
+    from peft import get_peft_model
+
+    from moecc.api import default_lora_config
+    from moecc.bench import hf_offload, runner
+
+    calls = []
+
+    def check(model, device):
+        calls.append(bool(getattr(model, "is_gradient_checkpointing", False)))
+        if not calls[-1]:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return None
+
+    monkeypatch.setattr(hf_offload, "build", lambda base, lora, device: get_peft_model(base, lora))
+    monkeypatch.setattr(hf_offload, "untrained_expert_lora", check)
+    base = random_model("tiny", layers=1, dtype=torch.float32)
+    state = {"mode": "auto", "on": False}
+    model, caveat = runner._hf_offload(base, default_lora_config(base, rank=4), torch.device("cpu"), None, state)
+    assert calls == [False, True] and state["on"] and caveat is None and model.is_gradient_checkpointing
+    base = random_model("tiny", layers=1, dtype=torch.float32)
+    with pytest.raises(torch.OutOfMemoryError):
+        runner._hf_offload(base, default_lora_config(base, rank=4), torch.device("cpu"), None,
+                           {"mode": "off", "on": False})
