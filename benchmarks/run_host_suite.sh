@@ -5,7 +5,7 @@
 # whole model also fits the budget, so the `gpu` paradigm has rows). Results land in OUT_DIR (default
 # benchmarks/results); each markdown file starts with the command that made it.
 #
-#   bash benchmarks/run_host_suite.sh [OUT_DIR] [all|tests|kernels|bench]
+#   bash benchmarks/run_host_suite.sh [OUT_DIR] [all|tests|kernels|bench|bench8]
 set -uo pipefail
 out="${1:-benchmarks/results}"
 part="${2:-all}"
@@ -15,7 +15,8 @@ export PYTHONUNBUFFERED=1
 if [[ "$part" == all || "$part" == tests ]]; then
   python -m moecc.cli info
   python -m pytest -q -p no:warnings -m "gpu or amx or not gpu" tests/test_native_experts.py \
-      tests/test_native_parity.py tests/test_grouped_experts.py tests/paradigms tests/bench 2>&1 | tail -5
+      tests/test_native_parity.py tests/test_grouped_experts.py tests/test_losses.py tests/paradigms tests/bench \
+      2>&1 | tail -5
 fi
 if [[ "$part" == all || "$part" == kernels ]]; then
   python benchmarks/bench_panel_kernel.py --out "$out" 2>&1 | grep -v "^("
@@ -24,5 +25,7 @@ if [[ "$part" == all || "$part" == kernels ]]; then
 fi
 if [[ "$part" == all || "$part" == bench ]]; then
   python -m moecc.cli bench --out "$out/bench" 2>&1 | grep -v "it/s\|s/it"
+fi
+if [[ "$part" == all || "$part" == bench8 ]]; then
   python -m moecc.cli bench --layers 8 --out "$out/bench_L8" 2>&1 | grep -v "it/s\|s/it"
 fi

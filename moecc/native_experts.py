@@ -115,15 +115,22 @@ class NativeExperts:
             result = out.to(hidden.dtype, copy=True)
         finally:
             self._scratch.give(out)
-        saved = SavedState(hidden_bf16.clone() if hidden_bf16 is hidden else hidden_bf16,
-                           top_k_weights.float().clone(), offsets, order, gate_up_out, top_k_weights.dtype)
+        if hidden_bf16 is hidden:  # the caller's buffer (a staging view, reused by the next layer): keep a copy
+            hidden_bf16 = self._saved_buffers.take(tuple(hidden.shape), torch.bfloat16).copy_(hidden)
+        saved = SavedState(hidden_bf16, top_k_weights.float().clone(), offsets, order, gate_up_out,
+                           top_k_weights.dtype)
         return result, saved
 
     def release(self, saved: SavedState) -> None:
         """Hands a forward's saved buffers back for reuse when no backward will consume them."""
         if saved.gate_up_out is not None:
-            self._saved_buffers.give(saved.gate_up_out)
-            saved.gate_up_out = None
+            self._give_back(saved)
+
+    def _give_back(self, saved: SavedState) -> None:
+        """Pools the saved state's large buffers (from ``_saved_buffers``, or made by forward alone)."""
+        self._saved_buffers.give(saved.gate_up_out)
+        self._saved_buffers.give(saved.hidden)
+        saved.gate_up_out = saved.hidden = None
 
     def backward(self, weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor,
                  gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None):
@@ -134,15 +141,17 @@ class NativeExperts:
         shape = (weights.num_experts, weights.hidden_size, weights.intermediate_size)
         routing = saved.top_k_weights.reshape(-1).contiguous()
         scratch = self._scratch.take(tuple(saved.hidden.shape), torch.float32)
+        # float32 copy of the incoming gradient in a pooled buffer (fresh pages would fault on every call)
+        grad_f32 = self._scratch.take(tuple(grad_out.shape), torch.float32).copy_(grad_out)
         try:
             _, grad_routing, gu, down = _ops.expert_ffn_backward(
                 self.isa, matrices, shape, saved.top_k_weights.shape[1], saved.hidden, saved.offsets, saved.order,
                 routing, _kernel_lora(gate_up_lora), _kernel_lora(down_lora), saved.gate_up_out,
-                grad_out.float().contiguous(), grad_hidden=scratch)
+                grad_f32, grad_hidden=scratch)
             grad_hidden = scratch.to(grad_out.dtype, copy=True)
         finally:
             self._scratch.give(scratch)
-        self._saved_buffers.give(saved.gate_up_out)  # SavedState is single-use: backward drops it after this
-        saved.gate_up_out = None
+            self._scratch.give(grad_f32)
+        self._give_back(saved)  # SavedState is single-use: backward drops it after this
         grads = LoraGrads(*_peft_grads(gu, gate_up_lora), *_peft_grads(down, down_lora))
         return grad_hidden, grad_routing.view(saved.top_k_weights.shape), grads

@@ -236,7 +236,7 @@ def test_second_backward_of_one_forward_is_refused_not_a_crash():
     with pytest.raises(RuntimeError, match="already used by a backward"):
         native.backward(weights, saved, torch.ones_like(out), gu, down)
     with pytest.raises(ValueError, match="gate_up_out is missing"):  # straight to the kernel: no null pointer
-        _ops.expert_ffn_backward(native.isa, (weights.gate_up, weights.down), (4, 32, 16), 2, saved.hidden, saved.offsets,
+        _ops.expert_ffn_backward(native.isa, (weights.gate_up, weights.down), (4, 32, 16), 2, x, saved.offsets,
                                  saved.order, saved.top_k_weights.reshape(-1), None, None, None,
                                  torch.ones(20, 32))
 
