@@ -67,8 +67,9 @@ def bench(args: argparse.Namespace) -> list[dict]:
         new_rows = run_case_isolated(args.preset, args.layers, paradigm, tokens, args.steps, args.rank, device,
                                      args.gpu_budget, args.checkpointing, args.row_seconds)
         for row in new_rows:
-            row["predicted_step_s"] = predict(args.preset, row["tokens"], rates, args.layers,
-                                              checkpointing=bool(row.get("checkpointing"))).get(row["paradigm"])
+            row["predicted_step_s"] = predict(args.preset, row.get("tokens_timed", row["tokens"]), rates, args.layers,
+                                              args.rank, checkpointing=bool(row.get("checkpointing"))
+                                              ).get(row["paradigm"])
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
         rows += new_rows
         files = write_report(rows, Path(args.out), title, command, dict(rates))  # after each paradigm: a cut-short run keeps them

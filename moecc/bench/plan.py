@@ -30,8 +30,8 @@ from ..config import MoeccConfig
 from .presets import preset_config
 from .rates import RANK, moe_shape, shape_rates
 
-SLOTS = MoeccConfig().offload_slots  # layers of experts the offload paradigm keeps on the GPU
 SEQUENCE = 2048  # tokens per sequence in ``moecc bench`` steps; more tokens per step are more sequences
+SLOTS = MoeccConfig().offload_slots  # layers of experts the offload paradigm keeps on the GPU
 BF16 = 2  # bytes per weight and activation
 
 
@@ -127,8 +127,10 @@ def _offload_layers_s(s: dict, tokens: int, rates: dict, attention: float, forwa
     resident = min(SLOTS, layers)
     # Backward also brings each layer's parked state back on the same stream (its forward sent it the other way,
     # on a stream of its own: PCIe is full duplex).
-    copy_backward = copy_routed + _parked_bytes(s, tokens) / (rates["h2d_gbps"] * 1e9)
-    return forward_s + resident * gpu_backward + (layers - resident) * max(copy_backward, gpu_backward)
+    parked_s = _parked_bytes(s, tokens) / (rates["h2d_gbps"] * 1e9)
+    # The resident layers' weights need no copy, but their parked state does, with little to hide behind.
+    return (forward_s + resident * (gpu_backward + parked_s)
+            + (layers - resident) * max(copy_routed + parked_s, gpu_backward))
 
 
 def _parked_bytes(s: dict, tokens: int) -> int:
@@ -146,6 +148,17 @@ def _gpu_paradigm_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int) -
     attention, rest = _gpu_nonexpert_s(s, tokens, rates, timed)
     experts = 2 * _expert_flops(s, tokens, rank) / (rates["gpu_tflops"] * 1e12)
     return s["moe_layers"] * (attention + experts) + rest
+
+
+def _cocompute_in_place_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int, recomputed: float) -> float:
+    """Co-compute from its timed steps: per MoE layer (timed at rank ``RANK``: its expert work scaled to
+    ``rank``, its share of the host optimizer replaced by ``rank``'s), plus ``recomputed`` per layer (the
+    non-expert forward again under checkpointing), plus the rest of the step."""
+    counts = timed.get("cocompute_tokens", timed["tokens"])
+    per_layer_optimizer = {r: _host_optimizer_s(s, rates, r) / max(1, s["moe_layers"]) for r in (RANK, rank)}
+    layer = max(0.0, _at(tokens, counts, timed["cocompute_layer_s"]) - per_layer_optimizer[RANK])
+    layer = layer * _lora_factor(s, rank) / _lora_factor(s, RANK) + per_layer_optimizer[rank]
+    return s["moe_layers"] * (layer + recomputed) + _at(tokens, counts, timed["cocompute_rest_s"])
 
 
 # With gradient checkpointing every layer's forward runs again before its backward: about a third more GPU
@@ -173,10 +186,8 @@ def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, ra
     if "h2d_gbps" not in rates:
         layer, rest = (flops / (rates["cpu_matmul_tflops"] * 1e12) for flops in _nonexpert_flops(s, tokens))
         if "cocompute_layer_s" in timed:  # timed in place, on the CPU
-            counts, scale = timed["tokens"], _lora_factor(s, rank) / _lora_factor(s, RANK)
-            return {"cocompute": s["moe_layers"] * (scale * _at(tokens, counts, timed["cocompute_layer_s"])
-                                                    + layer * (RECOMPUTE if checkpointing else 0.0))
-                    + _at(tokens, counts, timed["cocompute_rest_s"])}
+            recomputed = layer * (RECOMPUTE if checkpointing else 0.0)
+            return {"cocompute": _cocompute_in_place_s(s, tokens, rates, timed, rank, recomputed)}
         return {"cocompute": s["moe_layers"] * (layer + cpu) + rest + optimizer}
     attention, rest = _gpu_nonexpert_s(s, tokens, rates, timed)
     forward, backward = _gpu_experts_s(s, tokens, rates, timed, rank)
@@ -186,11 +197,8 @@ def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, ra
     if checkpointing:
         offload += s["moe_layers"] * forward  # the expert math of each forward again (its experts are resident)
     cocompute = s["moe_layers"] * (attention + cpu + _activations_s(s, tokens, rates)) + rest + optimizer
-    if "cocompute_layer_s" in timed:  # timed in place: per layer (its share of the optimizer too) and the rest
-        counts, scale = timed["tokens"], _lora_factor(s, rank) / _lora_factor(s, RANK)
-        cocompute = (s["moe_layers"] * (scale * _at(tokens, counts, timed["cocompute_layer_s"])
-                                        + attention * recompute / (1 + recompute))
-                     + _at(tokens, counts, timed["cocompute_rest_s"]))
+    if "cocompute_layer_s" in timed:  # timed in place
+        cocompute = _cocompute_in_place_s(s, tokens, rates, timed, rank, attention * recompute / (1 + recompute))
     return {
         "cocompute": cocompute,
         "offload": offload + rest + optimizer,

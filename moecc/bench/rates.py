@@ -304,7 +304,7 @@ def _gpu_shape_rates(preset: str, shape: dict, device: torch.device) -> dict:
 def _cocompute_step_s(preset: str, layers: int, device: torch.device, tokens: list[int]) -> list[float]:
     """Median seconds of a co-compute LoRA training step (as ``moecc bench`` times it) of ``preset`` cut to
     ``layers`` decoder layers, built as ``moecc bench`` builds it (tokens spread over the experts as trained
-    routers spread them)."""
+    routers spread them). ``tokens`` must be whole sequences (see :func:`cocompute_token_counts`)."""
     from ..api import default_lora_config, prepare
     from .presets import random_model
     from .runner import time_training
@@ -317,6 +317,14 @@ def _cocompute_step_s(preset: str, layers: int, device: torch.device, tokens: li
         del model, base
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def cocompute_token_counts(shape: dict) -> list[int]:
+    """``token_counts`` rounded to what a ``moecc bench`` step runs: one sequence up to 2048 tokens, whole
+    sequences of 2048 beyond."""
+    from .plan import SEQUENCE
+
+    return [count if count <= SEQUENCE else count // SEQUENCE * SEQUENCE for count in token_counts(shape)]
 
 
 def cocompute_layer_and_rest(preset: str, device: torch.device, tokens: list[int]) -> tuple[list[float], list[float]]:
@@ -340,7 +348,9 @@ def measure_shape(preset: str) -> dict:
     rates["cpu_forward_s"], rates["cpu_backward_s"] = cpu_expert_passes(shape, tokens)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
-        rates["cocompute_layer_s"], rates["cocompute_rest_s"] = cocompute_layer_and_rest(preset, device, tokens)
+        rates["cocompute_tokens"] = cocompute_token_counts(shape)
+        rates["cocompute_layer_s"], rates["cocompute_rest_s"] = cocompute_layer_and_rest(
+            preset, device, rates["cocompute_tokens"])
     except (RuntimeError, ValueError) as error:  # out of memory, say: the planner sums the parts instead
         text = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         warnings.warn(f"moecc plan: {preset}'s co-compute steps could not be timed ({text}); the planner adds up "

@@ -16,6 +16,7 @@ import torch
 from ..api import default_lora_config, prepare
 from ..config import MoeccConfig
 from ..losses import chunked_causal_lm_loss
+from .plan import SEQUENCE
 from .presets import preset_nbytes, random_model
 
 PARADIGMS = ("cocompute", "offload", "gpu", "hf-offload")
@@ -35,7 +36,7 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
     (at least one) when ``steps`` of them would take longer than that.
     """
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    seq = min(tokens, 2048)
+    seq = min(tokens, SEQUENCE)
     ids = torch.randint(0, model.config.vocab_size, (max(1, tokens // seq), seq), device=device)
     engine = getattr(getattr(model, "moecc", None), "engine", None)
     if device.type == "cuda":
@@ -70,6 +71,7 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
     copy_wait_s = wait_s if cpu_s == 0 else 0.0
     return {
         "step_s": step_s, "tokens_per_s": ids.numel() / step_s, "steps_timed": len(records),
+        "tokens_timed": ids.numel(),  # ``tokens`` rounded down to whole sequences of 2048 above that
         "peak_gpu_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0,
         "cpu_experts_s": cpu_s, "pcie_s": copy_s, "gpu_wait_s": wait_s,
         "cpu_wait_s": cpu_wait_s, "copy_wait_s": copy_wait_s, "expert_compute_s": expert_gpu_s,
@@ -117,6 +119,8 @@ def _hf_offload(base: torch.nn.Module, lora, device: torch.device, budget_gb: fl
 
     _cap_device_memory(device, budget_gb)
     model = hf_offload.build(base, lora, device)
+    if state["on"]:  # --checkpointing on: from the first step
+        _enable_checkpointing(model)
     try:
         return model, hf_offload.untrained_expert_lora(model, device)
     except torch.OutOfMemoryError:

@@ -338,8 +338,8 @@ class OffloadEngine:
         return total
 
     def metrics_since_reset(self) -> dict[str, float]:
-        """Same keys as the co-compute engine's; ``cpu_experts_s`` is 0. ``h2d_gb`` counts expert weights and
-        restored activations, ``d2h_gb`` parked activations. ``copy_s`` is the time host-to-device copies took,
+        """Same keys as the co-compute engine's; ``cpu_experts_s`` is 0. ``h2d_gb`` counts expert weights, their
+        LoRA factors and restored activations, ``d2h_gb`` parked activations. ``copy_s`` is the time host-to-device copies took,
         ``d2h_s`` the time parking copies took (a stream of their own, overlapping the others), ``gpu_wait_s``
         the time the compute stream stalled waiting for copies and ``expert_compute_s`` the device time of the
         expert math (all from CUDA events on a GPU)."""

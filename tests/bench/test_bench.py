@@ -213,6 +213,10 @@ def test_hf_offload_check_that_runs_out_of_memory_is_retried_with_checkpointing(
     state = {"mode": "auto", "on": False}
     model, caveat = runner._hf_offload(base, default_lora_config(base, rank=4), torch.device("cpu"), None, state)
     assert calls == [False, True] and state["on"] and caveat is None and model.is_gradient_checkpointing
+    calls.clear()  # --checkpointing on: the check step already runs with it
+    base = random_model("tiny", layers=1, dtype=torch.float32)
+    runner._hf_offload(base, default_lora_config(base, rank=4), torch.device("cpu"), None, {"mode": "on", "on": True})
+    assert calls == [True]
     base = random_model("tiny", layers=1, dtype=torch.float32)
     with pytest.raises(torch.OutOfMemoryError):
         runner._hf_offload(base, default_lora_config(base, rank=4), torch.device("cpu"), None,

@@ -52,7 +52,7 @@ def test_predictions_reproduce_hand_computed_numbers():
     copy = 8 * 3 * 64 * 32 * 2 / 1e6  # all 8 experts are routed at 200 tokens
     forward = copy + (0.002 + 0.005 / 2) + 2 * copy  # the first copy exposed, the next two overlap compute
     parked = (200 * 64 * 2 + 400 * (4 + 8 + 2 * 32 * 2)) / 1e6  # hidden states; per pair weight, index, gate/up
-    backward = 2 * (0.003 + 0.005 / 2) + copy + parked  # the last two layers are still on the GPU
+    backward = 2 * (0.003 + 0.005 / 2 + parked) + copy + parked  # the last two layers' weights are on the GPU
     assert times["offload"] == pytest.approx(forward + backward + 0.015 + optimizer)
     assert times["gpu"] == pytest.approx(3 * 0.007 + 0.016)
 
@@ -78,6 +78,11 @@ def test_cocompute_timed_in_place_is_predicted_from_its_own_steps():
         3 * (layer + 0.005 / 3) + rest)
     cpu_only = {k: v for k, v in rates.items() if k not in ("h2d_gbps", "d2h_gbps", "gpu_tflops")}
     assert predict("tiny", 200, cpu_only, layers=3) == {"cocompute": pytest.approx(3 * layer + rest)}
+    # Another rank: the layer's expert work scales with the LoRA FLOPs, its host-optimizer share with the rank.
+    optimizer = {r: r * 8 * (2 * 64 + 3 * 32) * 1e-9 for r in (8, 64)}  # per layer: r x E x (2H + 3I), 1 ns each
+    flops = {r: 1 + r * (2 * 64 + 3 * 32) / (3 * 64 * 32) for r in (8, 64)}
+    expected = 3 * ((layer - optimizer[8]) * flops[64] / flops[8] + optimizer[64]) + rest
+    assert predict("tiny", 200, rates, layers=3, rank=64)["cocompute"] == pytest.approx(expected)
 
 
 def test_shape_rates_time_cocompute_steps_in_place():
