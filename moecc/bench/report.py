@@ -11,14 +11,15 @@ from pathlib import Path
 
 COLUMNS = ("paradigm", "tokens", "step_s", "predicted_step_s", "tokens_per_s", "peak_gpu_gb", "cpu_experts_s",
            "pcie_s", "gpu_wait_s", "gpu_other_s", "h2d_gb", "h2d_gbps_while_copying", "expert_compute_s",
-           "checkpointing")
+           "gpu_kernels_s", "checkpointing")
 MISSING = "–"  # not measured, or no prediction for that paradigm
 UNITS_NOTE = (f"Times are seconds per training step (median), `_gb` columns are GB (10^9 bytes), "
               f"`{MISSING}` = not measured or no prediction. A row with an error has no plot point. "
               "cpu_experts_s: CPU time of the experts (co-compute); pcie_s: time the expert copies took (offload, "
               "mostly hidden behind compute); gpu_wait_s: time the device waited for either; expert_compute_s: "
               "expert math on the GPU (offload); gpu_other_s: the rest of the step (attention, dense layers, head, "
-              "optimizer, host overhead).")
+              "optimizer, host overhead); gpu_kernels_s: time the GPU spent in kernels in one profiled step "
+              "(copies excluded).")
 
 
 def _cell(value) -> str:

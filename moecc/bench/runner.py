@@ -8,10 +8,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.autograd import DeviceType
 
 from ..api import default_lora_config, prepare
 from ..config import MoeccConfig
@@ -20,11 +22,45 @@ from .plan import SEQUENCE
 from .presets import preset_nbytes, random_model
 
 PARADIGMS = ("cocompute", "offload", "gpu", "hf-offload")
+_NOT_COMPUTE = ("Memcpy", "Memset")  # profiler names of device events that are copies, not kernels
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def gpu_kernel_busy_s(events) -> float:
+    """Seconds in which the GPU ran at least one kernel, from profiler ``events``; copies and memsets are not
+    counted, overlapping kernels count once."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == DeviceType.CUDA and not e.name.startswith(_NOT_COMPUTE))
+    busy, begin, end = 0.0, None, None
+    for start, stop in spans:
+        if end is None or start > end:
+            if end is not None:
+                busy += end - begin
+            begin, end = start, stop
+        else:
+            end = max(end, stop)
+    if end is not None:
+        busy += end - begin
+    return busy / 1e6  # profiler times are microseconds
+
+
+def _profiled_kernel_s(step) -> float | None:
+    """GPU kernel time of one ``step()`` under the profiler, or None where the profiler gives no kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        busy = gpu_kernel_busy_s(prof.events())
+    except RuntimeError as error:  # a measurement aid: the row keeps its timings without it
+        warnings.warn(f"moecc bench: the profiled step failed ({str(error)[:200]}); no gpu_kernels_s", stacklevel=2)
+        return None
+    return busy if busy > 0 else None
 
 
 def time_training(model: torch.nn.Module, device: torch.device, tokens: int, steps: int,
@@ -33,7 +69,9 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
 
     The loss is :func:`moecc.losses.chunked_causal_lm_loss` for every paradigm, so no paradigm pays for the full
     logits tensor (15 GB at 8192 tokens for Qwen3's vocabulary). With ``max_seconds``, fewer steps are timed
-    (at least one) when ``steps`` of them would take longer than that.
+    (at least one) when ``steps`` of them would take longer than that. On CUDA one more step runs under the
+    profiler for ``gpu_kernels_s``, the time the GPU spent computing (copies excluded): a step close to it, or
+    to the copy time, leaves nothing to hide.
     """
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     seq = min(tokens, SEQUENCE)
@@ -42,6 +80,12 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     records: list[tuple[float, dict]] = []
+
+    def train_step() -> None:
+        chunked_causal_lm_loss(model, ids, ids).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
     for step in range(warmup + steps):
         if records and max_seconds is not None and sum(r[0] for r in records) * (1 + 1 / len(records)) > max_seconds:
             break  # the next step would take the timed ones past max_seconds
@@ -49,9 +93,7 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
             engine.reset_metrics()
         _sync(device)
         start = time.perf_counter()
-        chunked_causal_lm_loss(model, ids, ids).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step()
         _sync(device)
         step_s = time.perf_counter() - start
         metrics = engine.metrics_since_reset() if engine is not None else {}
@@ -78,6 +120,7 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
         "gpu_other_s": max(0.0, step_s - cpu_wait_s - copy_wait_s - expert_gpu_s),
         "h2d_gb": median("h2d_gb"), "d2h_gb": median("d2h_gb"),
         "h2d_gbps_while_copying": median("h2d_gb") / copy_s if copy_s > 0 else 0.0,
+        "gpu_kernels_s": _profiled_kernel_s(train_step) if device.type == "cuda" else None,
     }
 
 

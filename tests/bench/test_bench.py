@@ -221,3 +221,21 @@ def test_hf_offload_check_that_runs_out_of_memory_is_retried_with_checkpointing(
     with pytest.raises(torch.OutOfMemoryError):
         runner._hf_offload(base, default_lora_config(base, rank=4), torch.device("cpu"), None,
                            {"mode": "off", "on": False})
+
+
+def test_gpu_kernel_busy_time_merges_overlaps_and_leaves_out_copies():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from moecc.bench.runner import gpu_kernel_busy_s
+
+    def event(name, start, end, device=DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [event("gemm", 0, 100), event("lora", 50, 150),  # overlapping: 150 us together
+              event("Memcpy HtoD (Pinned -> Device)", 150, 400), event("Memset (Device)", 400, 410),
+              event("aten::mm", 0, 1000, DeviceType.CPU),  # host-side op
+              event("silu", 500, 520)]
+    assert gpu_kernel_busy_s(events) == pytest.approx(170e-6)
+    assert gpu_kernel_busy_s([]) == 0.0
