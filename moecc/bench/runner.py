@@ -23,6 +23,7 @@ from .presets import preset_nbytes, random_model
 
 PARADIGMS = ("cocompute", "offload", "gpu", "hf-offload")
 _NOT_COMPUTE = ("Memcpy", "Memset")  # profiler names of device events that are copies, not kernels
+_PROFILED_STEP_LIMIT_S = 10.0  # longer steps are not profiled again (the profiler slows a step down)
 
 
 def _sync(device: torch.device) -> None:
@@ -69,8 +70,8 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
 
     The loss is :func:`moecc.losses.chunked_causal_lm_loss` for every paradigm, so no paradigm pays for the full
     logits tensor (15 GB at 8192 tokens for Qwen3's vocabulary). With ``max_seconds``, fewer steps are timed
-    (at least one) when ``steps`` of them would take longer than that. On CUDA one more step runs under the
-    profiler for ``gpu_kernels_s``, the time the GPU spent computing (copies excluded): a step close to it, or
+    (at least one) when ``steps`` of them would take longer than that. On CUDA one more step (of up to 10 s)
+    runs under the profiler for ``gpu_kernels_s``, the time the GPU spent computing (copies excluded): a step close to it, or
     to the copy time, leaves nothing to hide.
     """
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
@@ -120,7 +121,8 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
         "gpu_other_s": max(0.0, step_s - cpu_wait_s - copy_wait_s - expert_gpu_s),
         "h2d_gb": median("h2d_gb"), "d2h_gb": median("d2h_gb"),
         "h2d_gbps_while_copying": median("h2d_gb") / copy_s if copy_s > 0 else 0.0,
-        "gpu_kernels_s": _profiled_kernel_s(train_step) if device.type == "cuda" else None,
+        "gpu_kernels_s": (_profiled_kernel_s(train_step)
+                          if device.type == "cuda" and step_s <= _PROFILED_STEP_LIMIT_S else None),
     }
 
 
