@@ -22,6 +22,7 @@ if [[ "$part" == all || "$part" == kernels ]]; then
   python benchmarks/bench_panel_kernel.py --out "$out" 2>&1 | grep -v "^("
   python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 256,1024,4096,8192 --out "$out" 2>&1 \
       | grep -v '^|'
+  python benchmarks/profile_cpu_experts.py --tokens 256,8192 --out "$out" 2>&1 | grep -v "^USDT\|^|"
 fi
 if [[ "$part" == all || "$part" == bench ]]; then
   python -m moecc.cli bench --out "$out/bench" 2>&1 | grep -v "it/s\|s/it"
