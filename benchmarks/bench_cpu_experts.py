@@ -171,11 +171,16 @@ def main() -> None:
     parser.add_argument("--amx-tuning", default=None, metavar="K_BLOCK,PREFETCH_A[,PREFETCH_B]",
                         help="AMX kernel knobs (K values per pass, A-row and weight-tile prefetch distances in K "
                              "values, 0 = off); default: built-in")
+    parser.add_argument("--task-shape", default=None, metavar="PANELS,GRAD_COLUMNS",
+                        help="width of the product tasks: forward output panels of 16 columns per task, input-"
+                             "gradient columns per task (multiple of 16); default: built-in (4,256)")
     args = parser.parse_args()
-    if args.amx_tuning:
-        from moecc import _C
+    from moecc import _C
 
+    if args.amx_tuning:
         _C.set_amx_tuning(*(int(v) for v in args.amx_tuning.split(",")))
+    if args.task_shape:
+        _C.set_task_shape(*(int(v) for v in args.task_shape.split(",")))
 
     isa = _ops.best_isa() if args.isa == "auto" else args.isa
     native = NativeExperts(isa)
@@ -208,8 +213,10 @@ def main() -> None:
             row["efficiency"] = max(row["forward_tflops"], row["backward_tflops"]) * 1e12 / peak_all
     columns.append("efficiency")
     peak_text = ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s" for k, v in peaks.items()) or "none measured"
+    knobs = "".join(f" --{name.replace('_', '-')} {value}" for name, value in
+                    (("amx_tuning", args.amx_tuning), ("task_shape", args.task_shape)) if value)
     lines = [f"`python benchmarks/bench_cpu_experts.py --shapes {args.shapes} --tokens {args.tokens} "
-             f"--isa {args.isa}` ({isa}, {_ops.num_threads()} threads)", "",
+             f"--isa {args.isa}{knobs}` ({isa}, {_ops.num_threads()} threads)", "",
              f"Register-only bf16 peaks: {peak_text}. efficiency = best pass TFLOP/s / the {isa} all-thread peak.",
              "weights_gb: the layer's expert weights, read in place (no packed or transposed copy); scratch_gb: "
              "resident memory the kernels added (scratch per routed pair, shared by all layers, plus this layer's "

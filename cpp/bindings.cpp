@@ -176,6 +176,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("grad_gate_up_a"), py::arg("grad_gate_up_b"), py::arg("grad_down_a"), py::arg("grad_down_b"),
       py::call_guard<py::gil_scoped_release>(), "Backward of expert_ffn_forward; LoRA gradients accumulate.");
 
+  m.def("set_task_shape", &moecc::kernels::set_task_shape, py::arg("panels_per_task"),
+        py::arg("grad_columns_per_task"), "Width of the expert product tasks (expert_ffn.h); for benchmarks.");
   m.def("last_phase_times", &moecc::kernels::last_phase_times, py::arg("backward"),
         "[(phase, seconds)] of the latest expert_ffn_forward (backward=False) or expert_ffn_backward call.");
 

@@ -82,6 +82,28 @@ def test_native_matches_reference(isa, case):
             assert rel_err(got, want) <= 2e-2
 
 
+@pytest.fixture
+def task_shape():
+    """Sets the product tasks' width for one test, then the defaults again."""
+    from moecc import _C
+
+    yield _C.set_task_shape
+    _C.set_task_shape(4, 256)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("shape", [(1, 16), (3, 48), (16, 512)])  # one panel; odd widths; wider than the layer
+def test_native_matches_reference_at_other_task_widths(isa, shape, task_shape):
+    task_shape(*shape)
+    test_native_matches_reference(isa, (130, 5, 96, 40, 2, 4, True))
+
+
+def test_bad_task_width_is_refused(task_shape):
+    for panels, columns in ((0, 256), (4, 0), (4, 100)):
+        with pytest.raises(ValueError, match="task shape"):
+            task_shape(panels, columns)
+
+
 def test_isa_variants_agree_closely():
     if len(ISAS) < 2:
         pytest.skip(f"this CPU runs only {ISAS}")

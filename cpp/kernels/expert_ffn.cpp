@@ -7,9 +7,11 @@
 #include "expert_ffn.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <mutex>
+#include <stdexcept>
 #include <vector>
 
 #include "../pool/thread_pool.h"
@@ -25,8 +27,9 @@ constexpr int64_t kTokenBlock = 64;       // rows per elementwise task
 // stream past it, so weights cross the memory bus once per 256 rows of an expert, not once per 64; input
 // gradients also re-lay that slice once per task.
 constexpr int64_t kProductRows = 256;
-constexpr int64_t kPanelsPerTask = 4;     // 64 output columns per forward product task
-constexpr int64_t kGradColumnsPerTask = 256;
+// Task widths (see set_task_shape): output panels per forward product task, columns per input-gradient task.
+std::atomic<int64_t> panels_per_task{4};
+std::atomic<int64_t> grad_columns_per_task{256};
 
 struct Task {
   int64_t expert, begin, end, col0, col1;
@@ -327,7 +330,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   clock.mark("gather");
 
   const int64_t gu_panels = padded_rows(2 * d.I) / kPanelRows;
-  run_tasks(pool, make_tasks(routing.offsets, d.E, gu_panels, kPanelsPerTask, kProductRows), [&](const Task& task) {
+  run_tasks(pool, make_tasks(routing.offsets, d.E, gu_panels, panels_per_task.load(), kProductRows), [&](const Task& task) {
     thread_local AlignedBuffer<float> block;
     thread_local AlignedBuffer<uint16_t> panels;
     const int64_t n = task.end - task.begin, width = (task.col1 - task.col0) * kPanelRows;
@@ -348,7 +351,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   clock.mark("activate");
 
   const int64_t down_panels = padded_rows(d.H) / kPanelRows;
-  run_tasks(pool, make_tasks(routing.offsets, d.E, down_panels, kPanelsPerTask, kProductRows), [&](const Task& task) {
+  run_tasks(pool, make_tasks(routing.offsets, d.E, down_panels, panels_per_task.load(), kProductRows), [&](const Task& task) {
     thread_local AlignedBuffer<float> block;
     thread_local AlignedBuffer<uint16_t> panels;
     const int64_t n = task.end - task.begin, width = (task.col1 - task.col0) * kPanelRows;
@@ -490,7 +493,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
 
   clock.mark("grad_out");
   // d act (unweighted) = dy W_down + (s dy B) A.
-  run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, kGradColumnsPerTask, kProductRows), [&](const Task& task) {
+  run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, grad_columns_per_task.load(), kProductRows), [&](const Task& task) {
     const int64_t n = task.end - task.begin;
     gemm.input_grad(dy_bf16 + task.begin * d.ld_dy, d.ld_dy, n, weights.down + task.expert * d.down_size, d.H, d.I,
                     task.col0, task.col1, grad_act + task.begin * d.ld_act, d.ld_act);
@@ -523,7 +526,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
 
   clock.mark("swiglu_grad");
   // d hidden per pair = dG W_gate_up + (s dG B) A.
-  run_tasks(pool, make_tasks(routing.offsets, d.E, d.H, kGradColumnsPerTask, kProductRows), [&](const Task& task) {
+  run_tasks(pool, make_tasks(routing.offsets, d.E, d.H, grad_columns_per_task.load(), kProductRows), [&](const Task& task) {
     thread_local AlignedBuffer<float> block;
     const int64_t n = task.end - task.begin;
     float* const tile = block.get(n * d.h_k);
@@ -556,6 +559,15 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   clock.mark("lora_grads");
   sum_slots(d, per_pair, io.grad_hidden, pool);
   clock.mark("sum_slots");
+}
+
+void set_task_shape(int64_t panels, int64_t grad_columns) {
+  if (panels < 1 || grad_columns < kPanelRows || grad_columns % kPanelRows != 0) {
+    throw std::invalid_argument("task shape: panels per task must be >= 1 and gradient columns per task a "
+                                "positive multiple of " + std::to_string(kPanelRows));
+  }
+  panels_per_task = panels;
+  grad_columns_per_task = grad_columns;
 }
 
 }  // namespace moecc::kernels
