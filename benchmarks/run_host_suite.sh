@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every measurement the performance issues ask for, on a machine with a CUDA GPU (and an AMX CPU for the AMX
 # kernel rows): the GPU/AMX-marked tests, the CPU-expert kernel table, `moecc bench` with its defaults
-# (Qwen3-30B-A3B shape, all 48 layers, 24 GB budget, 512/2048/8192 tokens) and with 8 layers (where the
-# whole model also fits the budget, so the `gpu` paradigm has rows). Results land in OUT_DIR (default
+# (Qwen3-30B-A3B shape, all 48 layers, 24 GB budget, 512/2048/8192 tokens) and with 8 layers under an 80 GB
+# budget (where the whole model fits, so the `gpu` paradigm has rows). Results land in OUT_DIR (default
 # benchmarks/results); each markdown file starts with the command that made it.
 #
 #   bash benchmarks/run_host_suite.sh [OUT_DIR] [all|tests|kernels|bench|bench8]
@@ -33,5 +33,7 @@ if [[ "$part" == all || "$part" == bench ]]; then
   python -m moecc.cli bench --out "$out/bench" 2>&1 | grep -v "it/s\|s/it"
 fi
 if [[ "$part" == all || "$part" == bench8 ]]; then
-  python -m moecc.cli bench --layers 8 --out "$out/bench_L8" 2>&1 | grep -v "it/s\|s/it"
+  # 8 layers under 80 GB: the whole-model `gpu` paradigm (PEFT materialises the expert deltas: 37 GB at 8192
+  # tokens) runs within its budget, next to the others under the same one.
+  python -m moecc.cli bench --layers 8 --gpu-budget 80 --out "$out/bench_L8" 2>&1 | grep -v "it/s\|s/it"
 fi
