@@ -266,7 +266,7 @@ def model_step_s(preset: str, layers: int, device: torch.device, tokens: list[in
         lora.target_parameters = None
     model = get_peft_model(base, lora).train()
     try:
-        return [time_training(model, device, count, steps=3)["step_s"] for count in tokens]
+        return [time_training(model, device, count, steps=3, profile_gpu=False)["step_s"] for count in tokens]
     finally:
         del model, base
         if device.type == "cuda":
@@ -312,7 +312,8 @@ def _cocompute_step_s(preset: str, layers: int, device: torch.device, tokens: li
     base = random_model(preset, layers, torch.float32 if preset == "tiny" else torch.bfloat16)
     model = prepare(base, lora_config=default_lora_config(base, rank=RANK), paradigm="cocompute", device=device)
     try:
-        return [time_training(model, device, count, steps=3, max_seconds=10.0)["step_s"] for count in tokens]
+        return [time_training(model, device, count, steps=3, max_seconds=10.0, profile_gpu=False)["step_s"]
+                for count in tokens]
     finally:
         del model, base
         if device.type == "cuda":

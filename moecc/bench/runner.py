@@ -65,13 +65,13 @@ def _profiled_kernel_s(step) -> float | None:
 
 
 def time_training(model: torch.nn.Module, device: torch.device, tokens: int, steps: int,
-                  warmup: int = 1, max_seconds: float | None = None) -> dict:
+                  warmup: int = 1, max_seconds: float | None = None, profile_gpu: bool = True) -> dict:
     """Median step time and its breakdown over ``steps`` optimizer steps of ``tokens`` tokens each.
 
     The loss is :func:`moecc.losses.chunked_causal_lm_loss` for every paradigm, so no paradigm pays for the full
     logits tensor (15 GB at 8192 tokens for Qwen3's vocabulary). With ``max_seconds``, fewer steps are timed
     (at least one) when ``steps`` of them would take longer than that. On CUDA one more step (of up to 10 s)
-    runs under the profiler for ``gpu_kernels_s``, the time the GPU spent computing (copies excluded): a step close to it, or
+    runs under the profiler for ``gpu_kernels_s`` (unless ``profile_gpu`` is False), the time the GPU spent computing (copies excluded): a step close to it, or
     to the copy time, leaves nothing to hide.
     """
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
@@ -122,7 +122,7 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
         "h2d_gb": median("h2d_gb"), "d2h_gb": median("d2h_gb"),
         "h2d_gbps_while_copying": median("h2d_gb") / copy_s if copy_s > 0 else 0.0,
         "gpu_kernels_s": (_profiled_kernel_s(train_step)
-                          if device.type == "cuda" and step_s <= _PROFILED_STEP_LIMIT_S else None),
+                          if profile_gpu and device.type == "cuda" and step_s <= _PROFILED_STEP_LIMIT_S else None),
     }
 
 
