@@ -70,9 +70,9 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
 
     The loss is :func:`moecc.losses.chunked_causal_lm_loss` for every paradigm, so no paradigm pays for the full
     logits tensor (15 GB at 8192 tokens for Qwen3's vocabulary). With ``max_seconds``, fewer steps are timed
-    (at least one) when ``steps`` of them would take longer than that. On CUDA one more step (of up to 10 s)
-    runs under the profiler for ``gpu_kernels_s`` (unless ``profile_gpu`` is False), the time the GPU spent computing (copies excluded): a step close to it, or
-    to the copy time, leaves nothing to hide.
+    (at least one) when ``steps`` of them would take longer than that. On CUDA, unless ``profile_gpu`` is False,
+    one more step (of up to 10 s) runs under the profiler for ``gpu_kernels_s``, the time the GPU spent
+    computing (copies excluded): a step close to it, or to the copy time, leaves nothing to hide.
     """
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     seq = min(tokens, SEQUENCE)
