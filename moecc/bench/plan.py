@@ -12,7 +12,7 @@ With T tokens per step, each MoE layer, forward then backward:
               activations; the first forward copy is exposed, and the last ``SLOTS`` layers are still on the
               GPU for backward
   gpu         everything on the GPU: a timed training step of one MoE layer.
-Where co-compute's own steps were timed (models of one and two MoE layers), its prediction is those per-layer
+Where co-compute's own steps were timed (models of one and three MoE layers), its prediction is those per-layer
 and rest-of-step times instead of the sum of its parts above: on the accelerator host the parts, timed apart,
 came to 1.4x the step at 512 tokens.
 Once per step comes the rest (embeddings, dense layers, LM head, loss, the optimizer on the GPU), timed, and for

@@ -19,7 +19,7 @@ not FLOPs alone, sets how efficient small per-expert products are:
     gpu_attention_layer_s, _rest_s         the same with the routed experts left out: what co-compute and
                                            offload leave on the GPU
     cocompute_layer_s, _rest_s             a co-compute training step (moecc's own, GPU side on the GPU if
-                                           any): per MoE layer and the rest, the same way
+                                           any): per MoE layer and the rest, from models of 1 and 3 MoE layers
 The GPU entries are absent without a GPU, or where a measurement could not run (say, out of memory). Layers are
 timed in bf16 with random weights, uniform routing and LoRA rank ``RANK``, in the standard expert layout.
 """
@@ -329,15 +329,16 @@ def cocompute_token_counts(shape: dict) -> list[int]:
 
 
 def cocompute_layer_and_rest(preset: str, device: torch.device, tokens: list[int]) -> tuple[list[float], list[float]]:
-    """Co-compute step seconds per MoE layer, and of the rest of the step, at each token count: the difference of
-    models with two and one MoE layers (after any dense layers), and what one MoE layer leaves of the smaller.
+    """Co-compute step seconds per MoE layer, and of the rest of the step, at each token count: half the
+    difference of models with three and one MoE layers (after any dense layers; two layers apart halve the
+    timing noise in the slope the planner multiplies by up to 48), and what one MoE layer leaves of the smaller.
 
     Timed in place rather than summed from the CPU kernels' own timings, which on the accelerator host came out
     1.7x slower than the same kernels inside a training step at 512 tokens (100 ms against 60 per layer)."""
     dense = moe_shape(preset_config(preset))["dense_layers"]
     one = _cocompute_step_s(preset, dense + 1, device, tokens)
-    two = _cocompute_step_s(preset, dense + 2, device, tokens)
-    layer = [max(0.0, b - a) for a, b in zip(one, two)]
+    three = _cocompute_step_s(preset, dense + 3, device, tokens)
+    layer = [max(0.0, (b - a) / 2) for a, b in zip(one, three)]
     return layer, [max(0.0, a - per_layer) for a, per_layer in zip(one, layer)]
 
 
