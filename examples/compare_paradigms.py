@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import copy
 
+import moecc  # before torch: torch's OpenMP threads then sleep between ops (moecc/__init__.py)
 import torch
 from peft import get_peft_model
 
-import moecc
 from moecc.bench.runner import time_training
 from moecc.tiny_models import tiny_model
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import time
 
+import moecc  # before torch: torch's OpenMP threads then sleep between ops (moecc/__init__.py)
 import torch
 from tqdm import tqdm
 
-import moecc
 from demo_data import VOCAB_SIZE, answer_accuracy, load_split
 from moecc.tiny_models import tiny_model
 

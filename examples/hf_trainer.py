@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 
+import moecc  # before torch: torch's OpenMP threads then sleep between ops (moecc/__init__.py)
 import torch
 from transformers import Trainer, TrainingArguments
 
-import moecc
 from demo_data import answer_accuracy, load_split
 from finetune_lora import DEMO_SHAPE
 from moecc.integrations import MoeccCallback

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -295,7 +296,9 @@ def run_case_isolated(preset: str, layers: int | None, paradigm: str, tokens: li
                 device=str(device), budget_gb=budget_gb, checkpointing=checkpointing, max_seconds=max_seconds)
     with tempfile.TemporaryDirectory(prefix="moecc-bench-") as folder:
         result = Path(folder) / "rows.jsonl"
-        process = subprocess.run([sys.executable, "-m", "moecc.bench.runner", json.dumps(case), str(result)])
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY") or "PASSIVE"}  # see moecc/__init__
+        process = subprocess.run([sys.executable, "-m", "moecc.bench.runner", json.dumps(case), str(result)],
+                                 env=env, check=False)
         rows = [json.loads(line) for line in result.read_text().splitlines()] if result.exists() else []
     if process.returncode != 0:
         done = {row["tokens"] for row in rows}
