@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 
@@ -30,6 +31,7 @@ def info() -> dict:
         "cpu_features": ", ".join(name for name, present in features.items() if present) or "none",
         "kernel_isa": _ops.best_isa(),
         "threads": _ops.num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "unset (torch's OpenMP threads spin; see README)",
         "gpu": gpu,
         "python": platform.python_version(),
         "torch": torch.__version__,
