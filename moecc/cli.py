@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         plan(args)
     elif args.command == "info":
         for key, value in info().items():
-            print(f"{key:>14}: {value}")
+            print(f"{key:>15}: {value}")
     elif args.command == "bench":
         bench(args)
     return 0
