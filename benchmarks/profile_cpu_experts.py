@@ -42,11 +42,11 @@ def _faults() -> int:
 
 
 def _pass_report(name: str, fn, backward: bool) -> dict:
-    faults, start = _faults(), time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        faults, start = _faults(), time.perf_counter()
         result = fn()
-    wall = time.perf_counter() - start
-    faults = _faults() - faults
+        wall = time.perf_counter() - start  # inside: the profiler's own start and stop are not the call's
+        faults = _faults() - faults
     phases = dict(_C.last_phase_times(backward))
     ops = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages() if e.key.startswith("aten::")}
     top = sorted(ops.items(), key=lambda kv: -kv[1])[:6]

@@ -22,7 +22,10 @@ if [[ "$part" == all || "$part" == kernels ]]; then
   python benchmarks/bench_panel_kernel.py --out "$out" 2>&1 | grep -v "^("
   python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 256,1024,4096,8192 --out "$out" 2>&1 \
       | grep -v '^|'
-  python benchmarks/profile_cpu_experts.py --tokens 256,8192 --out "$out" 2>&1 | grep -v "^USDT\|^|"
+  for policy in ACTIVE PASSIVE; do  # torch's OpenMP threads spinning (the default) or asleep (moecc's advice)
+    echo "OMP_WAIT_POLICY=$policy"
+    OMP_WAIT_POLICY=$policy python benchmarks/profile_cpu_experts.py --tokens 256,8192 2>&1 | grep "^{"
+  done
   # The table above runs under the default OpenMP wait policy (torch's threads spin; the PyTorch-loop baseline
   # is at its best). moecc's recommended setting, PASSIVE, and wider product tasks (default 4,256), printed only:
   for shape in 4,256 8,256 16,512; do

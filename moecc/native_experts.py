@@ -77,13 +77,14 @@ class _BufferPool:
 OMP_WAIT_POLICY_ADVICE = (
     "moecc: torch was imported before moecc with OMP_WAIT_POLICY unset, so torch's OpenMP threads busy-wait after "
     "each CPU op on the cores moecc's expert kernels use, slowing them (15% of a 256-token layer on 2 cores, "
-    "more on many). Import moecc before torch, or set OMP_WAIT_POLICY=PASSIVE in the environment "
-    "(OMP_WAIT_POLICY=ACTIVE keeps the spinning and this message away)."
+    "more on many). Import moecc before torch, or start Python with OMP_WAIT_POLICY=PASSIVE in its environment "
+    "(setting it later in the process has no effect; OMP_WAIT_POLICY=ACTIVE keeps the spinning and silences this)."
 )
 
 
 def _check_omp_wait_policy() -> None:
-    """Warns (once per process) when torch's OpenMP threads will spin; see ``moecc/__init__.py``."""
+    """Warns when torch's OpenMP threads will spin (Python shows it once per calling line); see
+    ``moecc/__init__.py``."""
     if not os.environ.get("OMP_WAIT_POLICY"):
         warnings.warn(OMP_WAIT_POLICY_ADVICE, RuntimeWarning, stacklevel=3)
 

@@ -151,9 +151,10 @@ def _gpu_paradigm_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int) -
 
 
 def _cocompute_in_place_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int, recomputed: float) -> float:
-    """Co-compute from its timed steps: per MoE layer (timed at rank ``RANK``: its expert work scaled to
-    ``rank``, its share of the host optimizer replaced by ``rank``'s), plus ``recomputed`` per layer (the
-    non-expert forward again under checkpointing), plus the rest of the step."""
+    """Co-compute from its timed steps: per MoE layer (timed at rank ``RANK``; for another rank its share of the
+    host optimizer is replaced by ``rank``'s and the rest scaled by the experts' LoRA FLOP ratio, which slightly
+    overstates the change for the attention part of the layer), plus ``recomputed`` per layer (the non-expert
+    forward again under checkpointing), plus the rest of the step."""
     counts = timed.get("cocompute_tokens", timed["tokens"])
     per_layer_optimizer = {r: _host_optimizer_s(s, rates, r) / max(1, s["moe_layers"]) for r in (RANK, rank)}
     layer = max(0.0, _at(tokens, counts, timed["cocompute_layer_s"]) - per_layer_optimizer[RANK])

@@ -36,7 +36,8 @@ def gpu_kernel_busy_s(events) -> float:
     """Seconds in which the GPU ran at least one kernel, from profiler ``events``; copies and memsets are not
     counted, overlapping kernels count once."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == DeviceType.CUDA and not e.name.startswith(_NOT_COMPUTE))
+                   if e.device_type == DeviceType.CUDA and not e.name.startswith(_NOT_COMPUTE)
+                   and not getattr(e, "is_user_annotation", False))  # record_function ranges seen from the GPU
     busy, begin, end = 0.0, None, None
     for start, stop in spans:
         if end is None or start > end:
@@ -50,16 +51,17 @@ def gpu_kernel_busy_s(events) -> float:
     return busy / 1e6  # profiler times are microseconds
 
 
-def _profiled_kernel_s(step) -> float | None:
+def _profiled_kernel_s(step, model: torch.nn.Module, device: torch.device) -> float | None:
     """GPU kernel time of one ``step()`` under the profiler, or None where the profiler gives no kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     try:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
-            torch.cuda.synchronize()
+            _sync(device)
         busy = gpu_kernel_busy_s(prof.events())
     except RuntimeError as error:  # a measurement aid: the row keeps its timings without it
+        model.zero_grad(set_to_none=True)  # a step cut short leaves gradients behind
         warnings.warn(f"moecc bench: the profiled step failed ({str(error)[:200]}); no gpu_kernels_s", stacklevel=2)
         return None
     return busy if busy > 0 else None
@@ -122,7 +124,7 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
         "gpu_other_s": max(0.0, step_s - cpu_wait_s - copy_wait_s - expert_gpu_s),
         "h2d_gb": median("h2d_gb"), "d2h_gb": median("d2h_gb"),
         "h2d_gbps_while_copying": median("h2d_gb") / copy_s if copy_s > 0 else 0.0,
-        "gpu_kernels_s": (_profiled_kernel_s(train_step)
+        "gpu_kernels_s": (_profiled_kernel_s(train_step, model, device)
                           if profile_gpu and device.type == "cuda" and step_s <= _PROFILED_STEP_LIMIT_S else None),
     }
 

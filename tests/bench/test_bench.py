@@ -230,12 +230,14 @@ def test_gpu_kernel_busy_time_merges_overlaps_and_leaves_out_copies():
 
     from moecc.bench.runner import gpu_kernel_busy_s
 
-    def event(name, start, end, device=DeviceType.CUDA):
-        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+    def event(name, start, end, device=DeviceType.CUDA, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=start, end=end))
 
     events = [event("gemm", 0, 100), event("lora", 50, 150),  # overlapping: 150 us together
               event("Memcpy HtoD (Pinned -> Device)", 150, 400), event("Memset (Device)", 400, 410),
               event("aten::mm", 0, 1000, DeviceType.CPU),  # host-side op
+              event("moecc.offload.copy_experts", 100, 900, annotation=True),  # a record_function range
               event("silu", 500, 520)]
     assert gpu_kernel_busy_s(events) == pytest.approx(170e-6)
     assert gpu_kernel_busy_s([]) == 0.0
