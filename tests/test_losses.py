@@ -49,3 +49,23 @@ def test_bad_inputs_say_what_to_do():
     reference.config.output_router_logits = True
     with pytest.raises(ValueError, match="output_router_logits"):
         chunked_causal_lm_loss(reference, ids, ids)
+
+
+def test_bf16_model_with_native_kernels_agrees_to_bf16_rounding():
+    """The default engine (native kernels on bf16 experts): the chunked loss and its gradients agree with the
+    model's own loss to bf16 rounding (the head and the loss run in the same dtypes either way)."""
+    import copy
+
+    import moecc
+    from moecc.tiny_models import tiny_model
+
+    base = tiny_model("qwen3_moe", dtype=torch.bfloat16)
+    engines = [moecc.prepare(copy.deepcopy(base), lora_config=lora_config("qwen3_moe")) for _ in range(2)]
+    engines[1].load_state_dict(engines[0].state_dict())
+    (ids, mask, labels), = batches(engines[0].config.vocab_size, 1, batch=2, seq=16, seed=9, pad=True)
+    expected = engines[0](input_ids=ids, attention_mask=mask, labels=labels).loss
+    actual = chunked_causal_lm_loss(engines[1], ids, labels, attention_mask=mask, chunk_tokens=5)
+    expected.backward()
+    actual.backward()
+    assert rel_err(actual, expected) <= 1e-2
+    assert_grads_match(engines[0], engines[1], 5e-2)
