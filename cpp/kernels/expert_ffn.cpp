@@ -292,14 +292,13 @@ PhaseTimes last_phase_times(bool backward) {
 namespace {
 
 // One set of buffers for forward and backward: the engine runs one layer call at a time, so the buffers both
-// need (gathered rows, activations, per-pair outputs, LoRA re-layouts: about 14 KB per routed pair for
-// Qwen3-30B-A3B) are held once; the mutex keeps concurrent callers correct anyway.
+// need (gathered rows, activations, gradients, per-pair outputs: about 24 KB per routed pair for Qwen3-30B-A3B,
+// plus the LoRA re-layouts) are held once; the mutex keeps concurrent callers correct anyway.
 struct Scratch {
   std::mutex mutex;
   AlignedBuffer<uint16_t> xg, act, dy_bf16, grad_gu_bf16;
-  AlignedBuffer<float> inner_gu, inner_down, grad_inner_gu, grad_inner_down, grad_act, grad_gu, per_pair,
+  AlignedBuffer<float> inner_gu, inner_down, grad_inner_gu, grad_inner_down, grad_act, per_pair,
       row_weight, b_gu, b_down, grad_b_gu, grad_b_down;
-  AlignedBuffer<int64_t> row_token;
 };
 
 Scratch& shared_scratch() {
@@ -376,11 +375,12 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
 
 // Accumulates the four LoRA factor gradients, each a sum over an expert's rows of rank-r outer products. Tasks
 // are (expert, factor, block of columns), largest experts first, so a hot expert is spread over threads.
+// The output-side rows are the bf16 copies the input-gradient products read (dy, dG): the model's gradients
+// are bf16 to begin with, and they take half the memory traffic of float32 rows.
 struct LoraGradInputs {
-  const float *inner_gu, *inner_down, *grad_inner_gu, *grad_inner_down, *grad_out, *grad_gu, *row_weight;
-  const int64_t* row_token;  // grad_out row of each grouped row
-  const uint16_t *xg, *act;
-  int64_t ld_x, ld_act, ld_dgu;
+  const float *inner_gu, *inner_down, *grad_inner_gu, *grad_inner_down, *row_weight;
+  const uint16_t *xg, *act, *dy_bf16, *grad_gu_bf16;
+  int64_t ld_x, ld_act, ld_dy, ld_dgu;
 };
 
 constexpr int64_t kGradFactorColumns = 256;
@@ -417,17 +417,18 @@ void lora_factor_grads(const Dims& d, const LoraFactors& gate_up_lora, const Lor
                             in.ld_act, count, r, t.c0, t.c1, io.grad_down_a + e * r * d.I, d.I);
     } else if (t.which == 1) {  // dB_down^T[r][h] = s sum_g w (act A)[g][r] dy[g][h]
       const int64_t r = down_lora.rank;
-      rank_outer_accumulate_gathered(in.inner_down + begin * r, in.row_weight + begin, down_lora.scaling,
-                                     in.grad_out, in.row_token + begin, d.H, count, r, t.c0, t.c1,
-                                     io.grad_down_b + e * r * d.H, d.H);
+      rank_outer_accumulate(in.inner_down + begin * r, in.row_weight + begin, down_lora.scaling,
+                            in.dy_bf16 + begin * in.ld_dy, in.ld_dy, count, r, t.c0, t.c1,
+                            io.grad_down_b + e * r * d.H, d.H);
     } else if (t.which == 2) {  // dA_gu[r][h] = sum_g (s dG B)[g][r] x[g][h]
       const int64_t r = gate_up_lora.rank;
       rank_outer_accumulate(in.grad_inner_gu + begin * r, nullptr, 1.0f, in.xg + begin * in.ld_x, in.ld_x, count, r,
                             t.c0, t.c1, io.grad_gate_up_a + e * r * d.H, d.H);
     } else {  // dB_gu^T[r][c] = s sum_g (x A)[g][r] dG[g][c]
       const int64_t r = gate_up_lora.rank;
-      rank_outer_accumulate(in.inner_gu + begin * r, nullptr, gate_up_lora.scaling, in.grad_gu + begin * in.ld_dgu,
-                            in.ld_dgu, count, r, t.c0, t.c1, io.grad_gate_up_b + e * r * 2 * d.I, 2 * d.I);
+      rank_outer_accumulate(in.inner_gu + begin * r, nullptr, gate_up_lora.scaling,
+                            in.grad_gu_bf16 + begin * in.ld_dgu, in.ld_dgu, count, r, t.c0, t.c1,
+                            io.grad_gate_up_b + e * r * 2 * d.I, 2 * d.I);
     }
   });
 }
@@ -468,23 +469,20 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   float* inner_down = scratch.inner_down.get(d.pairs * r_d);
   float* grad_inner_gu = scratch.grad_inner_gu.get(d.pairs * r_gu);
   float* grad_inner_down = scratch.grad_inner_down.get(d.pairs * r_d);
-  int64_t* row_token = scratch.row_token.get(std::max<int64_t>(d.pairs, 1));  // token of each grouped row
   uint16_t* dy_bf16 = scratch.dy_bf16.get(d.pairs * d.ld_dy);
   uint16_t* grad_gu_bf16 = scratch.grad_gu_bf16.get(d.pairs * d.ld_dgu);
   float* grad_act = scratch.grad_act.get(d.pairs * d.ld_act);
-  float* grad_gu = scratch.grad_gu.get(d.pairs * d.ld_dgu);
   float* per_pair = scratch.per_pair.get(d.pairs * d.H);
   float* row_weight = scratch.row_weight.get(std::max<int64_t>(d.pairs, 1));  // routing weight per grouped row
 
   gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool);
   activate(d, io.gate_up_out, down_lora, rows, act, inner_down, pool);
   clock.mark("gather_activate");
-  // Unweighted output gradient per grouped row in bf16 (zero-padded), and its down-LoRA inner product s dy B;
-  // the float32 rows stay the token's own (grad_out), indexed through row_token.
+  // Unweighted output gradient per grouped row in bf16 (zero-padded), and its down-LoRA inner product s dy B
+  // from the token's own float32 row.
   run_tasks(pool, rows, [&](const Task& task) {
     for (int64_t g = task.begin; g < task.end; ++g) {
-      row_token[g] = routing.order[g] / d.k;
-      const float* src = io.grad_out + row_token[g] * d.H;
+      const float* src = io.grad_out + (routing.order[g] / d.k) * d.H;
       to_bf16(src, dy_bf16 + g * d.ld_dy, d.H);
       std::fill(dy_bf16 + g * d.ld_dy + d.H, dy_bf16 + (g + 1) * d.ld_dy, uint16_t{0});
       if (down_lora.a) lora_grad_inner(down_lora, task.expert, d.H, src, g, grad_inner_down);
@@ -510,13 +508,14 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   clock.mark("down_input_grad");
   // Routing-weight gradient, then d gate_up through the SwiGLU (zero-padded), and s dG B.
   run_tasks(pool, rows, [&](const Task& task) {
+    thread_local AlignedBuffer<float> dg_row;  // one row's float32 dG, kept only as long as it is needed
+    float* const dg = dg_row.get(d.ld_dgu);
     for (int64_t g = task.begin; g < task.end; ++g) {
       const int64_t pair = routing.order[g];
       const float w = routing.weights[pair];
       row_weight[g] = w;
       io.grad_routing[pair] = dot_bf16(act + g * d.ld_act, grad_act + g * d.ld_act, d.I);
       const uint16_t* gu = io.gate_up_out + g * 2 * d.I;
-      float* dg = grad_gu + g * d.ld_dgu;
       swiglu_grad_row(gu, gu + d.I, grad_act + g * d.ld_act, w, dg, dg + d.I, d.I);
       std::fill(dg + 2 * d.I, dg + d.ld_dgu, 0.0f);
       to_bf16(dg, grad_gu_bf16 + g * d.ld_dgu, d.ld_dgu);
@@ -548,8 +547,8 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   clock.mark("gate_up_input_grad");
   if (gate_up_lora.a || down_lora.a) {
     lora_factor_grads(d, gate_up_lora, down_lora, routing,
-                      {inner_gu, inner_down, grad_inner_gu, grad_inner_down, io.grad_out, grad_gu, row_weight,
-                       row_token, xg, act, d.ld_x, d.ld_act, d.ld_dgu},
+                      {inner_gu, inner_down, grad_inner_gu, grad_inner_down, row_weight, xg, act, dy_bf16,
+                       grad_gu_bf16, d.ld_x, d.ld_act, d.ld_dy, d.ld_dgu},
                       io, pool);
   }
   if (io_peft.grad_gate_up_b) {

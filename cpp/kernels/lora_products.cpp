@@ -154,16 +154,6 @@ MOECC_VECTOR_CLONES void outer_bf16(const float* coef, const float* row_scale, f
                                     int64_t out_ld) {
   outer(coef, row_scale, scale, [=](int64_t g) { return rows + g * ld; }, count, rank, c0, c1, out, out_ld);
 }
-MOECC_VECTOR_CLONES void outer_f32(const float* coef, const float* row_scale, float scale, const float* rows,
-                                   int64_t ld, int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out,
-                                   int64_t out_ld) {
-  outer(coef, row_scale, scale, [=](int64_t g) { return rows + g * ld; }, count, rank, c0, c1, out, out_ld);
-}
-MOECC_VECTOR_CLONES void outer_f32_gathered(const float* coef, const float* row_scale, float scale,
-                                            const float* base, const int64_t* index, int64_t ld, int64_t count,
-                                            int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld) {
-  outer(coef, row_scale, scale, [=](int64_t g) { return base + index[g] * ld; }, count, rank, c0, c1, out, out_ld);
-}
 
 }  // namespace
 
@@ -176,15 +166,6 @@ void rank_dots(const float* row, const float* factors, int64_t rank, int64_t n, 
 void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const uint16_t* rows, int64_t ld,
                            int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld) {
   outer_bf16(coef, row_scale, scale, rows, ld, count, rank, c0, c1, out, out_ld);
-}
-void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const float* rows, int64_t ld,
-                           int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld) {
-  outer_f32(coef, row_scale, scale, rows, ld, count, rank, c0, c1, out, out_ld);
-}
-void rank_outer_accumulate_gathered(const float* coef, const float* row_scale, float scale, const float* base,
-                                    const int64_t* index, int64_t ld, int64_t count, int64_t rank, int64_t c0,
-                                    int64_t c1, float* out, int64_t out_ld) {
-  outer_f32_gathered(coef, row_scale, scale, base, index, ld, count, rank, c0, c1, out, out_ld);
 }
 
 }  // namespace moecc::kernels

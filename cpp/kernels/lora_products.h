@@ -13,14 +13,9 @@ void rank_dots(const uint16_t* row, const float* factors, int64_t rank, int64_t 
 void rank_dots(const float* row, const float* factors, int64_t rank, int64_t n, float scale, float* out);
 
 // out[j * out_ld + c] += scale * sum_{g < count} coef[g * rank + j] * row_scale[g] * rows[g * ld + c] for
-// j < rank and c0 <= c < c1; row_scale may be null (all 1). rows: bf16 bits or float.
+// j < rank and c0 <= c < c1; row_scale may be null (all 1). rows: bf16 bits (every factor gradient reads the
+// bf16 rows the matrix products use).
 void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const uint16_t* rows, int64_t ld,
                            int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld);
-void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const float* rows, int64_t ld,
-                           int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld);
-// The same with row g at base + index[g] * ld (rows shared by several g, e.g. a token's output gradient).
-void rank_outer_accumulate_gathered(const float* coef, const float* row_scale, float scale, const float* base,
-                                    const int64_t* index, int64_t ld, int64_t count, int64_t rank, int64_t c0,
-                                    int64_t c1, float* out, int64_t out_ld);
 
 }  // namespace moecc::kernels
