@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "hf-offload (PEFT + accelerate's CPU offload of the experts)")
     bench_parser.add_argument("--gpu-budget", type=float, default=24.0, help="GPU memory budget in GB")
     bench_parser.add_argument("--steps", type=int, default=3, help="timed steps per row, after one warm-up step")
-    bench_parser.add_argument("--row-seconds", type=float, default=30.0,
+    bench_parser.add_argument("--row-seconds", type=float, default=20.0,
                               help="time fewer steps (at least one) where --steps of them would take longer")
     bench_parser.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"],
                               help="Hugging Face gradient checkpointing: auto = turned on for a paradigm once a token "
