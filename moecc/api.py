@@ -197,9 +197,17 @@ def apply_gpu_budget(model: torch.nn.Module, layers: list, paradigm: str, device
             f"{needed_gb:.1f} GB before activations; raise the budget"
             + (" or lower offload_slots / offload_cache_gb" if paradigm == "offload" else "")
         )
+    cap_gpu_memory(device, budget)
+
+
+def cap_gpu_memory(device: torch.device, budget_gb: float | None) -> None:
+    """Caps this process's allocator on ``device`` at ``budget_gb``, so an allocation past it fails (nothing to
+    do without a budget or off CUDA)."""
+    if budget_gb is None or device.type != "cuda":
+        return
     index = device.index if device.index is not None else torch.cuda.current_device()  # torch wants an index
     total = torch.cuda.get_device_properties(index).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget * 1e9 / total), index)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gb * 1e9 / total), index)
 
 
 def from_pretrained(

@@ -277,10 +277,15 @@ def per_layer_and_rest(preset: str, device: torch.device, tokens: list[int],
                        experts: bool) -> tuple[list[float], list[float]]:
     """Step seconds per MoE layer, and of the rest of the step, at each token count: the difference of models
     with two and one MoE layers (after any dense layers), and what one MoE layer leaves of the smaller."""
+    return _layer_and_rest(preset, lambda layers: model_step_s(preset, layers, device, tokens, experts), apart=1)
+
+
+def _layer_and_rest(preset: str, step_s, apart: int) -> tuple[list[float], list[float]]:
+    """``step_s(layers)`` (seconds per token count) for models of 1 and ``1 + apart`` MoE layers after any dense
+    layers: per MoE layer, the difference over ``apart``; the rest, what one MoE layer leaves of the smaller."""
     dense = moe_shape(preset_config(preset))["dense_layers"]
-    one = model_step_s(preset, dense + 1, device, tokens, experts)
-    two = model_step_s(preset, dense + 2, device, tokens, experts)
-    layer = [max(0.0, b - a) for a, b in zip(one, two)]
+    one, more = step_s(dense + 1), step_s(dense + 1 + apart)
+    layer = [max(0.0, (b - a) / apart) for a, b in zip(one, more)]
     return layer, [max(0.0, a - per_layer) for a, per_layer in zip(one, layer)]
 
 
@@ -335,11 +340,7 @@ def cocompute_layer_and_rest(preset: str, device: torch.device, tokens: list[int
 
     Timed in place rather than summed from the CPU kernels' own timings, which on the accelerator host came out
     1.7x slower than the same kernels inside a training step at 512 tokens (100 ms against 60 per layer)."""
-    dense = moe_shape(preset_config(preset))["dense_layers"]
-    one = _cocompute_step_s(preset, dense + 1, device, tokens)
-    three = _cocompute_step_s(preset, dense + 3, device, tokens)
-    layer = [max(0.0, (b - a) / 2) for a, b in zip(one, three)]
-    return layer, [max(0.0, a - per_layer) for a, per_layer in zip(one, layer)]
+    return _layer_and_rest(preset, lambda layers: _cocompute_step_s(preset, layers, device, tokens), apart=2)
 
 
 def measure_shape(preset: str) -> dict:

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch.autograd import DeviceType
 
-from ..api import default_lora_config, prepare
+from ..api import cap_gpu_memory, default_lora_config, prepare
 from ..config import MoeccConfig
 from ..losses import chunked_causal_lm_loss
 from .plan import SEQUENCE
@@ -143,19 +143,12 @@ def _check_whole_model_fits(needed_bytes: int, device: torch.device, budget_gb: 
         raise RuntimeError(f"the whole model needs {needed_gb:.1f} GB on the GPU; the budget is {limit:g} GB")
 
 
-def _cap_device_memory(device: torch.device, budget_gb: float | None) -> None:
-    """Makes an allocation past the budget fail, as ``moecc.prepare`` does for its own paradigms."""
-    if budget_gb is not None and device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gb * 1e9 / total), device)
-
-
 def _whole_model_on_gpu(base: torch.nn.Module, lora, device: torch.device, budget_gb: float | None):
     """The ``gpu`` paradigm: plain PEFT with every weight on the device, if the budget allows it."""
     from peft import get_peft_model
 
     _check_whole_model_fits(sum(p.nbytes for p in base.parameters()), device, budget_gb)
-    _cap_device_memory(device, budget_gb)
+    cap_gpu_memory(device, budget_gb)
     return get_peft_model(base, lora).to(device)
 
 
@@ -165,19 +158,11 @@ def _hf_offload(base: torch.nn.Module, lora, device: torch.device, budget_gb: fl
     that runs out of memory is tried again with gradient checkpointing, as for the timed steps."""
     from . import hf_offload
 
-    _cap_device_memory(device, budget_gb)
+    cap_gpu_memory(device, budget_gb)
     model = hf_offload.build(base, lora, device)
     if state["on"]:  # --checkpointing on: from the first step
         _enable_checkpointing(model)
-    try:
-        return model, hf_offload.untrained_expert_lora(model, device)
-    except torch.OutOfMemoryError:
-        if state["mode"] != "auto" or state["on"]:
-            raise
-    _free_after_out_of_memory(model)
-    _enable_checkpointing(model)
-    state["on"] = True
-    return model, hf_offload.untrained_expert_lora(model, device)
+    return model, _fall_back_to_checkpointing(model, state, lambda: hf_offload.untrained_expert_lora(model, device))
 
 
 def _build(paradigm: str, base: torch.nn.Module, lora, device: torch.device, budget_gb: float | None,
@@ -213,12 +198,11 @@ def _free_after_out_of_memory(model: torch.nn.Module) -> None:
         torch.cuda.empty_cache()
 
 
-def _time_with_checkpointing(model: torch.nn.Module, device: torch.device, count: int, steps: int, state: dict,
-                             max_seconds: float | None = None):
-    """``time_training``; under ``auto``, a step that runs out of GPU memory is retried once with gradient
-    checkpointing turned on, which then stays on for the larger token counts."""
+def _fall_back_to_checkpointing(model: torch.nn.Module, state: dict, run):
+    """``run()``; under ``auto`` (``state``), once more with gradient checkpointing turned on if it runs out of
+    GPU memory, which then stays on for what follows (the larger token counts)."""
     try:
-        return time_training(model, device, count, steps, max_seconds=max_seconds)
+        return run()
     except torch.OutOfMemoryError:
         if state["mode"] != "auto" or state["on"]:
             raise
@@ -226,7 +210,14 @@ def _time_with_checkpointing(model: torch.nn.Module, device: torch.device, count
     _free_after_out_of_memory(model)
     _enable_checkpointing(model)
     state["on"] = True
-    return time_training(model, device, count, steps, max_seconds=max_seconds)
+    return run()
+
+
+def _time_with_checkpointing(model: torch.nn.Module, device: torch.device, count: int, steps: int, state: dict,
+                             max_seconds: float | None = None):
+    """``time_training``, falling back to gradient checkpointing as :func:`_fall_back_to_checkpointing` says."""
+    return _fall_back_to_checkpointing(
+        model, state, lambda: time_training(model, device, count, steps, max_seconds=max_seconds))
 
 
 def run_case(preset: str, layers: int | None, paradigm: str, tokens: list[int], steps: int, rank: int,
