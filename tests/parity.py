@@ -71,6 +71,19 @@ def batches(vocab_size: int, count: int, batch: int = 2, seq: int = 12, seed: in
     return out
 
 
+def forward_backward_both(reference: torch.nn.Module, engine: torch.nn.Module, batch: tuple, tolerance: float,
+                          device: str | None = None) -> None:
+    """One forward and backward of both models on ``batch`` = (ids, mask, labels), the engine's inputs moved to
+    ``device`` if given; their logits agree within ``tolerance`` (relative error)."""
+    ids, mask, labels = batch
+    a = reference(input_ids=ids, attention_mask=mask, labels=labels)
+    moved = [t if device is None else t.to(device) for t in batch]
+    b = engine(input_ids=moved[0], attention_mask=moved[1], labels=moved[2])
+    assert rel_err(b.logits, a.logits) <= tolerance
+    a.loss.backward()
+    b.loss.backward()
+
+
 def assert_grads_match(reference: torch.nn.Module, engine: torch.nn.Module, tolerance: float) -> None:
     """Every trainable parameter's gradient agrees (relative error) between the two models, in order."""
     for (name, p), (_, q) in zip(reference.named_parameters(), engine.named_parameters()):

@@ -10,7 +10,16 @@ from safetensors.torch import load_file
 import moecc
 from moecc.tiny_models import tiny_model
 
-from .parity import TOLERANCE, assert_grads_match, batches, build_pair, lora_config, randomize_lora, rel_err
+from .parity import (
+    TOLERANCE,
+    assert_grads_match,
+    batches,
+    build_pair,
+    forward_backward_both,
+    lora_config,
+    randomize_lora,
+    rel_err,
+)
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "mixtral", "olmoe", "gpt_oss"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -143,12 +152,8 @@ def test_router_receives_routing_weight_gradient(family):
 def test_parity_holds_for_other_routing_settings(family, overrides, dtype):
     config = lora_config(family, rank=3, alpha=5, use_rslora=True)
     reference, engine = build_pair(family, dtype, config, seed=7, **overrides)
-    (ids, mask, labels), = batches(engine.config.vocab_size, 1, batch=3, seq=7, seed=8, pad=True)
-    a = reference(input_ids=ids, attention_mask=mask, labels=labels)
-    b = engine(input_ids=ids, attention_mask=mask, labels=labels)
-    assert rel_err(b.logits, a.logits) <= TOLERANCE[dtype]
-    a.loss.backward()
-    b.loss.backward()
+    batch, = batches(engine.config.vocab_size, 1, batch=3, seq=7, seed=8, pad=True)
+    forward_backward_both(reference, engine, batch, TOLERANCE[dtype])
     assert_grads_match(reference, engine, TOLERANCE[dtype])
 
 
@@ -158,12 +163,8 @@ def test_experts_only_lora_and_attention_only_lora():
         for key, value in kwargs.items():
             setattr(config, key, value)
         reference, engine = build_pair("qwen2_moe", torch.float32, config, seed=3)
-        (ids, mask, labels), = batches(engine.config.vocab_size, 1, seed=2)
-        a = reference(input_ids=ids, attention_mask=mask, labels=labels)
-        b = engine(input_ids=ids, attention_mask=mask, labels=labels)
-        assert rel_err(b.logits, a.logits) <= 1e-4
-        a.loss.backward()
-        b.loss.backward()
+        batch, = batches(engine.config.vocab_size, 1, seed=2)
+        forward_backward_both(reference, engine, batch, 1e-4)
         assert_grads_match(reference, engine, 1e-4)
 
 
@@ -186,12 +187,8 @@ def test_cuda_device_matches_cpu_reference(family):
         pytest.skip("needs a CUDA GPU")
     reference, engine = build_pair(family, torch.float32, lora_config(family), seed=4, device="cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
-    (ids, mask, labels), = batches(engine.config.vocab_size, 1, seed=1, pad=True)
-    a = reference(input_ids=ids, attention_mask=mask, labels=labels)
-    b = engine(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=labels.cuda())
-    assert rel_err(b.logits, a.logits) <= 1e-4
-    a.loss.backward()
-    b.loss.backward()
+    batch, = batches(engine.config.vocab_size, 1, seed=1, pad=True)
+    forward_backward_both(reference, engine, batch, 1e-4, device="cuda")
     for name, q in engine.named_parameters():
         if q.requires_grad:
             assert q.device.type == ("cpu" if ".experts." in name else "cuda"), name

@@ -17,6 +17,7 @@ from ..parity import (
     assert_grads_match,
     batches,
     build_pair,
+    forward_backward_both,
     lora_config,
     rel_err,
 )
@@ -49,12 +50,8 @@ def test_large_batch_prefetches_next_layer_and_training_matches():
     reference, engine = build_pair("qwen2_moe", torch.float32, lora_config("qwen2_moe"), paradigm="offload",
                                    num_hidden_layers=3)
     engine.moecc.engine.capacity = 2  # fewer slots than layers: slots are evicted and refilled
-    for ids, mask, labels in batches(256, 3, batch=4, seq=16, seed=2):
-        a = reference(input_ids=ids, attention_mask=mask, labels=labels)
-        b = engine(input_ids=ids, attention_mask=mask, labels=labels)
-        assert rel_err(b.logits, a.logits) <= 1e-5
-        a.loss.backward()
-        b.loss.backward()
+    for batch in batches(256, 3, batch=4, seq=16, seed=2):
+        forward_backward_both(reference, engine, batch, 1e-5)
     assert_grads_match(reference, engine, 1e-4)
     assert engine.moecc.engine.metrics_since_reset()["h2d_gb"] > 0
 
@@ -71,12 +68,8 @@ def test_optimizer_steps_reach_the_device_copies_of_the_lora_factors(slots, fuse
     engine.moecc.engine.capacity = slots
     optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05, fused=fused)
                   for m in (reference, engine)]
-    for ids, mask, labels in batches(256, 3, batch=2, seq=12, seed=4):
-        a = reference(input_ids=ids, attention_mask=mask, labels=labels)
-        b = engine(input_ids=ids, attention_mask=mask, labels=labels)
-        assert rel_err(b.logits, a.logits) <= 1e-5
-        a.loss.backward()
-        b.loss.backward()
+    for batch in batches(256, 3, batch=2, seq=12, seed=4):
+        forward_backward_both(reference, engine, batch, 1e-5)
         assert_grads_match(reference, engine, 1e-3)
         for optimizer in optimizers:
             optimizer.step()
@@ -109,12 +102,8 @@ def test_grouped_compute_trains_like_hf_peft(family, monkeypatch):
     calls = _force_grouped(monkeypatch, torch.float32)
     reference, engine = build_pair(family, torch.float32, lora_config(family), paradigm="offload")
     assert engine.moecc.engine.compute == "grouped"
-    (ids, mask, labels), = batches(256, 1, batch=3, seq=16, seed=4, pad=True)
-    a = reference(input_ids=ids, attention_mask=mask, labels=labels)
-    b = engine(input_ids=ids, attention_mask=mask, labels=labels)
-    assert rel_err(b.logits, a.logits) <= 1e-5
-    a.loss.backward()
-    b.loss.backward()
+    batch, = batches(256, 1, batch=3, seq=16, seed=4, pad=True)
+    forward_backward_both(reference, engine, batch, 1e-5)
     assert_grads_match(reference, engine, TOLERANCE[torch.float32])
     assert calls, "the grouped path fell back to the per-expert loop"
 
