@@ -74,7 +74,8 @@ def bench(args: argparse.Namespace) -> list[dict]:
                                               ).get(row["paradigm"])
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
         rows += new_rows
-        files = write_report(rows, Path(args.out), title, command, dict(rates))  # after each paradigm: a cut-short run keeps them
+        # After each paradigm: a run cut short keeps what it measured.
+        files = write_report(rows, Path(args.out), title, command, dict(rates))
     print("wrote", ", ".join(str(f) for f in files))
     return rows
 

@@ -74,7 +74,8 @@ def token_counts(shape: dict, loads: tuple[int, ...] = LOADS) -> list[int]:
     return [max(1, round(load * shape["experts"] / shape["top_k"])) for load in loads]
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Waits for the work queued on ``device`` (nothing to wait for on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -98,13 +99,13 @@ def _timed_passes(shape: dict, tokens: list[int], device: torch.device, forward,
         batch = _routed_batch(shape, count, device)
         best = [float("inf"), float("inf")]
         for run in range(repeats + 1):
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             saved = forward(batch)
-            _sync(device)
+            synchronize(device)
             middle = time.perf_counter()
             backward(saved, batch)
-            _sync(device)
+            synchronize(device)
             if run:
                 best = [min(best[0], middle - start), min(best[1], time.perf_counter() - middle)]
         forward_s.append(best[0])

@@ -20,16 +20,12 @@ from ..api import cap_gpu_memory, default_lora_config, prepare
 from ..config import MoeccConfig
 from ..losses import chunked_causal_lm_loss
 from .plan import SEQUENCE
+from .rates import synchronize
 from .presets import preset_nbytes, random_model
 
 PARADIGMS = ("cocompute", "offload", "gpu", "hf-offload")
 _NOT_COMPUTE = ("Memcpy", "Memset")  # profiler names of device events that are copies, not kernels
 _PROFILED_STEP_LIMIT_S = 10.0  # longer steps are not profiled again (the profiler slows a step down)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def gpu_kernel_busy_s(events) -> float:
@@ -58,7 +54,7 @@ def _profiled_kernel_s(step, model: torch.nn.Module, device: torch.device) -> fl
     try:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
-            _sync(device)
+            synchronize(device)
         busy = gpu_kernel_busy_s(prof.events())
     except RuntimeError as error:  # a measurement aid: the row keeps its timings without it
         model.zero_grad(set_to_none=True)  # a step cut short leaves gradients behind
@@ -95,10 +91,10 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
             break  # the next step would take the timed ones past max_seconds
         if engine is not None:
             engine.reset_metrics()
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         train_step()
-        _sync(device)
+        synchronize(device)
         step_s = time.perf_counter() - start
         metrics = engine.metrics_since_reset() if engine is not None else {}
         if step >= warmup:

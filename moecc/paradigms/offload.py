@@ -311,19 +311,14 @@ class OffloadEngine:
 
     def compute_begins(self) -> tuple:
         """Marks the start of expert math on the compute stream; pass the result to :meth:`compute_ends`."""
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(torch.cuda.current_stream(self.device))
+        event = _timed_event(torch.cuda.current_stream(self.device)) if self.device.type == "cuda" else None
         return time.perf_counter(), event
 
     def compute_ends(self, begun: tuple, backward: bool) -> None:
         """Adds the expert math's time: GPU time between events on CUDA, wall time elsewhere."""
         start, event = begun
         if event is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(torch.cuda.current_stream(self.device))
-            self._compute_events.append((event, end))
+            self._compute_events.append((event, _timed_event(torch.cuda.current_stream(self.device))))
         elif backward:
             self.metrics.cpu_backward_s += time.perf_counter() - start
         else:
@@ -339,10 +334,10 @@ class OffloadEngine:
 
     def metrics_since_reset(self) -> dict[str, float]:
         """Same keys as the co-compute engine's; ``cpu_experts_s`` is 0. ``h2d_gb`` counts expert weights, their
-        LoRA factors and restored activations, ``d2h_gb`` parked activations. ``copy_s`` is the time host-to-device copies took,
-        ``d2h_s`` the time parking copies took (a stream of their own, overlapping the others), ``gpu_wait_s``
-        the time the compute stream stalled waiting for copies and ``expert_compute_s`` the device time of the
-        expert math (all from CUDA events on a GPU)."""
+        LoRA factors and restored activations, ``d2h_gb`` parked activations. ``copy_s`` is the time
+        host-to-device copies took, ``d2h_s`` the time parking copies took (a stream of their own, overlapping
+        the others), ``gpu_wait_s`` the time the compute stream stalled waiting for copies and
+        ``expert_compute_s`` the device time of the expert math (all from CUDA events on a GPU)."""
         m, parking = self.metrics, self.parking
         weights_mark, restored_mark, parked_mark = self._mark
         h2d = self.h2d_bytes - weights_mark + parking.bytes_to_device - restored_mark
@@ -408,13 +403,11 @@ class OffloadEngine:
                 self.copy_s += time.perf_counter() - start
             else:
                 with torch.cuda.stream(self.copy_stream):
-                    begin = torch.cuda.Event(enable_timing=True)
-                    begin.record(self.copy_stream)
+                    begin = _timed_event(self.copy_stream)
                     if stale_lora:  # first: small, and the layer's compute needs them as soon as the weights
                         self._stage_lora(slot, factors)
                     _copy_runs(slot, host, runs, self.copy_stream)
-                    slot.ready = torch.cuda.Event(enable_timing=True)
-                    slot.ready.record(self.copy_stream)
+                    slot.ready = _timed_event(self.copy_stream)
                     self._copy_events.append((begin, slot.ready))
         self.h2d_bytes += copied * (host.gate_up[0].nbytes + host.down[0].nbytes)
         slot.present.update(missing)
@@ -471,11 +464,9 @@ class OffloadEngine:
     def _wait_for(self, ready: torch.cuda.Event | None) -> None:
         if ready is not None and self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
-            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            before.record(stream)
+            before = _timed_event(stream)
             stream.wait_event(ready)
-            after.record(stream)
-            self._wait_events.append((before, after))
+            self._wait_events.append((before, _timed_event(stream)))
 
     def done_with(self, slot: _Slot) -> None:
         if self.device.type == "cuda":
