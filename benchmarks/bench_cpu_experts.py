@@ -1,9 +1,13 @@
 """One MoE layer of routed experts with LoRA on the CPU: moecc's native kernels against a PyTorch loop.
 
 For each shape, token count and routing (uniform, or Zipf(1.2) popularity: a few hot experts) it times the
-forward and backward of the native backend (median of --reps after a warm-up) and, in the same process, the
-per-expert PyTorch loop that Hugging Face's eager experts run. Prints one line per case and writes a markdown
-table, JSON and (with matplotlib) a PNG plot under --out.
+forward and backward of the native backend (median of --reps after a warm-up) and the per-expert PyTorch loop
+that Hugging Face's eager experts run. Prints one line per case and writes a markdown table, JSON and (with
+matplotlib) a PNG plot under --out.
+
+The native kernels run as moecc runs them: moecc is imported before torch, so torch's OpenMP threads sleep
+between ops (OMP_WAIT_POLICY=PASSIVE) instead of spinning on the cores the kernel threads need. The loop runs in
+a child process under the OpenMP setting this script was started with (torch's default: spinning), its best.
 
     python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 256,1024,4096,8192
 """
@@ -12,16 +16,21 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 import types
 from pathlib import Path
 
-import torch
+_STARTED_WITH_OMP_POLICY = os.environ.get("OMP_WAIT_POLICY")
+import moecc  # noqa: E402,F401  (before torch: sets OMP_WAIT_POLICY=PASSIVE unless the caller set it)
+import torch  # noqa: E402
 
-from moecc import _ops
-from moecc.native_experts import NativeExperts
-from moecc.reference import ExpertLora, ExpertWeights
+from moecc import _ops  # noqa: E402
+from moecc.native_experts import NativeExperts  # noqa: E402
+from moecc.reference import ExpertLora, ExpertWeights  # noqa: E402
 
 SHAPES = {  # experts, top_k, hidden, intermediate
     "qwen3-30b-a3b": (128, 8, 2048, 768),
@@ -99,7 +108,8 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: NativeExperts, baseline: bool):
+def make_case(shape: str, tokens: int, kind: str, rank: int):
+    """(weights, gate_up LoRA, down LoRA, x, index, routing weights, grad_out): the same for the same arguments."""
     experts, top_k, hidden, inter = SHAPES[shape]
     g = torch.Generator().manual_seed(tokens)
     gc.collect()
@@ -113,6 +123,38 @@ def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: N
     x = torch.randn(tokens, hidden, generator=g).bfloat16()
     index, w = routing(tokens, experts, top_k, kind, g)
     grad_out = torch.randn(tokens, hidden, generator=g)
+    return weights, gate_up, down, x, index, w, grad_out
+
+
+def loop_times(shape: str, tokens: int, kind: str, rank: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the PyTorch per-expert loop, autograd on."""
+    weights, gate_up, down, x, index, w, grad_out = make_case(shape, tokens, kind, rank)
+    xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+    forward = median_time(lambda: torch_loop(weights, xb, index, wb, gate_up, down), 1)
+    out = torch_loop(weights, xb, index, wb, gate_up, down)
+    backward = median_time(lambda: out.backward(grad_out.bfloat16(), retain_graph=True), 1)
+    return forward, backward
+
+
+def loop_baseline(args: argparse.Namespace) -> dict:
+    """The loop's times for every case, from a child process under the OpenMP policy this script started with."""
+    env = dict(os.environ)
+    if _STARTED_WITH_OMP_POLICY is None:
+        env.pop("OMP_WAIT_POLICY", None)
+    else:
+        env["OMP_WAIT_POLICY"] = _STARTED_WITH_OMP_POLICY
+    command = [sys.executable, __file__, "--loop-only", "--shapes", args.shapes, "--tokens", args.tokens,
+               "--routing", args.routing, "--rank", str(args.rank)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"the PyTorch-loop baseline failed:\n{done.stderr[-2000:]}")
+    return {tuple(key.split("/")): value for key, value in json.loads(done.stdout.splitlines()[-1]).items()}
+
+
+def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: NativeExperts,
+             baseline: dict | None):
+    experts, top_k, hidden, inter = SHAPES[shape]
+    weights, gate_up, down, x, index, w, grad_out = make_case(shape, tokens, kind, rank)
 
     state = {}
 
@@ -148,11 +190,8 @@ def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: N
                weights_gb=(weights.gate_up.nbytes + weights.down.nbytes) / 1e9, scratch_gb=scratch_gb)
     if shape == "qwen3-30b-a3b" and tokens in PEER_MS:
         row["target_ms"] = 0.5 * sum(PEER_MS[tokens])
-    if baseline:
-        xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
-        loop_forward = median_time(lambda: torch_loop(weights, xb, index, wb, gate_up, down), 1)
-        out = torch_loop(weights, xb, index, wb, gate_up, down)
-        loop_backward = median_time(lambda: out.backward(grad_out.bfloat16(), retain_graph=True), 1)
+    if baseline is not None:
+        loop_forward, loop_backward = baseline[(shape, str(tokens), kind)]
         row.update(loop_forward_ms=loop_forward * 1e3, loop_backward_ms=loop_backward * 1e3,
                    speedup=(loop_forward + loop_backward) / (forward_s + backward_s))
     return row
@@ -173,8 +212,15 @@ def main() -> None:
                              "values, 0 = off); default: built-in")
     parser.add_argument("--task-shape", default=None, metavar="PANELS,GRAD_COLUMNS",
                         help="width of the product tasks: forward output panels of 16 columns per task, input-"
-                             "gradient columns per task (multiple of 16); default: built-in (4,256)")
+                             "gradient columns per task (multiple of 16); default: built-in (8,256)")
+    parser.add_argument("--loop-only", action="store_true", help=argparse.SUPPRESS)  # the baseline's child
     args = parser.parse_args()
+    cases = [(shape, int(tokens), kind) for shape in args.shapes.split(",") for tokens in args.tokens.split(",")
+             for kind in args.routing.split(",")]
+    if args.loop_only:
+        print(json.dumps({f"{shape}/{tokens}/{kind}": loop_times(shape, tokens, kind, args.rank)
+                          for shape, tokens, kind in cases}))
+        return
     from moecc import _C
 
     if args.amx_tuning:
@@ -184,16 +230,16 @@ def main() -> None:
 
     isa = _ops.best_isa() if args.isa == "auto" else args.isa
     native = NativeExperts(isa)
-    print(f"isa {isa}, {_ops.num_threads()} threads, cpu {_ops.cpu_features()['brand'].strip()}")
+    print(f"isa {isa}, {_ops.num_threads()} threads, cpu {_ops.cpu_features()['brand'].strip()}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} (loop: {_STARTED_WITH_OMP_POLICY or 'unset'})")
+    baseline = None if args.no_baseline else loop_baseline(args)
     peaks = measure_peaks()
     print("register-only bf16 peaks, TFLOP/s:", {k: round(v / 1e12, 3) for k, v in peaks.items()})
     rows = []
-    for shape in args.shapes.split(","):
-        for tokens in (int(t) for t in args.tokens.split(",")):
-            for kind in args.routing.split(","):
-                row = run_case(shape, tokens, kind, args.rank, args.reps, native, not args.no_baseline)
-                rows.append(row)
-                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    for shape, tokens, kind in cases:
+        row = run_case(shape, tokens, kind, args.rank, args.reps, native, baseline)
+        rows.append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     for row in rows:
         uniform = [r for r in rows if r["shape"] == row["shape"] and r["tokens"] == row["tokens"]
                    and r["routing"] == "uniform"]
@@ -216,7 +262,9 @@ def main() -> None:
     knobs = "".join(f" --{name.replace('_', '-')} {value}" for name, value in
                     (("amx_tuning", args.amx_tuning), ("task_shape", args.task_shape)) if value)
     lines = [f"`python benchmarks/bench_cpu_experts.py --shapes {args.shapes} --tokens {args.tokens} "
-             f"--isa {args.isa}{knobs}` ({isa}, {_ops.num_threads()} threads)", "",
+             f"--isa {args.isa}{knobs}` ({isa}, {_ops.num_threads()} threads; kernels under "
+             f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, the loop under "
+             f"{_STARTED_WITH_OMP_POLICY or 'the OpenMP default'})", "",
              f"Register-only bf16 peaks: {peak_text}. efficiency = best pass TFLOP/s / the {isa} all-thread peak.",
              "weights_gb: the layer's expert weights, read in place (no packed or transposed copy); scratch_gb: "
              "resident memory the kernels added (scratch per routed pair, shared by all layers, plus this layer's "

@@ -145,6 +145,12 @@ def prepare(
     _ops.configure_pool(config.num_threads, config.pin_threads)
     if paradigm == "offload":
         engine = OffloadEngine(device, config.offload_slots, cache_bytes=int(config.offload_cache_gb * 1e9))
+        all_wrappers = [expert_wrappers(block.experts)[1] for _, block in blocks]
+        engine.lora_on_device = offload_lora_on_device(all_wrappers, device, config)
+        if engine.lora_on_device:
+            for wrappers in all_wrappers:
+                for param in _expert_lora_parameters(wrappers):
+                    param.data = param.data.to(device)
     else:
         engine = CoComputeEngine(device, config.backend, config.isa)
     layers = []
@@ -167,6 +173,29 @@ def prepare(
     return peft_model
 
 
+def _expert_lora_parameters(wrappers: dict) -> list[torch.nn.Parameter]:
+    """The expert LoRA factors of one layer's PEFT wrappers, each once."""
+    params = {id(p): p for wrapper in wrappers.values() for name, p in wrapper.named_parameters() if "lora_" in name}
+    return list(params.values())
+
+
+def offload_lora_on_device(layer_wrappers: list[dict], device: torch.device, config: MoeccConfig) -> bool:
+    """Whether offload keeps the expert LoRA factors on ``device`` (see ``MoeccConfig.offload_lora``): under
+    ``"auto"``, when the factors, their gradients and two AdamW moments (4x the float32 factors) take at most a
+    quarter of the GPU budget, or of the GPU's memory without one; always off CUDA, where host and device are one
+    memory."""
+    if config.offload_lora != "auto":
+        return config.offload_lora == "device"
+    if device.type != "cuda":
+        return True
+    state = 4 * sum(p.nbytes for wrappers in layer_wrappers for p in _expert_lora_parameters(wrappers))
+    if config.gpu_memory_budget_gb is not None:
+        limit = config.gpu_memory_budget_gb * 1e9
+    else:
+        limit = torch.cuda.get_device_properties(device.index or 0).total_memory
+    return state <= limit / 4
+
+
 def pin_experts(experts: torch.nn.Module, wrappers: dict | None = None) -> None:
     """Moves one experts module's weights, and the expert LoRA factors of its PEFT ``wrappers``, into
     page-locked host memory (the copies replace the originals). Offload copies both to the device every layer
@@ -186,6 +215,9 @@ def apply_gpu_budget(model: torch.nn.Module, layers: list, paradigm: str, device
     if budget is None or device.type != "cuda":
         return
     resident = sum(p.nbytes for n, p in model.named_parameters() if ".experts." not in n)
+    if paradigm == "offload" and layers and layers[0].engine.lora_on_device:
+        # the factors, their gradients and two AdamW moments
+        resident += 4 * sum(p.nbytes for layer in layers for p in _expert_lora_parameters(layer.wrappers))
     if paradigm == "offload":
         resident += config.offload_slots * max(layer.experts.gate_up_proj.nbytes + layer.experts.down_proj.nbytes
                                                for layer in layers)

@@ -70,7 +70,8 @@ def bench(args: argparse.Namespace) -> list[dict]:
                                      args.gpu_budget, args.checkpointing, args.row_seconds)
         for row in new_rows:
             row["predicted_step_s"] = predict(args.preset, row.get("tokens_timed", row["tokens"]), rates, args.layers,
-                                              args.rank, checkpointing=bool(row.get("checkpointing"))
+                                              args.rank, checkpointing=bool(row.get("checkpointing")),
+                                              offload_lora_on_device=row.get("lora_on_device", True)
                                               ).get(row["paradigm"])
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
         rows += new_rows

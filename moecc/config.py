@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 BACKENDS = ("auto", "reference", "native")
 ISAS = ("auto", "amx", "avx512_bf16", "portable")
+OFFLOAD_LORA = ("auto", "device", "host")
 
 
 @dataclass
@@ -32,6 +33,13 @@ class MoeccConfig:
             ``MOECC_OFFLOAD_CACHE_GB``.
         offload_slots: layers of experts the offload paradigm keeps on the device at once (2 = the current
             layer plus the one being prefetched).
+        offload_lora: where the offload paradigm keeps the expert LoRA factors (float32 masters, their gradients
+            and the optimizer's state). ``"device"``: on the GPU, used in place (no copies, and the optimizer
+            steps them there). ``"host"``: in pinned host memory, copied to the device once per forward pass and
+            their gradients copied back; the optimizer steps them on the CPU (about 1 ns per factor value, 0.3 s
+            a step for Qwen3-30B-A3B at rank 8, with nothing to hide it behind). ``"auto"`` (default): the
+            device when factors, gradients and two AdamW moments take at most a quarter of the GPU budget (of
+            the GPU's memory without a budget), else the host. Environment: ``MOECC_OFFLOAD_LORA``.
     """
 
     num_threads: int | None = None
@@ -41,6 +49,7 @@ class MoeccConfig:
     gpu_memory_budget_gb: float | None = None
     offload_slots: int = 2
     offload_cache_gb: float = 0.0
+    offload_lora: str = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -51,6 +60,8 @@ class MoeccConfig:
             raise ValueError(f"offload_cache_gb must be >= 0 (0 = no cache), got {self.offload_cache_gb}")
         if self.offload_slots < 1:
             raise ValueError(f"offload_slots must be >= 1, got {self.offload_slots}")
+        if self.offload_lora not in OFFLOAD_LORA:
+            raise ValueError(f"unknown offload_lora {self.offload_lora!r}; choose one of {', '.join(OFFLOAD_LORA)}")
         if self.isa not in ISAS:
             raise ValueError(f"unknown ISA {self.isa!r}; choose one of {', '.join(ISAS)}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -69,6 +80,8 @@ class MoeccConfig:
             kwargs["backend"] = os.environ["MOECC_BACKEND"]
         if os.environ.get("MOECC_ISA"):
             kwargs["isa"] = os.environ["MOECC_ISA"]
+        if os.environ.get("MOECC_OFFLOAD_LORA"):
+            kwargs["offload_lora"] = os.environ["MOECC_OFFLOAD_LORA"].strip().lower()
         for variable, field_name in (("MOECC_OFFLOAD_CACHE_GB", "offload_cache_gb"),
                                      ("MOECC_GPU_BUDGET_GB", "gpu_memory_budget_gb")):
             value = os.environ.get(variable)

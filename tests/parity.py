@@ -38,7 +38,7 @@ def randomize_lora(model: torch.nn.Module, seed: int, scale: float = 0.1) -> Non
 
 def build_pair(family: str, dtype: torch.dtype, config: LoraConfig, seed: int = 0, random_lora: bool = True,
                device: str = "cpu", paradigm: str = "cocompute", backend: str = "reference",
-               **model_overrides) -> tuple[PeftModel, PeftModel]:
+               moecc_options: dict | None = None, **model_overrides) -> tuple[PeftModel, PeftModel]:
     """(HF + PEFT reference on the CPU, moecc model on ``device``) with identical base weights and adapters.
 
     ``backend`` defaults to the reference CPU math, which these pipeline-exact comparisons are about; the
@@ -49,7 +49,7 @@ def build_pair(family: str, dtype: torch.dtype, config: LoraConfig, seed: int = 
     if random_lora:
         randomize_lora(reference, seed + 100)
     engine = moecc.prepare(copy.deepcopy(base), lora_config=copy.deepcopy(config), device=device, paradigm=paradigm,
-                           config=moecc.MoeccConfig(backend=backend))
+                           config=moecc.MoeccConfig(backend=backend, **(moecc_options or {})))
     engine.load_state_dict(reference.state_dict())
     reference.train()
     engine.train()

@@ -28,7 +28,7 @@ constexpr int64_t kTokenBlock = 64;       // rows per elementwise task
 // gradients also re-lay that slice once per task.
 constexpr int64_t kProductRows = 256;
 // Task widths (see set_task_shape): output panels per forward product task, columns per input-gradient task.
-std::atomic<int64_t> panels_per_task{4};
+std::atomic<int64_t> panels_per_task{8};
 std::atomic<int64_t> grad_columns_per_task{256};
 
 struct Task {

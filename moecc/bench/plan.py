@@ -168,7 +168,7 @@ RECOMPUTE = 1 / 3
 
 
 def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, rank: int = RANK,
-            checkpointing: bool = False) -> dict[str, float]:
+            checkpointing: bool = False, offload_lora_on_device: bool = True) -> dict[str, float]:
     """Predicted seconds per training step of ``tokens`` tokens for ``cocompute``, ``offload`` and ``gpu`` (only
     ``cocompute``, all on the CPU, without GPU rates), with LoRA of ``rank`` on attention and experts.
 
@@ -176,6 +176,8 @@ def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, ra
     or a dict of the same form that already holds the preset's shape rates. ``checkpointing``: Hugging Face
     gradient checkpointing (non-reentrant): the GPU recomputes each layer's forward, offload its expert math
     too; co-compute replays the CPU experts' first result, so their time does not grow.
+    ``offload_lora_on_device``: offload keeps the expert LoRA on the GPU (``MoeccConfig.offload_lora``), where
+    the optimizer steps it in no time worth counting; otherwise it pays the host optimizer as co-compute does.
     """
     s = moe_shape(preset_config(preset, layers))
     timed = shape_rates(rates, preset)
@@ -202,7 +204,7 @@ def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, ra
         cocompute = _cocompute_in_place_s(s, tokens, rates, timed, rank, attention * recompute / (1 + recompute))
     return {
         "cocompute": cocompute,
-        "offload": offload + rest + optimizer,
+        "offload": offload + rest + (0.0 if offload_lora_on_device else optimizer),
         "gpu": _gpu_paradigm_s(s, tokens, rates, timed, rank) * (1 + recompute),
     }
 

@@ -10,8 +10,9 @@ The expert math on the device is chosen per engine (``OffloadEngine.compute``, d
 ``MOECC_OFFLOAD_COMPUTE``): ``"grouped"`` (``moecc.grouped_experts``: one grouped matrix product per projection,
 LoRA factorised; agrees with HF + PEFT to the dtype's rounding; the default on CUDA) or ``"reference"``
 (``moecc.reference``: one expert at a time with PEFT's folded ``W + ΔW``, bit-exact with HF + PEFT; the default
-elsewhere, so CPU runs stay exact). LoRA factors stay host-resident parameters (pinned on CUDA) and travel with
-the activations. With a cache budget (``MoeccConfig.offload_cache_gb``) the most frequently routed experts also
+elsewhere, so CPU runs stay exact). The expert LoRA factors (``MoeccConfig.offload_lora``) live on the device
+when they fit a quarter of the budget with their gradients and optimizer state, and are used in place there;
+otherwise they stay host parameters (pinned on CUDA), copied to the device once per forward pass. With a cache budget (``MoeccConfig.offload_cache_gb``) the most frequently routed experts also
 stay on the device (``moecc.paradigms.expert_cache``) and fill slots without crossing PCIe.
 
 What a layer keeps for its backward (``SavedState``: hidden ``[T, H]``, pre-activations ``[T*k, 2I]``, routing
@@ -279,6 +280,8 @@ class OffloadEngine:
         # Park each layer's saved state in host memory between its forward and its backward (see the module
         # docstring); False keeps it on the device. On the CPU the same path runs with plain host copies.
         self.park_activations = True
+        # Expert LoRA factors on the device already (MoeccConfig.offload_lora): used in place, never staged.
+        self.lora_on_device = False
         self.parking = ActivationParking(device, self.copy_stream)
         self.forward_passes = 0  # forward passes begun (not recomputations); keys parked states with the layer
         self.metrics = StepMetrics()
@@ -385,7 +388,7 @@ class OffloadEngine:
             slot.present, slot.revision = set(), layer.revision()  # merged into: device copies are stale
         missing = [e for e in experts if e not in slot.present]
         factors = lora_tensors(layer.lora() if lora is None else lora)
-        stale_lora = not self._lora_current(slot, factors)
+        stale_lora = not self.lora_on_device and not self._lora_current(slot, factors)
         if not missing and not stale_lora:
             return slot
         host = layer.host_weights
@@ -442,9 +445,11 @@ class OffloadEngine:
         self.h2d_bytes += sum(t.nbytes for t in factors if t is not None)
 
     def device_lora(self, slot: _Slot, lora: tuple) -> tuple[ExpertLora | None, ExpertLora | None]:
-        """The slot's device copies of ``lora`` (the layer's ``(gate_up, down)`` factors); call after
-        :meth:`use`. On CUDA they are marked as used by the current stream, so a later staging cannot reuse
-        their memory before this stream has read them."""
+        """The slot's device copies of ``lora`` (the layer's ``(gate_up, down)`` factors), or ``lora`` itself when
+        the factors live on the device; call after :meth:`use`. On CUDA copies are marked as used by the current
+        stream, so a later staging cannot reuse their memory before this stream has read them."""
+        if self.lora_on_device:
+            return lora
         current = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         out = []
         for part, a, b in zip(lora, slot.lora[0::2], slot.lora[1::2]):

@@ -53,7 +53,9 @@ def test_predictions_reproduce_hand_computed_numbers():
     forward = copy + (0.002 + 0.005 / 2) + 2 * copy  # the first copy exposed, the next two overlap compute
     parked = (200 * 64 * 2 + 400 * (4 + 8 + 2 * 32 * 2)) / 1e6  # hidden states; per pair weight, index, gate/up
     backward = 2 * (0.003 + 0.005 / 2 + parked) + copy + parked  # the last two layers' weights are on the GPU
-    assert times["offload"] == pytest.approx(forward + backward + 0.015 + optimizer)
+    assert times["offload"] == pytest.approx(forward + backward + 0.015)  # expert LoRA stepped on the GPU
+    host_lora = predict("tiny", 200, tiny_rates(), layers=3, offload_lora_on_device=False)
+    assert host_lora["offload"] == pytest.approx(forward + backward + 0.015 + optimizer)
     assert times["gpu"] == pytest.approx(3 * 0.007 + 0.016)
 
 

@@ -28,22 +28,47 @@ def _expert_bytes(engine, experts: int) -> int:
     return experts * (weights.gate_up[0].nbytes + weights.down[0].nbytes)
 
 
-def test_copies_only_routed_experts_and_reuses_slots():
-    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="offload")
+@pytest.mark.parametrize("lora_place", ["host", "device"])
+def test_copies_only_routed_experts_and_reuses_slots(lora_place):
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="offload",
+                           moecc_options={"offload_lora": lora_place})
     state = engine.moecc
+    assert state.engine.lora_on_device == (lora_place == "device")
     state.engine.reset_metrics()
     ids = torch.tensor([[5]])
     with torch.no_grad():
         engine(input_ids=ids)
     routed = sum(len(layer.last_experts) for layer in state.layers)
     assert routed == 2 * len(state.layers)  # one token, k = 2: two experts per layer, nothing else
+    # host factors are staged once per forward pass; device factors are used in place
     lora_bytes = sum(t.nbytes for layer in state.layers for t in lora_tensors(layer.lora()) if t is not None)
+    lora_bytes *= lora_place == "host"
     assert state.engine.metrics_since_reset()["h2d_gb"] * 1e9 == pytest.approx(_expert_bytes(engine, routed)
                                                                                + lora_bytes)
     state.engine.reset_metrics()
     with torch.no_grad():
         engine(input_ids=ids)  # both layers' slots are still resident (2 slots, 2 layers): only LoRA is sent again
     assert state.engine.metrics_since_reset()["h2d_gb"] * 1e9 == pytest.approx(lora_bytes)
+
+
+def test_offload_lora_placement_follows_the_budget(monkeypatch):
+    """``auto`` keeps the expert LoRA state on the GPU when 4x the factors fit a quarter of the budget."""
+    from moecc.api import offload_lora_on_device
+
+    wrappers = [{"gate_up_proj": torch.nn.ModuleDict({"lora_A": torch.nn.Linear(1000, 250, bias=False)})}]
+    state_bytes = 4 * 250 * 1000 * 4  # 4 MB
+    cuda = torch.device("cuda", 0)
+    for budget, expected in ((16 * state_bytes / 1e9, True), (3.9 * state_bytes / 1e9, False)):
+        config = moecc.MoeccConfig(gpu_memory_budget_gb=budget)
+        assert offload_lora_on_device(wrappers, cuda, config) is expected
+    assert offload_lora_on_device(wrappers, cuda, moecc.MoeccConfig(gpu_memory_budget_gb=1e-6,
+                                                                     offload_lora="device"))
+    assert not offload_lora_on_device(wrappers, cuda, moecc.MoeccConfig(offload_lora="host"))
+    assert offload_lora_on_device(wrappers, torch.device("cpu"), moecc.MoeccConfig())
+    with pytest.raises(ValueError, match="offload_lora"):
+        moecc.MoeccConfig(offload_lora="gpu")
+    monkeypatch.setenv("MOECC_OFFLOAD_LORA", "Host")
+    assert moecc.MoeccConfig.from_env().offload_lora == "host"
 
 
 def test_large_batch_prefetches_next_layer_and_training_matches():
@@ -56,15 +81,16 @@ def test_large_batch_prefetches_next_layer_and_training_matches():
     assert engine.moecc.engine.metrics_since_reset()["h2d_gb"] > 0
 
 
-@pytest.mark.parametrize("slots,fused", [(2, False), (8, False), (8, True)])
-def test_optimizer_steps_reach_the_device_copies_of_the_lora_factors(slots, fused):
+@pytest.mark.parametrize("slots,fused,lora_place", [(2, False, "host"), (8, False, "host"), (8, True, "host"),
+                                                     (2, True, "device")])
+def test_optimizer_steps_reach_the_device_copies_of_the_lora_factors(slots, fused, lora_place):
     """The device copies of the expert LoRA factors are made again after each optimizer step (the slots keep the
     weights across steps), so every step's forward uses the updated factors, as HF + PEFT does: with slots
     reassigned between layers (2) or every layer's slot kept across steps (8), and with a fused optimizer, which
     writes the factors without bumping their version counters. (Copies that are not refreshed give errors of
     0.1 to 1; rounding alone, compounded over the steps, stays below 1e-5.)"""
     reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="offload",
-                                   num_hidden_layers=3)
+                                   moecc_options={"offload_lora": lora_place}, num_hidden_layers=3)
     engine.moecc.engine.capacity = slots
     optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05, fused=fused)
                   for m in (reference, engine)]
@@ -150,11 +176,12 @@ def test_compute_choice_defaults_and_validation(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_offload_on_cuda_matches_and_respects_budget():
+@pytest.mark.parametrize("lora_place", ["host", "device"])
+def test_offload_on_cuda_matches_and_respects_budget(lora_place):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     reference, engine = build_pair("deepseek_v3", torch.float32, lora_config("deepseek_v3"), paradigm="offload",
-                                   device="cuda")
+                                   device="cuda", moecc_options={"offload_lora": lora_place})
     torch.backends.cuda.matmul.allow_tf32 = False
     (ids, mask, labels), = batches(256, 1, seed=3)
     a = reference(input_ids=ids, attention_mask=mask, labels=labels)
@@ -163,7 +190,13 @@ def test_offload_on_cuda_matches_and_respects_budget():
     b.loss.backward()
     assert all(p.is_pinned() for layer in engine.moecc.layers for p in layer.experts.parameters(recurse=False))
     expert_lora = [p for n, p in engine.named_parameters() if ".experts." in n and "lora_" in n]
-    assert expert_lora and all(p.is_pinned() for p in expert_lora)  # copied every layer call: pinned, async
+    assert expert_lora
+    if lora_place == "host":
+        assert all(p.is_pinned() for p in expert_lora)  # copied every forward pass: pinned, async
+    else:
+        assert all(p.is_cuda and p.grad is not None and p.grad.is_cuda for p in expert_lora)
+    a.loss.backward()
+    assert_grads_match(reference, engine, 1e-3)
     from moecc.tiny_models import tiny_model
 
     with pytest.raises(moecc.MoeccError, match="too small"):
