@@ -12,8 +12,9 @@ LoRA factorised; agrees with HF + PEFT to the dtype's rounding; the default on C
 (``moecc.reference``: one expert at a time with PEFT's folded ``W + ΔW``, bit-exact with HF + PEFT; the default
 elsewhere, so CPU runs stay exact). The expert LoRA factors (``MoeccConfig.offload_lora``) live on the device
 when they fit a quarter of the budget with their gradients and optimizer state, and are used in place there;
-otherwise they stay host parameters (pinned on CUDA), copied to the device once per forward pass. With a cache budget (``MoeccConfig.offload_cache_gb``) the most frequently routed experts also
-stay on the device (``moecc.paradigms.expert_cache``) and fill slots without crossing PCIe.
+otherwise they stay host parameters (pinned on CUDA), copied to the device once per forward pass. With a cache
+budget (``MoeccConfig.offload_cache_gb``) the most frequently routed experts also stay on the device
+(``moecc.paradigms.expert_cache``) and fill slots without crossing PCIe.
 
 What a layer keeps for its backward (``SavedState``: hidden ``[T, H]``, pre-activations ``[T*k, 2I]``, routing
 weights and grouping, ~29 KB per token for Qwen3-30B-A3B) is parked in host memory between its forward and its
