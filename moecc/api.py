@@ -147,10 +147,6 @@ def prepare(
         engine = OffloadEngine(device, config.offload_slots, cache_bytes=int(config.offload_cache_gb * 1e9))
         all_wrappers = [expert_wrappers(block.experts)[1] for _, block in blocks]
         engine.lora_on_device = offload_lora_on_device(all_wrappers, device, config)
-        if engine.lora_on_device:
-            for wrappers in all_wrappers:
-                for param in _expert_lora_parameters(wrappers):
-                    param.data = param.data.to(device)
     else:
         engine = CoComputeEngine(device, config.backend, config.isa)
     layers = []
@@ -159,6 +155,9 @@ def prepare(
         base_experts, wrappers = expert_wrappers(block.experts)
         check_host_experts(base_experts, name)
         if paradigm == "offload":
+            if engine.lora_on_device:  # after keep_on_host, which moves the whole subtree to host memory
+                for param in _expert_lora_parameters(wrappers):
+                    param.data = param.data.to(device)
             if device.type == "cuda":
                 pin_experts(base_experts, wrappers)
             layer = OffloadLayer(name, base_experts, wrappers, engine, index)
