@@ -37,7 +37,9 @@ from ..reference import ExpertLora, ExpertWeights
 from .presets import preset_config
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moecc" / "rates.json"
-VERSION = 4  # a cache written in another layout (or timed with the unchunked loss, before 3) is measured again
+# A cache written in another layout (or timed with the unchunked loss, before 3; GPU layers 1 apart, before 5)
+# is measured again.
+VERSION = 5
 LOADS = (32, 128, 512)  # (token, expert) pairs per expert at which the CPU kernels are timed
 GPU_LOADS = LOADS[:2]  # GPU times are close to linear in tokens beyond these
 RANK = 8  # LoRA rank of the timed layers
@@ -277,8 +279,10 @@ def model_step_s(preset: str, layers: int, device: torch.device, tokens: list[in
 def per_layer_and_rest(preset: str, device: torch.device, tokens: list[int],
                        experts: bool) -> tuple[list[float], list[float]]:
     """Step seconds per MoE layer, and of the rest of the step, at each token count: the difference of models
-    with two and one MoE layers (after any dense layers), and what one MoE layer leaves of the smaller."""
-    return _layer_and_rest(preset, lambda layers: model_step_s(preset, layers, device, tokens, experts), apart=1)
+    with four and one MoE layers (after any dense layers) over three, and what one MoE layer leaves of the
+    smaller. At small batches a GPU layer is launch-bound (~10 ms on the accelerator host); the difference of
+    one layer varied from 6 to 11 ms between runs there, three apart average that out."""
+    return _layer_and_rest(preset, lambda layers: model_step_s(preset, layers, device, tokens, experts), apart=3)
 
 
 def _layer_and_rest(preset: str, step_s, apart: int) -> tuple[list[float], list[float]]:
