@@ -196,6 +196,15 @@ def _check_grouping(offsets: torch.Tensor, order: torch.Tensor, experts: int, pa
             raise ValueError(f"order must be a permutation of the {pairs} pair ids")
 
 
+def _io_dtype(given: torch.Tensor | None, name: str) -> torch.dtype:
+    """float32 or bf16, as ``given`` is (float32 when None): the dtypes the kernels read and write token rows in."""
+    if given is None:
+        return torch.float32
+    if given.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{name} must be float32 or bfloat16, got {given.dtype}")
+    return given.dtype
+
+
 def _output(given: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> torch.Tensor:
     """A new output tensor, or the caller's after checking it can take the result."""
     if given is None:
@@ -212,14 +221,15 @@ def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sha
                        gate_up_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the CPU expert forward. ``shape = (E, H, I)``; ``hidden [T, H]`` bf16; ``routing [T*k]`` float32.
 
-    Returns ``(out [T, H] float32, gate_up_out [T*k, 2I] bf16 in grouped order)``, written into the given
-    tensors when passed (callers reuse buffers: fresh pages cost a fault each on first touch).
+    Returns ``(out [T, H], gate_up_out [T*k, 2I] bf16 in grouped order)``, written into the given tensors when
+    passed (callers reuse buffers: fresh pages cost a fault each on first touch). ``out`` is float32, or bf16
+    when a bf16 tensor is given (summed in float32 and rounded once, in the kernel).
     """
     experts, hidden_size, inter = shape
     tokens = hidden.shape[0]
     pairs = tokens * top_k
     _check_grouping(offsets, order, experts, pairs)
-    out = _output(out, (tokens, hidden_size), torch.float32, "out")
+    out = _output(out, (tokens, hidden_size), _io_dtype(out, "out"), "out")
     gate_up_out = _output(gate_up_out, (pairs, 2 * inter), torch.bfloat16, "gate_up_out")
     _C.expert_ffn_forward(
         isa=ISAS[isa], experts=experts, hidden_size=hidden_size, inter=inter, tokens=tokens, top_k=top_k,
@@ -230,7 +240,7 @@ def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sha
         order=_address(order, "order", torch.int64, tokens * top_k),
         routing_weights=_address(routing, "routing weights", torch.float32, tokens * top_k),
         hidden=_address(hidden, "hidden", torch.bfloat16, tokens * hidden_size),
-        gate_up_out=gate_up_out.data_ptr(), out=out.data_ptr(),
+        gate_up_out=gate_up_out.data_ptr(), out=out.data_ptr(), out_bf16=out.dtype == torch.bfloat16,
     )
     return out, gate_up_out
 
@@ -239,17 +249,19 @@ def expert_ffn_backward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sh
                         hidden: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor, routing: torch.Tensor,
                         gate_up_lora: tuple | None, down_lora: tuple | None, gate_up_out: torch.Tensor,
                         grad_out: torch.Tensor, grad_hidden: torch.Tensor | None = None) -> tuple:
-    """Backward of :func:`expert_ffn_forward` with ``grad_out [T, H]`` float32 (``grad_hidden`` written into
-    the given tensor when passed).
+    """Backward of :func:`expert_ffn_forward` with ``grad_out [T, H]`` float32 or bf16 (``grad_hidden``
+    written into the given tensor when passed: float32, or bf16 rounded once in the kernel).
 
     Returns ``(grad_hidden [T, H], grad_routing [T*k], (dA_gu, dB_gu) or None, (dA_down, dB_down) or None)``,
-    float32, LoRA gradients as ``A [E, r, in]``, ``B [out, r*E]`` (PEFT's layout).
+    float32 but for a bf16 ``grad_hidden``, LoRA gradients as ``A [E, r, in]``, ``B [out, r*E]`` (PEFT's
+    layout).
     """
     experts, hidden_size, inter = shape
     tokens = hidden.shape[0]
     pairs = tokens * top_k
     _check_grouping(offsets, order, experts, pairs)
-    grad_hidden = _output(grad_hidden, (tokens, hidden_size), torch.float32, "grad_hidden")
+    grad_hidden = _output(grad_hidden, (tokens, hidden_size), _io_dtype(grad_hidden, "grad_hidden"), "grad_hidden")
+    grad_out_dtype = _io_dtype(grad_out, "grad_out")
     grad_routing = torch.empty(pairs, dtype=torch.float32)
     # A's gradient accumulates in place; B's is written whole.
     lora_grads = [None if lora is None else (torch.zeros_like(lora[0]), torch.empty_like(lora[1]))
@@ -265,8 +277,9 @@ def expert_ffn_backward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sh
         routing_weights=_address(routing, "routing weights", torch.float32, pairs),
         hidden=_address(hidden, "hidden", torch.bfloat16, tokens * hidden_size),
         gate_up_out=_address(gate_up_out, "gate_up_out", torch.bfloat16, pairs * 2 * inter),
-        grad_out=_address(grad_out, "grad_out", torch.float32, tokens * hidden_size),
+        grad_out=_address(grad_out, "grad_out", grad_out_dtype, tokens * hidden_size),
         grad_hidden=grad_hidden.data_ptr(), grad_routing=grad_routing.data_ptr(),
         grad_gate_up_a=flat[0], grad_gate_up_b=flat[1], grad_down_a=flat[2], grad_down_b=flat[3],
+        grad_out_bf16=grad_out_dtype == torch.bfloat16, grad_hidden_bf16=grad_hidden.dtype == torch.bfloat16,
     )
     return grad_hidden, grad_routing, lora_grads[0], lora_grads[1]

@@ -124,15 +124,19 @@ class NativeExperts:
         hidden_bf16 = hidden.to(torch.bfloat16).contiguous()
         routing = top_k_weights.float().reshape(-1).contiguous()
         tokens, top_k = top_k_index.shape
-        out = self._scratch.take((tokens, shape[1]), torch.float32)
         gate_up_out = self._saved_buffers.take((tokens * top_k, 2 * shape[2]), torch.bfloat16)
+        # A bf16 model gets its output straight from the kernel; others through a float32 buffer.
+        direct = hidden.dtype == torch.bfloat16
+        out = (torch.empty((tokens, shape[1]), dtype=torch.bfloat16) if direct
+               else self._scratch.take((tokens, shape[1]), torch.float32))
         try:
             _ops.expert_ffn_forward(self.isa, matrices, shape, top_k, hidden_bf16, offsets, order, routing,
                                     _kernel_lora(gate_up_lora), _kernel_lora(down_lora), out=out,
                                     gate_up_out=gate_up_out)
-            result = out.to(hidden.dtype, copy=True)
+            result = out if direct else out.to(hidden.dtype, copy=True)
         finally:
-            self._scratch.give(out)
+            if not direct:
+                self._scratch.give(out)
         if hidden_bf16 is hidden:  # the caller's buffer (a staging view, reused by the next layer): keep a copy
             hidden_bf16 = self._saved_buffers.take(tuple(hidden.shape), torch.bfloat16).copy_(hidden)
         saved = SavedState(hidden_bf16, top_k_weights.float().clone(), offsets, order, gate_up_out,
@@ -158,18 +162,21 @@ class NativeExperts:
         matrices = self._matrices(weights)
         shape = (weights.num_experts, weights.hidden_size, weights.intermediate_size)
         routing = saved.top_k_weights.reshape(-1).contiguous()
-        scratch = self._scratch.take(tuple(saved.hidden.shape), torch.float32)
-        # float32 copy of the incoming gradient in a pooled buffer (fresh pages would fault on every call)
-        grad_f32 = self._scratch.take(tuple(grad_out.shape), torch.float32).copy_(grad_out)
+        # bf16 gradients go in and out of the kernel as they are; others through float32 buffers, pooled (fresh
+        # pages would fault on every call)
+        direct = grad_out.dtype == torch.bfloat16
+        pooled = [] if direct else [self._scratch.take(tuple(saved.hidden.shape), torch.float32),
+                                    self._scratch.take(tuple(grad_out.shape), torch.float32).copy_(grad_out)]
         try:
-            _, grad_routing, gu, down = _ops.expert_ffn_backward(
+            grad_in, grad_routing, gu, down = _ops.expert_ffn_backward(
                 self.isa, matrices, shape, saved.top_k_weights.shape[1], saved.hidden, saved.offsets, saved.order,
                 routing, _kernel_lora(gate_up_lora), _kernel_lora(down_lora), saved.gate_up_out,
-                grad_f32, grad_hidden=scratch)
-            grad_hidden = scratch.to(grad_out.dtype, copy=True)
+                grad_out.contiguous() if direct else pooled[1],
+                grad_hidden=torch.empty(tuple(saved.hidden.shape), dtype=torch.bfloat16) if direct else pooled[0])
+            grad_hidden = grad_in if direct else grad_in.to(grad_out.dtype, copy=True)
         finally:
-            self._scratch.give(scratch)
-            self._scratch.give(grad_f32)
+            for buffer in pooled:
+                self._scratch.give(buffer)
         self._give_back(saved)  # SavedState is single-use: backward drops it after this
         grads = LoraGrads(*_peft_grads(gu, gate_up_lora), *_peft_grads(down, down_lora))
         return grad_hidden, grad_routing.view(saved.top_k_weights.shape), grads

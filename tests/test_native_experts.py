@@ -201,6 +201,37 @@ def test_native_follows_merge_adapter():
             assert rel_err(engine(input_ids=ids).logits, reference(input_ids=ids).logits) <= 5e-2, step
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_token_rows_in_and_out_equal_float32_rows_rounded(isa):
+    """The kernels read the output gradient and write the output and input gradient in bf16 (a bf16 model's
+    path: no float32 copies around the call) exactly as the float32 path's results rounded to nearest even."""
+    weights, x, index, w, gate_up, down = _problem(130, 5, 96, 40, 2, 4, seed=5, skew=True)
+    shape = (5, 96, 40)
+    matrices = (weights.gate_up, weights.down)
+    offsets, order = _ops.group_tokens_by_expert(index, 5)
+    routing = w.reshape(-1).contiguous()
+    factors = [None if lora is None else (lora.A.reshape(5, 4, -1).contiguous(), lora.B, lora.scaling)
+               for lora in (gate_up, down)]
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        out, saved_gate_up = _ops.expert_ffn_forward(isa, matrices, shape, 2, x, offsets, order, routing, *factors,
+                                                     out=torch.empty(130, 96, dtype=dtype))
+        grad_out = torch.randn(130, 96, generator=torch.Generator().manual_seed(2)).bfloat16().to(dtype)
+        grads = _ops.expert_ffn_backward(isa, matrices, shape, 2, x, offsets, order, routing, *factors,
+                                         saved_gate_up, grad_out, grad_hidden=torch.empty(130, 96, dtype=dtype))
+        results[dtype] = (out, *grads)
+    wide, narrow = results[torch.float32], results[torch.bfloat16]
+    assert narrow[0].dtype == narrow[1].dtype == torch.bfloat16
+    assert torch.equal(narrow[0], wide[0].bfloat16())
+    assert torch.equal(narrow[1], wide[1].bfloat16())
+    assert torch.equal(narrow[2], wide[2])  # routing-weight gradients
+    for got, want in zip(narrow[3] + narrow[4], wide[3] + wide[4]):  # LoRA gradients
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="out must be float32 or bfloat16"):
+        _ops.expert_ffn_forward(isa, matrices, shape, 2, x, offsets, order, routing, *factors,
+                                out=torch.empty(130, 96, dtype=torch.float16))
+
+
 def test_kernel_inputs_are_checked_before_crossing():
     weights, x, index, w, gate_up, down = _problem(4, 4, 32, 16, 2, 2, seed=0)
     packed = (weights.gate_up, weights.down)  # the kernels read the model's own weights

@@ -78,6 +78,11 @@ MOECC_VECTOR_CLONES void to_bf16(const float* src, uint16_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
 }
 
+MOECC_VECTOR_CLONES void from_bf16(const uint16_t* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+}
+
 // exp(x) in float to ~2 ulp, in operations every vector ISA has (glibc's expf is a call per element, which
 // made the SwiGLU steps the slowest of the layer). Range reduction x = n ln2 + r, |r| <= ln2/2, a degree-6
 // Taylor polynomial for e^r, and 2^n built in the exponent bits; inputs clamp to the finite float range.
@@ -202,16 +207,20 @@ void activate(const Dims& d, const uint16_t* gate_up_out, const LoraFactors& lor
   });
 }
 
-// out[t] = sum over the token's k slots (in slot order) of per_pair[t*k + j].
-void sum_slots(const Dims& d, const float* per_pair, float* out, moecc::pool::ThreadPool& pool) {
+// out[t] = sum over the token's k slots (in slot order) of per_pair[t*k + j], into float32 `out` or, when it is
+// null, rounded once into bf16 `out_bf16` (the model's dtype: no float32 copy for the caller to convert).
+void sum_slots(const Dims& d, const float* per_pair, float* out, uint16_t* out_bf16, moecc::pool::ThreadPool& pool) {
   const int64_t chunk = 16;
   pool.run((d.T + chunk - 1) / chunk, [&](int64_t c, int) {
+    thread_local AlignedBuffer<float> row;
+    float* const sum = out ? nullptr : row.get(d.H);
     for (int64_t t = c * chunk; t < std::min(d.T, (c + 1) * chunk); ++t) {
-      float* dst = out + t * d.H;
+      float* dst = out ? out + t * d.H : sum;
       std::fill(dst, dst + d.H, 0.0f);
       for (int64_t j = 0; j < d.k; ++j) {
         axpy(1.0f, per_pair + (t * d.k + j) * d.H, dst, d.H);
       }
+      if (!out) to_bf16(sum, out_bf16 + t * d.H, d.H);
     }
   });
 }
@@ -369,7 +378,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   });
 
   clock.mark("down");
-  sum_slots(d, per_pair, io.out, pool);
+  sum_slots(d, per_pair, io.out, io.out_bf16, pool);
   clock.mark("sum_slots");
 }
 
@@ -479,11 +488,19 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   activate(d, io.gate_up_out, down_lora, rows, act, inner_down, pool);
   clock.mark("gather_activate");
   // Unweighted output gradient per grouped row in bf16 (zero-padded), and its down-LoRA inner product s dy B
-  // from the token's own float32 row.
+  // from the token's own row (float32 as given, or widened from bf16).
   run_tasks(pool, rows, [&](const Task& task) {
+    thread_local AlignedBuffer<float> widened;
+    float* const wide = io.grad_out ? nullptr : widened.get(d.H);
     for (int64_t g = task.begin; g < task.end; ++g) {
-      const float* src = io.grad_out + (routing.order[g] / d.k) * d.H;
-      to_bf16(src, dy_bf16 + g * d.ld_dy, d.H);
+      const int64_t token = routing.order[g] / d.k;
+      const float* src = io.grad_out ? io.grad_out + token * d.H : wide;
+      if (io.grad_out) {
+        to_bf16(src, dy_bf16 + g * d.ld_dy, d.H);
+      } else {
+        std::copy(io.grad_out_bf16 + token * d.H, io.grad_out_bf16 + (token + 1) * d.H, dy_bf16 + g * d.ld_dy);
+        if (down_lora.a) from_bf16(dy_bf16 + g * d.ld_dy, wide, d.H);
+      }
       std::fill(dy_bf16 + g * d.ld_dy + d.H, dy_bf16 + (g + 1) * d.ld_dy, uint16_t{0});
       if (down_lora.a) lora_grad_inner(down_lora, task.expert, d.H, src, g, grad_inner_down);
     }
@@ -556,7 +573,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   }
   if (io_peft.grad_down_b) rows_to_peft_b(io.grad_down_b, d.H, down_lora.rank, d.E, io_peft.grad_down_b, pool);
   clock.mark("lora_grads");
-  sum_slots(d, per_pair, io.grad_hidden, pool);
+  sum_slots(d, per_pair, io.grad_hidden, io.grad_hidden_bf16, pool);
   clock.mark("sum_slots");
 }
 

@@ -45,17 +45,21 @@ struct Routing {
   const float* weights;    // [T*k] routing weight per pair id
 };
 
+// Token-major inputs and outputs come in float32 or bf16: exactly one of each pair is non-null.
 struct ForwardIo {
   const uint16_t* hidden;  // [T, H] bf16
   uint16_t* gate_up_out;   // [T*k, 2I] bf16, grouped order: saved for backward
   float* out;              // [T, H]
+  uint16_t* out_bf16;      // [T, H]
 };
 
 struct BackwardIo {
   const uint16_t* hidden;       // [T, H] bf16
   const uint16_t* gate_up_out;  // [T*k, 2I] bf16 from forward
   const float* grad_out;        // [T, H]
+  const uint16_t* grad_out_bf16;  // [T, H]
   float* grad_hidden;           // [T, H]
+  uint16_t* grad_hidden_bf16;   // [T, H]
   float* grad_routing;          // [T*k] per pair id
   float* grad_gate_up_a;        // [E, r, H] or null; accumulated into
   float* grad_gate_up_b;        // [2I, r*E] (PEFT's layout) or null; written
