@@ -131,7 +131,8 @@ PYBIND11_MODULE(_C, m) {
          std::uintptr_t gate_up, std::uintptr_t down, std::uintptr_t gate_up_a, std::uintptr_t gate_up_b,
          int64_t gate_up_rank, float gate_up_scaling, std::uintptr_t down_a, std::uintptr_t down_b, int64_t down_rank,
          float down_scaling, std::uintptr_t offsets, std::uintptr_t order, std::uintptr_t routing_weights,
-         std::uintptr_t hidden, std::uintptr_t gate_up_out, std::uintptr_t out, bool out_bf16) {
+         std::uintptr_t hidden, std::uintptr_t gate_up_out, std::uintptr_t out, bool out_bf16,
+         std::uintptr_t hidden_copy) {
         moecc::kernels::expert_ffn_forward(
             static_cast<Isa>(isa), {experts, hidden_size, inter, tokens, top_k},
             {as_pointer<const uint16_t>(gate_up), as_pointer<const uint16_t>(down)},
@@ -139,14 +140,16 @@ PYBIND11_MODULE(_C, m) {
             lora_factors(down_a, down_b, down_rank, down_scaling),
             {as_pointer<const int64_t>(offsets), as_pointer<const int64_t>(order), as_pointer<const float>(routing_weights)},
             {as_pointer<const uint16_t>(hidden), as_pointer<uint16_t>(gate_up_out),
-             out_bf16 ? nullptr : as_pointer<float>(out), out_bf16 ? as_pointer<uint16_t>(out) : nullptr},
+             out_bf16 ? nullptr : as_pointer<float>(out), out_bf16 ? as_pointer<uint16_t>(out) : nullptr,
+             as_pointer<uint16_t>(hidden_copy)},
             *moecc::pool::global_pool());
       },
       py::kw_only(), py::arg("isa"), py::arg("experts"), py::arg("hidden_size"), py::arg("inter"), py::arg("tokens"),
       py::arg("top_k"), py::arg("gate_up"), py::arg("down"), py::arg("gate_up_a"), py::arg("gate_up_b"),
       py::arg("gate_up_rank"), py::arg("gate_up_scaling"), py::arg("down_a"), py::arg("down_b"), py::arg("down_rank"),
       py::arg("down_scaling"), py::arg("offsets"), py::arg("order"), py::arg("routing_weights"), py::arg("hidden"),
-      py::arg("gate_up_out"), py::arg("out"), py::arg("out_bf16"), py::call_guard<py::gil_scoped_release>(),
+      py::arg("gate_up_out"), py::arg("out"), py::arg("out_bf16"), py::arg("hidden_copy"),
+      py::call_guard<py::gil_scoped_release>(),
       "Routed-expert SwiGLU forward with LoRA (expert_ffn.h); addresses of tensors checked by moecc._ops; out is "
       "bf16 when out_bf16, else float32.");
 

@@ -218,12 +218,14 @@ def _output(given: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dty
 def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int], top_k: int,
                        hidden: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor, routing: torch.Tensor,
                        gate_up_lora: tuple | None, down_lora: tuple | None, out: torch.Tensor | None = None,
-                       gate_up_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       gate_up_out: torch.Tensor | None = None,
+                       hidden_copy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the CPU expert forward. ``shape = (E, H, I)``; ``hidden [T, H]`` bf16; ``routing [T*k]`` float32.
 
     Returns ``(out [T, H], gate_up_out [T*k, 2I] bf16 in grouped order)``, written into the given tensors when
     passed (callers reuse buffers: fresh pages cost a fault each on first touch). ``out`` is float32, or bf16
-    when a bf16 tensor is given (summed in float32 and rounded once, in the kernel).
+    when a bf16 tensor is given (summed in float32 and rounded once, in the kernel). ``hidden_copy`` (bf16
+    ``[T, H]``, optional) receives a copy of ``hidden``, made by the kernel threads as they read it.
     """
     experts, hidden_size, inter = shape
     tokens = hidden.shape[0]
@@ -241,6 +243,8 @@ def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sha
         routing_weights=_address(routing, "routing weights", torch.float32, tokens * top_k),
         hidden=_address(hidden, "hidden", torch.bfloat16, tokens * hidden_size),
         gate_up_out=gate_up_out.data_ptr(), out=out.data_ptr(), out_bf16=out.dtype == torch.bfloat16,
+        hidden_copy=0 if hidden_copy is None else _address(hidden_copy, "hidden_copy", torch.bfloat16,
+                                                            tokens * hidden_size),
     )
     return out, gate_up_out
 

@@ -129,16 +129,19 @@ class NativeExperts:
         direct = hidden.dtype == torch.bfloat16
         out = (torch.empty((tokens, shape[1]), dtype=torch.bfloat16) if direct
                else self._scratch.take((tokens, shape[1]), torch.float32))
+        # The caller's buffer (a staging view, reused by the next layer): backward gets a copy, which the kernel
+        # makes as it reads the rows.
+        hidden_copy = self._saved_buffers.take(tuple(hidden.shape), torch.bfloat16) if hidden_bf16 is hidden else None
         try:
             _ops.expert_ffn_forward(self.isa, matrices, shape, top_k, hidden_bf16, offsets, order, routing,
                                     _kernel_lora(gate_up_lora), _kernel_lora(down_lora), out=out,
-                                    gate_up_out=gate_up_out)
+                                    gate_up_out=gate_up_out, hidden_copy=hidden_copy)
             result = out if direct else out.to(hidden.dtype, copy=True)
         finally:
             if not direct:
                 self._scratch.give(out)
-        if hidden_bf16 is hidden:  # the caller's buffer (a staging view, reused by the next layer): keep a copy
-            hidden_bf16 = self._saved_buffers.take(tuple(hidden.shape), torch.bfloat16).copy_(hidden)
+        if hidden_copy is not None:
+            hidden_bf16 = hidden_copy
         saved = SavedState(hidden_bf16, top_k_weights.float().clone(), offsets, order, gate_up_out,
                            top_k_weights.dtype)
         return result, saved

@@ -214,8 +214,10 @@ def test_bf16_token_rows_in_and_out_equal_float32_rows_rounded(isa):
                for lora in (gate_up, down)]
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
+        hidden_copy = torch.full_like(x, float("nan"))
         out, saved_gate_up = _ops.expert_ffn_forward(isa, matrices, shape, 2, x, offsets, order, routing, *factors,
-                                                     out=torch.empty(130, 96, dtype=dtype))
+                                                     out=torch.empty(130, 96, dtype=dtype), hidden_copy=hidden_copy)
+        assert torch.equal(hidden_copy, x)  # every token's row, once (the copy a caller saves for backward)
         grad_out = torch.randn(130, 96, generator=torch.Generator().manual_seed(2)).bfloat16().to(dtype)
         grads = _ops.expert_ffn_backward(isa, matrices, shape, 2, x, offsets, order, routing, *factors,
                                          saved_gate_up, grad_out, grad_hidden=torch.empty(130, 96, dtype=dtype))

@@ -178,12 +178,17 @@ struct Dims {
 };
 
 // Gathers each grouped row's hidden state (bf16, zero-padded to h_k) and its gate_up LoRA inner product.
+// Grouped hidden rows (zero-padded) and their gate/up LoRA inner product; with `hidden_copy`, each token's row is
+// also copied there once (by its slot-0 pair), in parallel and while the row is in cache.
 void gather_hidden(const Dims& d, const Routing& routing, const uint16_t* hidden, const LoraFactors& lora,
-                   const std::vector<Task>& rows, uint16_t* xg, float* inner, moecc::pool::ThreadPool& pool) {
+                   const std::vector<Task>& rows, uint16_t* xg, float* inner, moecc::pool::ThreadPool& pool,
+                   uint16_t* hidden_copy = nullptr) {
   run_tasks(pool, rows, [&](const Task& task) {
     for (int64_t g = task.begin; g < task.end; ++g) {
-      const uint16_t* src = hidden + (routing.order[g] / d.k) * d.H;
+      const int64_t token = routing.order[g] / d.k;
+      const uint16_t* src = hidden + token * d.H;
       std::copy(src, src + d.H, xg + g * d.ld_x);
+      if (hidden_copy && routing.order[g] % d.k == 0) std::copy(src, src + d.H, hidden_copy + token * d.H);
       std::fill(xg + g * d.ld_x + d.H, xg + (g + 1) * d.ld_x, uint16_t{0});
     }
     if (lora.a) {
@@ -334,7 +339,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   float* inner_down = scratch.inner_down.get(d.pairs * std::max<int64_t>(down_lora.rank, 1));
   float* per_pair = scratch.per_pair.get(d.pairs * d.H);
 
-  gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool);
+  gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool, io.hidden_copy);
   clock.mark("gather");
 
   const int64_t gu_panels = padded_rows(2 * d.I) / kPanelRows;

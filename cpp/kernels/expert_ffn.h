@@ -51,6 +51,7 @@ struct ForwardIo {
   uint16_t* gate_up_out;   // [T*k, 2I] bf16, grouped order: saved for backward
   float* out;              // [T, H]
   uint16_t* out_bf16;      // [T, H]
+  uint16_t* hidden_copy;   // [T, H] or null: receives a copy of `hidden` (a caller saving it for backward)
 };
 
 struct BackwardIo {
