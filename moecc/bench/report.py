@@ -11,7 +11,7 @@ from pathlib import Path
 
 COLUMNS = ("paradigm", "tokens", "step_s", "predicted_step_s", "tokens_per_s", "peak_gpu_gb", "cpu_experts_s",
            "pcie_s", "gpu_wait_s", "gpu_other_s", "h2d_gb", "h2d_gbps_while_copying", "expert_compute_s",
-           "gpu_kernels_s", "checkpointing")
+           "gpu_kernels_s", "alloc_retries_per_step", "checkpointing")
 MISSING = "–"  # not measured, or no prediction for that paradigm
 UNITS_NOTE = (f"Times are seconds per training step (median), `_gb` columns are GB (10^9 bytes), "
               f"`{MISSING}` = not measured or no prediction. A row with an error has no plot point. "
@@ -19,7 +19,8 @@ UNITS_NOTE = (f"Times are seconds per training step (median), `_gb` columns are 
               "mostly hidden behind compute); gpu_wait_s: time the device waited for either; expert_compute_s: "
               "expert math on the GPU (offload); gpu_other_s: the rest of the step (attention, dense layers, head, "
               "optimizer, host overhead); gpu_kernels_s: time the GPU spent in kernels in one profiled step "
-              "(copies excluded).")
+              "(copies excluded); alloc_retries_per_step: GPU allocations that failed at the budget cap and were "
+              "retried after emptying the allocator's cache (each synchronises the device).")
 
 
 def _cell(value) -> str:

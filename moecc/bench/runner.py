@@ -86,7 +86,11 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    retries_before = 0
+
     for step in range(warmup + steps):
+        if step == warmup and device.type == "cuda":
+            retries_before = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
         if records and max_seconds is not None and sum(r[0] for r in records) * (1 + 1 / len(records)) > max_seconds:
             break  # the next step would take the timed ones past max_seconds
         if engine is not None:
@@ -100,6 +104,10 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
         if step >= warmup:
             records.append((step_s, metrics))
     step_s = statistics.median(r[0] for r in records)
+    # cudaMalloc calls that failed and were retried after freeing the allocator's cache (each synchronises the
+    # device): a budget cap that the step presses against shows here before it shows as out of memory.
+    retries = (torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries_before
+               if device.type == "cuda" else 0)
 
     def median(key: str) -> float:
         return statistics.median(r[1].get(key, 0.0) for r in records)
@@ -115,6 +123,7 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
         "step_s": step_s, "tokens_per_s": ids.numel() / step_s, "steps_timed": len(records),
         "tokens_timed": ids.numel(),  # ``tokens`` rounded down to whole sequences of 2048 above that
         "peak_gpu_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0,
+        "alloc_retries_per_step": retries / len(records),
         "cpu_experts_s": cpu_s, "pcie_s": copy_s, "gpu_wait_s": wait_s,
         "cpu_wait_s": cpu_wait_s, "copy_wait_s": copy_wait_s, "expert_compute_s": expert_gpu_s,
         "gpu_other_s": max(0.0, step_s - cpu_wait_s - copy_wait_s - expert_gpu_s),
