@@ -14,6 +14,7 @@ import resource
 import time
 from pathlib import Path
 
+import moecc  # noqa: F401  (before torch: its OpenMP threads sleep between ops, as moecc runs them)
 import torch
 from torch.profiler import ProfilerActivity, profile
 

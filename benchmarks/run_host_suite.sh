@@ -22,16 +22,13 @@ if [[ "$part" == all || "$part" == kernels ]]; then
   python benchmarks/bench_panel_kernel.py --out "$out" 2>&1 | grep -v "^("
   python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 256,1024,4096,8192 --out "$out" 2>&1 \
       | grep -v '^|'
-  for policy in ACTIVE PASSIVE; do  # torch's OpenMP threads spinning (the default) or asleep (moecc's advice)
-    echo "OMP_WAIT_POLICY=$policy"
-    OMP_WAIT_POLICY=$policy python benchmarks/profile_cpu_experts.py --tokens 256,8192 2>&1 | grep "^{"
-  done
-  # The table above runs under the default OpenMP wait policy (torch's threads spin; the PyTorch-loop baseline
-  # is at its best). moecc's recommended setting, PASSIVE, and wider product tasks (default 4,256), printed only:
-  for shape in 4,256 8,256 16,512; do
-    echo "OMP_WAIT_POLICY=PASSIVE, task shape $shape"
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 256,1024,8192 \
-        --reps 2 --no-baseline --task-shape "$shape" --out "$(mktemp -d)" 2>&1 | grep '^{' | cut -c1-200
+  # Where a call's time goes beyond the kernel phases, under moecc's OpenMP policy (PASSIVE):
+  python benchmarks/profile_cpu_experts.py --tokens 256,8192 2>&1 | grep "^{"
+  # Product-task widths around the default (8,256), printed only:
+  for shape in 8,512 16,256 4,128; do
+    echo "task shape $shape"
+    python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 256,1024,8192 --reps 2 --no-baseline \
+        --task-shape "$shape" --out "$(mktemp -d)" 2>&1 | grep '^{' | cut -c1-200
   done
 fi
 if [[ "$part" == all || "$part" == bench ]]; then
