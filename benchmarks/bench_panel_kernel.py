@@ -41,7 +41,8 @@ def main() -> None:
         if isa != "amx":
             table.append((isa, "-", rates(isa, args.reps)))
             continue
-        for k_block, prefetch_a, prefetch_b in itertools.product((0, 512, 1024), (0, 64), (0, 128, 512)):
+        # k_block 128 / 256: a 32-row A block and a panel pair's weights (16 KB each at 256) both stay in L1
+        for k_block, prefetch_a, prefetch_b in itertools.product((0, 128, 256, 512, 1024), (0, 64), (0, 128)):
             _C.set_amx_tuning(k_block, prefetch_a, prefetch_b)
             table.append((isa, f"{k_block},{prefetch_a},{prefetch_b}", rates(isa, args.reps)))
             print(table[-1], flush=True)

@@ -30,6 +30,12 @@ if [[ "$part" == all || "$part" == kernels ]]; then
     python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 256,1024,8192 --reps 2 --no-baseline \
         --task-shape "$shape" --out "$(mktemp -d)" 2>&1 | grep '^{' | cut -c1-200
   done
+  # Shorter K passes (A block and weight panels in L1; see panel_gemm_amx.cpp), printed only:
+  for knobs in 256,64,0 128,64,0; do
+    echo "amx tuning $knobs"
+    python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 1024,8192 --routing zipf --reps 2 \
+        --no-baseline --amx-tuning "$knobs" --out "$(mktemp -d)" 2>&1 | grep '^{' | cut -c1-200
+  done
 fi
 if [[ "$part" == all || "$part" == bench ]]; then
   python -m moecc.cli bench --out "$out/bench" 2>&1 | grep -v "it/s\|s/it"
