@@ -5,7 +5,7 @@
 # budget (where the whole model fits, so the `gpu` paradigm has rows). Results land in OUT_DIR (default
 # benchmarks/results); each markdown file starts with the command that made it.
 #
-#   bash benchmarks/run_host_suite.sh [OUT_DIR] [all|tests|kernels|bench|bench8]
+#   bash benchmarks/run_host_suite.sh [OUT_DIR] [all|tests|kernels|bench|bench8|profile]
 set -uo pipefail
 out="${1:-benchmarks/results}"
 part="${2:-all}"
@@ -44,4 +44,10 @@ if [[ "$part" == all || "$part" == bench8 ]]; then
   # 8 layers under 80 GB: the whole-model `gpu` paradigm (PEFT materialises the expert deltas: 37 GB at 8192
   # tokens) runs within its budget, next to the others under the same one.
   python -m moecc.cli bench --layers 8 --gpu-budget 80 --out "$out/bench_L8" 2>&1 | grep -v "it/s\|s/it"
+fi
+if [[ "$part" == all || "$part" == profile ]]; then
+  # Where steps leave the GPU idle: offload at 48 layers (8192 tokens was 1.38x its copies), co-compute at 8.
+  python benchmarks/profile_step.py --paradigm offload --tokens 8192 2>&1 | grep -v "Warn\|warn"
+  python benchmarks/profile_step.py --paradigm offload --tokens 2048 2>&1 | grep -v "Warn\|warn"
+  python benchmarks/profile_step.py --paradigm cocompute --layers 8 --tokens 512 2>&1 | grep -v "Warn\|warn"
 fi

@@ -1,0 +1,81 @@
+"""Where one training step of a paradigm leaves the GPU idle: a diagnosis aid for issue #4 (a step slower than
+its copies and kernels) and for co-compute's time outside the CPU experts.
+
+Builds the ``moecc bench`` model (random weights, LoRA on attention and experts) under the GPU budget, times a
+few steps as the bench does (falling back to gradient checkpointing when a step runs out of memory), then runs
+one step under the profiler and prints: the step's span, the time the GPU ran kernels, copied host to device,
+and did neither; the idle time by the host operation running when each gap began; the allocator's retries.
+
+    python benchmarks/profile_step.py --paradigm offload --tokens 8192
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import moecc  # noqa: F401  (before torch: its OpenMP threads sleep between ops, as moecc runs them)
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moecc.bench import runner
+from moecc.bench.idle import idle_report
+from moecc.bench.presets import random_model
+from moecc.losses import chunked_causal_lm_loss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="qwen3-30b-a3b")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--paradigm", default="offload", choices=["cocompute", "offload", "gpu"])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--gpu-budget", type=float, default=24.0)
+    parser.add_argument("--checkpointing", default="auto", choices=runner.CHECKPOINTING)
+    parser.add_argument("--min-gap-us", type=float, default=500.0)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        print("no CUDA GPU: the step runs on the CPU, where every second counts as GPU idle time")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    base = random_model(args.preset, args.layers, torch.float32 if args.preset == "tiny" else torch.bfloat16)
+    lora = runner.default_lora_config(base, rank=8)
+    state = {"mode": args.checkpointing, "on": args.checkpointing == "on"}
+    model, _ = runner._build(args.paradigm, base, lora, device, args.gpu_budget, state)
+    if state["on"]:
+        runner._enable_checkpointing(model)
+    timing = runner._time_with_checkpointing(model, device, args.tokens, 2, state, None)
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in timing.items()}
+                     | {"checkpointing": state["on"]}), flush=True)
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    seq = min(args.tokens, runner.SEQUENCE)
+    ids = torch.randint(0, model.config.vocab_size, (max(1, args.tokens // seq), seq), device=device)
+
+    def step() -> None:
+        with torch.profiler.record_function("forward+backward"):
+            chunked_causal_lm_loss(model, ids, ids).backward()
+        with torch.profiler.record_function("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    step()  # the optimizer's state exists before the profiled step
+    runner.synchronize(device)
+
+    def retries() -> int:
+        return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if cuda else 0
+
+    before = retries()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+        runner.synchronize(device)
+    report = idle_report(prof.events(), args.min_gap_us)
+    print(f"profiled step ({args.paradigm}, {ids.numel()} tokens): span {report.span_s:.3f} s, kernels "
+          f"{report.kernels_s:.3f} s, host-to-device copies {report.copies_s:.3f} s, neither {report.idle_s:.3f} s; "
+          f"allocator retries {retries() - before}")
+    print(f"idle (gaps of {args.min_gap_us:g} us or more) by the host operation running when the gap began:")
+    for name, seconds in report.by_host_op.items():
+        print(f"  {seconds:8.3f} s  {name[:100]}")
+
+
+if __name__ == "__main__":
+    main()
