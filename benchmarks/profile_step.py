@@ -6,7 +6,7 @@ few steps as the bench does (falling back to gradient checkpointing when a step 
 one step under the profiler and prints: the step's span, the time the GPU ran kernels, copied host to device,
 and did neither; the idle time by the host operation running when each gap began; the allocator's retries.
 
-    python benchmarks/profile_step.py --paradigm offload --tokens 8192
+    python benchmarks/profile_step.py --paradigm offload --tokens 2048,8192
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--preset", default="qwen3-30b-a3b")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--paradigm", default="offload", choices=["cocompute", "offload", "gpu"])
-    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--tokens", default="8192", help="tokens per step, comma-separated (one model for all)")
     parser.add_argument("--gpu-budget", type=float, default=24.0)
     parser.add_argument("--checkpointing", default="auto", choices=runner.CHECKPOINTING)
     parser.add_argument("--min-gap-us", type=float, default=500.0)
@@ -43,13 +43,20 @@ def main() -> None:
     model, _ = runner._build(args.paradigm, base, lora, device, args.gpu_budget, state)
     if state["on"]:
         runner._enable_checkpointing(model)
-    timing = runner._time_with_checkpointing(model, device, args.tokens, 2, state, None)
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        profile_tokens(model, device, tokens, state, args.paradigm, args.min_gap_us)
+
+
+def profile_tokens(model: torch.nn.Module, device: torch.device, tokens: int, state: dict, paradigm: str,
+                   min_gap_us: float) -> None:
+    """Times steps of ``tokens`` as the bench does, then profiles one and prints where the GPU sat idle."""
+    timing = runner._time_with_checkpointing(model, device, tokens, 2, state, None)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in timing.items()}
                      | {"checkpointing": state["on"]}), flush=True)
-
+    cuda = device.type == "cuda"
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    seq = min(args.tokens, runner.SEQUENCE)
-    ids = torch.randint(0, model.config.vocab_size, (max(1, args.tokens // seq), seq), device=device)
+    seq = min(tokens, runner.SEQUENCE)
+    ids = torch.randint(0, model.config.vocab_size, (max(1, tokens // seq), seq), device=device)
 
     def step() -> None:
         with torch.profiler.record_function("forward+backward"):
@@ -68,11 +75,11 @@ def main() -> None:
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         step()
         runner.synchronize(device)
-    report = idle_report(prof.events(), args.min_gap_us)
-    print(f"profiled step ({args.paradigm}, {ids.numel()} tokens): span {report.span_s:.3f} s, kernels "
+    report = idle_report(prof.events(), min_gap_us)
+    print(f"profiled step ({paradigm}, {ids.numel()} tokens): span {report.span_s:.3f} s, kernels "
           f"{report.kernels_s:.3f} s, host-to-device copies {report.copies_s:.3f} s, neither {report.idle_s:.3f} s; "
           f"allocator retries {retries() - before}")
-    print(f"idle (gaps of {args.min_gap_us:g} us or more) by the host operation running when the gap began:")
+    print(f"idle (gaps of {min_gap_us:g} us or more) by the host operation running when the gap began:")
     for name, seconds in report.by_host_op.items():
         print(f"  {seconds:8.3f} s  {name[:100]}")
 
