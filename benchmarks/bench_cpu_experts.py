@@ -25,7 +25,8 @@ import types
 from pathlib import Path
 
 _STARTED_WITH_OMP_POLICY = os.environ.get("OMP_WAIT_POLICY")
-import moecc  # noqa: E402,F401  (before torch: sets OMP_WAIT_POLICY=PASSIVE unless the caller set it)
+if "--loop-only" not in sys.argv:  # the loop's child keeps the policy it was started with
+    import moecc  # noqa: F401  (before torch: sets OMP_WAIT_POLICY=PASSIVE unless the caller set it)
 import torch  # noqa: E402
 
 from moecc import _ops  # noqa: E402

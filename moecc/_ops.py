@@ -196,6 +196,12 @@ def _check_grouping(offsets: torch.Tensor, order: torch.Tensor, experts: int, pa
             raise ValueError(f"order must be a permutation of the {pairs} pair ids")
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors' bytes overlap."""
+    return (a.numel() > 0 and b.numel() > 0 and a.data_ptr() < b.data_ptr() + b.nbytes
+            and b.data_ptr() < a.data_ptr() + a.nbytes)
+
+
 def _io_dtype(given: torch.Tensor | None, name: str) -> torch.dtype:
     """float32 or bf16, as ``given`` is (float32 when None): the dtypes the kernels read and write token rows in."""
     if given is None:
@@ -233,6 +239,8 @@ def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sha
     _check_grouping(offsets, order, experts, pairs)
     out = _output(out, (tokens, hidden_size), _io_dtype(out, "out"), "out")
     gate_up_out = _output(gate_up_out, (pairs, 2 * inter), torch.bfloat16, "gate_up_out")
+    if hidden_copy is not None and any(_overlap(hidden_copy, t) for t in (hidden, out, gate_up_out)):
+        raise ValueError("hidden_copy must not share memory with hidden, out or gate_up_out")
     _C.expert_ffn_forward(
         isa=ISAS[isa], experts=experts, hidden_size=hidden_size, inter=inter, tokens=tokens, top_k=top_k,
         **_weight_args(weights, experts, hidden_size, inter),

@@ -145,8 +145,6 @@ def prepare(
     _ops.configure_pool(config.num_threads, config.pin_threads)
     if paradigm == "offload":
         engine = OffloadEngine(device, config.offload_slots, cache_bytes=int(config.offload_cache_gb * 1e9))
-        all_wrappers = [expert_wrappers(block.experts)[1] for _, block in blocks]
-        engine.lora_on_device = offload_lora_on_device(all_wrappers, device, config)
     else:
         engine = CoComputeEngine(device, config.backend, config.isa)
     layers = []
@@ -155,54 +153,77 @@ def prepare(
         base_experts, wrappers = expert_wrappers(block.experts)
         check_host_experts(base_experts, name)
         if paradigm == "offload":
-            if engine.lora_on_device:  # after keep_on_host, which moves the whole subtree to host memory
-                for param in _expert_lora_parameters(wrappers):
-                    param.data = param.data.to(device)
             if device.type == "cuda":
-                pin_experts(base_experts, wrappers)
+                pin_experts(base_experts)
             layer = OffloadLayer(name, base_experts, wrappers, engine, index)
             engine.layers.append(layer)
         else:
             layer = CoComputeLayer(name, base_experts, wrappers, engine, index)
         install_block_forward(block, family, layer)
         layers.append(layer)
+    if paradigm == "offload":
+        engine.lora_on_device = offload_lora_on_device(peft_model, layers, device, config)
+        for layer in layers:  # after keep_on_host, which moved the whole experts subtree to host memory
+            engine.place_lora(_expert_lora_params([layer]))
     apply_gpu_budget(peft_model, layers, paradigm, device, config)
     peft_model.to(device)
     peft_model.moecc = MoeccState(family, paradigm, device, engine, layers, config)
     return peft_model
 
 
-def _expert_lora_parameters(wrappers: dict) -> list[torch.nn.Parameter]:
-    """The expert LoRA factors of one layer's PEFT wrappers, each once."""
-    params = {id(p): p for wrapper in wrappers.values() for name, p in wrapper.named_parameters() if "lora_" in name}
+def _expert_lora_params(layers: list) -> list[torch.nn.Parameter]:
+    """The layers' expert LoRA factors (every adapter's), each once."""
+    params = {id(p): p for layer in layers for wrapper in layer.wrappers.values()
+              for name, p in wrapper.named_parameters() if "lora_" in name}
     return list(params.values())
 
 
-def offload_lora_on_device(layer_wrappers: list[dict], device: torch.device, config: MoeccConfig) -> bool:
-    """Whether offload keeps the expert LoRA factors on ``device`` (see ``MoeccConfig.offload_lora``): under
-    ``"auto"``, when the factors, their gradients and two AdamW moments (4x the float32 factors) take at most a
-    quarter of the GPU budget, or of the GPU's memory without one; always off CUDA, where host and device are one
-    memory."""
+def _expert_lora_bytes(layers: list) -> int:
+    """Bytes of the layers' expert LoRA factors (float32 masters)."""
+    return sum(p.nbytes for p in _expert_lora_params(layers))
+
+
+def _resident_gpu_bytes(model: torch.nn.Module, layers: list, paradigm: str, config: MoeccConfig,
+                        lora_on_device: bool) -> int:
+    """What stays on the GPU before activations: the non-expert weights and, for offload, its slots, its cache,
+    and with ``lora_on_device`` the expert LoRA factors, their gradients and two AdamW moments."""
+    resident = sum(p.nbytes for n, p in model.named_parameters() if ".experts." not in n)
+    if paradigm == "offload":
+        resident += config.offload_slots * max(layer.experts.gate_up_proj.nbytes + layer.experts.down_proj.nbytes
+                                               for layer in layers)
+        resident += int(config.offload_cache_gb * 1e9)
+        if lora_on_device:
+            resident += 4 * _expert_lora_bytes(layers)
+    return resident
+
+
+# The estimate's margin for the activations of a small batch and allocator slack.
+_SLACK = 1.1
+
+
+def offload_lora_on_device(model: torch.nn.Module, layers: list, device: torch.device, config: MoeccConfig) -> bool:
+    """Whether offload keeps the expert LoRA factors on ``device`` (see ``MoeccConfig.offload_lora``). Under
+    ``"auto"``: when the factors, their gradients and two AdamW moments (4x the float32 factors) take at most a
+    quarter of the GPU budget (of the GPU's memory without one) and everything else that stays on the GPU still
+    fits the budget beside them; always off CUDA, where host and device are one memory."""
     if config.offload_lora != "auto":
         return config.offload_lora == "device"
     if device.type != "cuda":
         return True
-    state = 4 * sum(p.nbytes for wrappers in layer_wrappers for p in _expert_lora_parameters(wrappers))
-    if config.gpu_memory_budget_gb is not None:
-        limit = config.gpu_memory_budget_gb * 1e9
-    else:
-        limit = torch.cuda.get_device_properties(device.index or 0).total_memory
-    return state <= limit / 4
+    state = 4 * _expert_lora_bytes(layers)
+    if config.gpu_memory_budget_gb is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return state <= torch.cuda.get_device_properties(index).total_memory / 4
+    budget = config.gpu_memory_budget_gb * 1e9
+    return (state <= budget / 4
+            and _resident_gpu_bytes(model, layers, "offload", config, lora_on_device=True) * _SLACK <= budget)
 
 
-def pin_experts(experts: torch.nn.Module, wrappers: dict | None = None) -> None:
-    """Moves one experts module's weights, and the expert LoRA factors of its PEFT ``wrappers``, into
-    page-locked host memory (the copies replace the originals). Offload copies both to the device every layer
-    call; from pageable memory each such copy would stall the host while CUDA stages it."""
-    params = list(experts.parameters(recurse=False))
-    for wrapper in (wrappers or {}).values():
-        params += [p for name, p in wrapper.named_parameters() if "lora_" in name and p.device.type == "cpu"]
-    for param in params:
+def pin_experts(experts: torch.nn.Module) -> None:
+    """Moves one experts module's weights into page-locked host memory (the copies replace the originals).
+    Offload copies them to the device every layer call; from pageable memory each such copy would stall the host
+    while CUDA stages it."""
+    for param in experts.parameters(recurse=False):
         if not param.is_pinned():
             param.data = param.data.pin_memory()
 
@@ -213,20 +234,14 @@ def apply_gpu_budget(model: torch.nn.Module, layers: list, paradigm: str, device
     budget = config.gpu_memory_budget_gb
     if budget is None or device.type != "cuda":
         return
-    resident = sum(p.nbytes for n, p in model.named_parameters() if ".experts." not in n)
-    if paradigm == "offload" and layers and layers[0].engine.lora_on_device:
-        # the factors, their gradients and two AdamW moments
-        resident += 4 * sum(p.nbytes for layer in layers for p in _expert_lora_parameters(layer.wrappers))
-    if paradigm == "offload":
-        resident += config.offload_slots * max(layer.experts.gate_up_proj.nbytes + layer.experts.down_proj.nbytes
-                                               for layer in layers)
-        resident += int(config.offload_cache_gb * 1e9)
-    needed_gb = resident / 1e9 * 1.1  # 10% for activations of a small batch and allocator slack
+    lora_on_device = paradigm == "offload" and bool(layers) and layers[0].engine.lora_on_device
+    needed_gb = _resident_gpu_bytes(model, layers, paradigm, config, lora_on_device) / 1e9 * _SLACK
     if needed_gb > budget:
         raise MoeccError(
             f"gpu_memory_budget_gb={budget:g} is too small: the parts that stay on the GPU ({paradigm}) need about "
             f"{needed_gb:.1f} GB before activations; raise the budget"
             + (" or lower offload_slots / offload_cache_gb" if paradigm == "offload" else "")
+            + (" or keep the expert LoRA in host memory (offload_lora='host')" if lora_on_device else "")
         )
     cap_gpu_memory(device, budget)
 

@@ -196,10 +196,21 @@ def test_cuda_device_matches_cpu_reference(family):
     assert engine.moecc.engine.staging.pinned
 
 
-def test_peft_adapter_state_is_followed():
-    """disable_adapter(), merge_adapter() and set_adapter() act on the CPU experts as they do in PEFT."""
-    reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), seed=3)
+@pytest.mark.parametrize("paradigm,device,lora_place", [
+    ("cocompute", "cpu", "auto"), ("offload", "cpu", "auto"),
+    pytest.param("offload", "cuda", "device", marks=pytest.mark.gpu),
+    pytest.param("offload", "cuda", "host", marks=pytest.mark.gpu)])
+def test_peft_adapter_state_is_followed(paradigm, device, lora_place):
+    """disable_adapter(), merge_adapter() and set_adapter() act on the experts as they do in PEFT; an adapter
+    added after prepare is placed where the engine reads its factors (offload: on the GPU, or pinned)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), seed=3, device=device,
+                                   paradigm=paradigm, moecc_options={"offload_lora": lora_place})
     (ids, _, labels), = batches(engine.config.vocab_size, 1, seed=5)
+    ids, labels = ids.to(device), labels.to(device)
+    reference.to(device)
     with torch.no_grad():
         with reference.disable_adapter(), engine.disable_adapter():
             assert rel_err(engine(input_ids=ids).logits, reference(input_ids=ids).logits) <= 1e-5
@@ -219,3 +230,6 @@ def test_peft_adapter_state_is_followed():
     second = [n for n, p in engine.named_parameters() if ".experts." in n and ".second." in n and p.grad is not None]
     first = [n for n, p in engine.named_parameters() if ".experts." in n and ".default." in n and p.grad is not None]
     assert second and not first
+    if device == "cuda":
+        factors = [p for n, p in engine.named_parameters() if ".experts." in n and ".second." in n]
+        assert all(p.is_cuda if lora_place == "device" else p.is_pinned() for p in factors)

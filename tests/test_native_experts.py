@@ -229,6 +229,8 @@ def test_bf16_token_rows_in_and_out_equal_float32_rows_rounded(isa):
     assert torch.equal(narrow[2], wide[2])  # routing-weight gradients
     for got, want in zip(narrow[3] + narrow[4], wide[3] + wide[4]):  # LoRA gradients
         assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="hidden_copy must not share memory"):
+        _ops.expert_ffn_forward(isa, matrices, shape, 2, x, offsets, order, routing, *factors, hidden_copy=x)
     with pytest.raises(ValueError, match="out must be float32 or bfloat16"):
         _ops.expert_ffn_forward(isa, matrices, shape, 2, x, offsets, order, routing, *factors,
                                 out=torch.empty(130, 96, dtype=torch.float16))

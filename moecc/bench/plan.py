@@ -78,10 +78,21 @@ def _cpu_experts_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int) ->
     return sum(max(scale * _at(tokens, timed["tokens"], timed[f"cpu_{p}_s"]), floor) for p in ("forward", "backward"))
 
 
+def _expert_lora_params(s: dict, rank: int) -> int:
+    """Expert LoRA factor values of the model, r·E·(2H + 3I) per MoE layer."""
+    return s["moe_layers"] * rank * s["experts"] * (2 * s["hidden"] + 3 * s["inter"])
+
+
 def _host_optimizer_s(s: dict, rates: dict, rank: int) -> float:
-    """AdamW over the expert LoRA factors in host memory, r·E·(2H + 3I) per MoE layer."""
-    params = s["moe_layers"] * rank * s["experts"] * (2 * s["hidden"] + 3 * s["inter"])
-    return params * rates["host_optimizer_ns_per_param"] * 1e-9
+    """AdamW over the expert LoRA factors in host memory."""
+    return _expert_lora_params(s, rank) * rates["host_optimizer_ns_per_param"] * 1e-9
+
+
+def _host_lora_copies_s(s: dict, rates: dict, rank: int) -> float:
+    """Offload with the expert LoRA in host memory: the float32 factors go to the device once per forward pass
+    and their gradients come back in backward."""
+    nbytes = 4 * _expert_lora_params(s, rank)
+    return nbytes / (rates["h2d_gbps"] * 1e9) + nbytes / (rates["d2h_gbps"] * 1e9)
 
 
 def _activations_s(s: dict, tokens: int, rates: dict) -> float:
@@ -177,7 +188,8 @@ def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, ra
     gradient checkpointing (non-reentrant): the GPU recomputes each layer's forward, offload its expert math
     too; co-compute replays the CPU experts' first result, so their time does not grow.
     ``offload_lora_on_device``: offload keeps the expert LoRA on the GPU (``MoeccConfig.offload_lora``), where
-    the optimizer steps it in no time worth counting; otherwise it pays the host optimizer as co-compute does.
+    the optimizer steps it in no time worth counting; otherwise it pays the host optimizer as co-compute does,
+    and the factors' copies each way.
     """
     s = moe_shape(preset_config(preset, layers))
     timed = shape_rates(rates, preset)
@@ -204,7 +216,8 @@ def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, ra
         cocompute = _cocompute_in_place_s(s, tokens, rates, timed, rank, attention * recompute / (1 + recompute))
     return {
         "cocompute": cocompute,
-        "offload": offload + rest + (0.0 if offload_lora_on_device else optimizer),
+        "offload": offload + rest + (0.0 if offload_lora_on_device
+                                     else optimizer + _host_lora_copies_s(s, rates, rank)),
         "gpu": _gpu_paradigm_s(s, tokens, rates, timed, rank) * (1 + recompute),
     }
 

@@ -37,9 +37,9 @@ from ..reference import ExpertLora, ExpertWeights
 from .presets import preset_config
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moecc" / "rates.json"
-# A cache written in another layout (or timed with the unchunked loss, before 3; GPU layers 1 apart, before 5)
-# is measured again.
-VERSION = 5
+# A cache written in another layout (or timed with the unchunked loss, before 3; GPU layers 1 apart, before 5;
+# offload's expert LoRA copied per pass, before 6) is measured again.
+VERSION = 6
 LOADS = (32, 128, 512)  # (token, expert) pairs per expert at which the CPU kernels are timed
 GPU_LOADS = LOADS[:2]  # GPU times are close to linear in tokens beyond these
 RANK = 8  # LoRA rank of the timed layers
@@ -218,25 +218,20 @@ def cpu_expert_passes(shape: dict, tokens: list[int], rank: int = RANK) -> tuple
 def gpu_expert_passes(shape: dict, tokens: list[int], device: torch.device,
                       rank: int = RANK) -> tuple[list[float], list[float]]:
     """Seconds of one MoE layer's routed experts with LoRA on ``device`` as the offload paradigm computes them
-    there (weights already copied), at each token count: (forward, backward)."""
+    there (weights already copied, LoRA factors on the device: ``MoeccConfig.offload_lora``'s usual choice; the
+    planner adds the factors' copies where they stay in host memory), at each token count: (forward, backward)."""
     from .. import grouped_experts
 
-    weights, lora = _random_layer(shape, device, rank)
-
-    def factors_on_device():
-        return [ExpertLora(f.A.to(device, non_blocking=True), f.B.to(device, non_blocking=True), f.scaling,
-                           f.num_experts) for f in lora]
+    weights, host_lora = _random_layer(shape, device, rank)
+    lora = [ExpertLora(f.A.to(device), f.B.to(device), f.scaling, f.num_experts) for f in host_lora]
 
     def forward(batch):
         hidden, index, routing, _ = batch
         torch.unique(index).tolist()  # offload's one host sync per layer: which experts to copy
-        return grouped_experts.experts_forward(weights, hidden, index, routing, *factors_on_device())[1]
+        return grouped_experts.experts_forward(weights, hidden, index, routing, *lora)[1]
 
     def backward(saved, batch):
-        grads = grouped_experts.experts_backward(weights, saved, batch[3], *factors_on_device())[2]
-        for factor_grad in vars(grads).values():
-            if factor_grad is not None:
-                factor_grad.to("cpu")  # the factors live in host memory
+        grouped_experts.experts_backward(weights, saved, batch[3], *lora)
 
     return _timed_passes(shape, tokens, device, forward, backward)
 

@@ -3,9 +3,10 @@
 It logs the engine's per-step metrics (``moecc/cpu_experts_s``, ``moecc/h2d_gb``, ``moecc/d2h_gb``,
 ``moecc/tokens_per_s``, ``moecc/routing_skew``, ``moecc/gpu_wait_s``; per optimizer step, averaged over the
 logging window) into the printed logs, ``state.log_history`` and every reporting integration. Checkpoints hold
-the adapter in PEFT's format because the prepared model is a ``PeftModel``; resuming loads it back into the
-host-resident expert LoRA. The experts refuse device moves, so ``Trainer``/``accelerate`` may call
-``model.to(device)`` freely.
+the adapter in PEFT's format because the prepared model is a ``PeftModel``; resuming loads it back in place,
+into the expert LoRA factors wherever the engine keeps them (host memory, or the GPU under offload's
+``offload_lora``). The experts refuse device moves, so ``Trainer``/``accelerate`` may call ``model.to(device)``
+freely.
 """
 from __future__ import annotations
 

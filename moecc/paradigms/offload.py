@@ -270,6 +270,8 @@ class OffloadEngine:
 
     def __init__(self, device: torch.device, slots: int = 2, compute: str | None = None,
                  cache_bytes: int = 0) -> None:
+        if device.type == "cuda" and device.index is None:  # compared with tensors' devices, which have one
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         # Device copies of the hottest experts (moecc.paradigms.expert_cache); None when no budget is given.
         self.cache = ExpertCache(device, cache_bytes) if cache_bytes > 0 else None
@@ -417,6 +419,20 @@ class OffloadEngine:
         slot.present.update(missing)
         return slot
 
+    def place_lora(self, factors: list) -> None:
+        """Puts expert LoRA factors (parameters) where this engine reads them: on the device under
+        ``lora_on_device``, else pinned in host memory on CUDA. ``prepare`` places the adapters it creates; an
+        adapter PEFT adds later (``add_adapter``, ``load_adapter``) starts in host memory and is placed at its
+        layer's first call."""
+        for tensor in factors:
+            if tensor is None:
+                continue
+            if self.lora_on_device:
+                if tensor.device != self.device:
+                    tensor.data = tensor.data.to(self.device)
+            elif self.device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
+                tensor.data = tensor.data.pin_memory()
+
     def _lora_key(self, factors: list[torch.Tensor | None]) -> tuple:
         """The forward pass and the very host tensors (held, so their memory cannot pass to new ones) a slot's
         LoRA copies are made in and from."""
@@ -544,6 +560,7 @@ class OffloadLayer:
         lora = self.lora()
         factors = lora_tensors(lora)
         engine = self.engine
+        engine.place_lora(factors)
         recompute = torch._C._current_graph_task_id() != -1  # inside backward: checkpoint recomputing the layer
         if self.index == 0 and not recompute:
             engine.metrics.tokens += hidden.shape[0]
