@@ -214,6 +214,9 @@ def main() -> None:
     parser.add_argument("--task-shape", default=None, metavar="PANELS,GRAD_COLUMNS",
                         help="width of the product tasks: forward output panels of 16 columns per task, input-"
                              "gradient columns per task (multiple of 16); default: built-in (8,256)")
+    parser.add_argument("--prepack", action="store_true",
+                        help="forward products read a packed copy of the weights instead of packing per task "
+                             "(an experiment: measures the packing; doubles the experts' memory)")
     parser.add_argument("--loop-only", action="store_true", help=argparse.SUPPRESS)  # the baseline's child
     args = parser.parse_args()
     cases = [(shape, int(tokens), kind) for shape in args.shapes.split(",") for tokens in args.tokens.split(",")
@@ -230,7 +233,7 @@ def main() -> None:
         _C.set_task_shape(*(int(v) for v in args.task_shape.split(",")))
 
     isa = _ops.best_isa() if args.isa == "auto" else args.isa
-    native = NativeExperts(isa)
+    native = NativeExperts(isa, prepack=args.prepack)
     print(f"isa {isa}, {_ops.num_threads()} threads, cpu {_ops.cpu_features()['brand'].strip()}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} (loop: {_STARTED_WITH_OMP_POLICY or 'unset'})")
     baseline = None if args.no_baseline else loop_baseline(args)
@@ -262,6 +265,7 @@ def main() -> None:
     peak_text = ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s" for k, v in peaks.items()) or "none measured"
     knobs = "".join(f" --{name.replace('_', '-')} {value}" for name, value in
                     (("amx_tuning", args.amx_tuning), ("task_shape", args.task_shape)) if value)
+    knobs += " --prepack" if args.prepack else ""
     lines = [f"`python benchmarks/bench_cpu_experts.py --shapes {args.shapes} --tokens {args.tokens} "
              f"--isa {args.isa}{knobs}` ({isa}, {_ops.num_threads()} threads; kernels under "
              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, the loop under "

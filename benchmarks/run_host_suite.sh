@@ -30,6 +30,11 @@ if [[ "$part" == all || "$part" == kernels ]]; then
     python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 256,1024,8192 --reps 2 --no-baseline \
         --task-shape "$shape" --out "$(mktemp -d)" 2>&1 | grep '^{' | cut -c1-200
   done
+  # What packing each task's weight slice costs (locally on AVX512, 35% of a 256-token forward): the same
+  # layer with the forward reading a packed copy, printed only:
+  echo "prepack"
+  python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 256,1024,8192 --routing zipf --reps 2 \
+      --no-baseline --prepack --out "$(mktemp -d)" 2>&1 | grep '^{' | cut -c1-400
   # Shorter K passes (A block and weight panels in L1; see panel_gemm_amx.cpp), printed only:
   for knobs in 256,64,0 128,64,0; do
     echo "amx tuning $knobs"

@@ -132,10 +132,11 @@ PYBIND11_MODULE(_C, m) {
          int64_t gate_up_rank, float gate_up_scaling, std::uintptr_t down_a, std::uintptr_t down_b, int64_t down_rank,
          float down_scaling, std::uintptr_t offsets, std::uintptr_t order, std::uintptr_t routing_weights,
          std::uintptr_t hidden, std::uintptr_t gate_up_out, std::uintptr_t out, bool out_bf16,
-         std::uintptr_t hidden_copy) {
+         std::uintptr_t hidden_copy, std::uintptr_t packed_gate_up, std::uintptr_t packed_down) {
         moecc::kernels::expert_ffn_forward(
             static_cast<Isa>(isa), {experts, hidden_size, inter, tokens, top_k},
-            {as_pointer<const uint16_t>(gate_up), as_pointer<const uint16_t>(down)},
+            {as_pointer<const uint16_t>(gate_up), as_pointer<const uint16_t>(down),
+             as_pointer<const uint16_t>(packed_gate_up), as_pointer<const uint16_t>(packed_down)},
             lora_factors(gate_up_a, gate_up_b, gate_up_rank, gate_up_scaling),
             lora_factors(down_a, down_b, down_rank, down_scaling),
             {as_pointer<const int64_t>(offsets), as_pointer<const int64_t>(order), as_pointer<const float>(routing_weights)},
@@ -149,7 +150,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("gate_up_rank"), py::arg("gate_up_scaling"), py::arg("down_a"), py::arg("down_b"), py::arg("down_rank"),
       py::arg("down_scaling"), py::arg("offsets"), py::arg("order"), py::arg("routing_weights"), py::arg("hidden"),
       py::arg("gate_up_out"), py::arg("out"), py::arg("out_bf16"), py::arg("hidden_copy"),
-      py::call_guard<py::gil_scoped_release>(),
+      py::arg("packed_gate_up") = 0, py::arg("packed_down") = 0, py::call_guard<py::gil_scoped_release>(),
       "Routed-expert SwiGLU forward with LoRA (expert_ffn.h); addresses of tensors checked by moecc._ops; out is "
       "bf16 when out_bf16, else float32.");
 

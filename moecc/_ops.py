@@ -196,6 +196,19 @@ def _check_grouping(offsets: torch.Tensor, order: torch.Tensor, experts: int, pa
             raise ValueError(f"order must be a permutation of the {pairs} pair ids")
 
 
+def pack_expert_weights(isa: str, weights: torch.Tensor) -> torch.Tensor:
+    """``[E, N, K]`` bf16 weights in the panel layout ``isa``'s products read (weight_packing.h), each expert's
+    ``packed_elements(N, K)`` values after the previous one's; a flat bf16 tensor."""
+    experts, n, k = weights.shape
+    weights = weights.detach().contiguous()
+    per_expert = _C.packed_elements(n, k)
+    out = torch.empty(experts * per_expert, dtype=torch.bfloat16)
+    panels = -(-n // 16)
+    for expert in range(experts):
+        _C.pack_rows(ISAS[isa], weights[expert].data_ptr(), n, k, 0, panels, out[expert * per_expert:].data_ptr())
+    return out
+
+
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two contiguous tensors' bytes overlap."""
     return (a.numel() > 0 and b.numel() > 0 and a.data_ptr() < b.data_ptr() + b.nbytes
@@ -224,14 +237,16 @@ def _output(given: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dty
 def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int], top_k: int,
                        hidden: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor, routing: torch.Tensor,
                        gate_up_lora: tuple | None, down_lora: tuple | None, out: torch.Tensor | None = None,
-                       gate_up_out: torch.Tensor | None = None,
-                       hidden_copy: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       gate_up_out: torch.Tensor | None = None, hidden_copy: torch.Tensor | None = None,
+                       packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the CPU expert forward. ``shape = (E, H, I)``; ``hidden [T, H]`` bf16; ``routing [T*k]`` float32.
 
     Returns ``(out [T, H], gate_up_out [T*k, 2I] bf16 in grouped order)``, written into the given tensors when
     passed (callers reuse buffers: fresh pages cost a fault each on first touch). ``out`` is float32, or bf16
     when a bf16 tensor is given (summed in float32 and rounded once, in the kernel). ``hidden_copy`` (bf16
-    ``[T, H]``, optional) receives a copy of ``hidden``, made by the kernel threads as they read it.
+    ``[T, H]``, optional) receives a copy of ``hidden``, made by the kernel threads as they read it. ``packed``
+    (optional, from :func:`pack_expert_weights`): the same weights in the panel layout, read by the forward
+    products instead of packing each task's slice (an experiment: it doubles the experts' memory).
     """
     experts, hidden_size, inter = shape
     tokens = hidden.shape[0]
@@ -253,6 +268,11 @@ def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sha
         gate_up_out=gate_up_out.data_ptr(), out=out.data_ptr(), out_bf16=out.dtype == torch.bfloat16,
         hidden_copy=0 if hidden_copy is None else _address(hidden_copy, "hidden_copy", torch.bfloat16,
                                                             tokens * hidden_size),
+        **({} if packed is None else {
+            "packed_gate_up": _address(packed[0], "packed gate_up", torch.bfloat16,
+                                       experts * _C.packed_elements(2 * inter, hidden_size)),
+            "packed_down": _address(packed[1], "packed down", torch.bfloat16,
+                                    experts * _C.packed_elements(hidden_size, inter))}),
     )
     return out, gate_up_out
 

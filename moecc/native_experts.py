@@ -92,10 +92,14 @@ def _check_omp_wait_policy() -> None:
 class NativeExperts:
     """Runs the kernels on each layer's weights as they are now (so PEFT merges are seen at once)."""
 
-    def __init__(self, isa: str) -> None:
+    def __init__(self, isa: str, prepack: bool = False) -> None:
+        """``isa``: the kernel variant. ``prepack``: keep a copy of each layer's weights in the kernels' panel
+        layout, which the forward products read instead of packing per task: an experiment that measures the
+        packing (it doubles the experts' host memory), off by default."""
         _ops.check_isa(isa)
         _check_omp_wait_policy()
         self.isa = isa
+        self.prepack = prepack
         self._saved_buffers = _BufferPool()  # gate/up outputs, forward to backward
         self._scratch = _BufferPool()  # float32 results, converted before they leave this object
 
@@ -114,6 +118,19 @@ class NativeExperts:
                 f"{weights.gate_up.dtype} experts or gpt-oss-style experts. Use MOECC_BACKEND=reference"
             )
         return weights.gate_up.detach().contiguous(), weights.down.detach().contiguous()
+
+    def _packed(self, weights: ExpertWeights, matrices: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The weights in panel layout under ``prepack``, made once per weight tensors and merge state and kept
+        on the weights' ``cache_owner`` (None without prepack, or without an owner to keep them on)."""
+        owner = weights.cache_owner
+        if not self.prepack or owner is None:
+            return None
+        key = (self.isa, matrices[0].data_ptr(), matrices[1].data_ptr(), weights.revision)
+        cached = getattr(owner, "_moecc_packed", None)
+        if cached is None or cached[0] != key:
+            cached = (key, tuple(_ops.pack_expert_weights(self.isa, m) for m in matrices))
+            owner._moecc_packed = cached
+        return cached[1]
 
     def forward(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, gate_up_lora: ExpertLora | None,
@@ -135,7 +152,8 @@ class NativeExperts:
         try:
             _ops.expert_ffn_forward(self.isa, matrices, shape, top_k, hidden_bf16, offsets, order, routing,
                                     _kernel_lora(gate_up_lora), _kernel_lora(down_lora), out=out,
-                                    gate_up_out=gate_up_out, hidden_copy=hidden_copy)
+                                    gate_up_out=gate_up_out, hidden_copy=hidden_copy,
+                                    packed=self._packed(weights, matrices))
             result = out if direct else out.to(hidden.dtype, copy=True)
         finally:
             if not direct:

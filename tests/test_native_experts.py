@@ -236,6 +236,26 @@ def test_bf16_token_rows_in_and_out_equal_float32_rows_rounded(isa):
                                 out=torch.empty(130, 96, dtype=torch.float16))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_prepacked_weights_give_the_same_forward(isa):
+    """The prepack experiment: forward products reading a packed copy of the weights equal those packing their
+    slice per task, bit for bit (one layout, one product); the copy is made once and again after a merge."""
+    import types
+
+    weights, x, index, w, gate_up, down = _problem(130, 5, 96, 40, 2, 4, seed=7, skew=True)
+    weights.cache_owner = types.SimpleNamespace()
+    expected, _ = NativeExperts(isa).forward(weights, x, index, w, gate_up, down)
+    prepacked = NativeExperts(isa, prepack=True)
+    out, _ = prepacked.forward(weights, x, index, w, gate_up, down)
+    assert torch.equal(out, expected)
+    packed = weights.cache_owner._moecc_packed[1]
+    prepacked.forward(weights, x, index, w, gate_up, down)
+    assert weights.cache_owner._moecc_packed[1] is packed  # kept
+    weights.revision = (("gate_up_proj", ("default",)),)  # PEFT merged into the weights: packed again
+    prepacked.forward(weights, x, index, w, gate_up, down)
+    assert weights.cache_owner._moecc_packed[1] is not packed
+
+
 def test_kernel_inputs_are_checked_before_crossing():
     weights, x, index, w, gate_up, down = _problem(4, 4, 32, 16, 2, 2, seed=0)
     packed = (weights.gate_up, weights.down)  # the kernels read the model's own weights

@@ -177,7 +177,6 @@ struct Dims {
         ld_dy(padded_k(s.hidden) + kRowPad), ld_dgu(padded_k(2 * s.inter) + kRowPad) {}
 };
 
-// Gathers each grouped row's hidden state (bf16, zero-padded to h_k) and its gate_up LoRA inner product.
 // Grouped hidden rows (zero-padded) and their gate/up LoRA inner product; with `hidden_copy`, each token's row is
 // also copied there once (by its slot-0 pair), in parallel and while the row is in cache.
 void gather_hidden(const Dims& d, const Routing& routing, const uint16_t* hidden, const LoraFactors& lora,
@@ -349,8 +348,14 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
     const int64_t n = task.end - task.begin, width = (task.col1 - task.col0) * kPanelRows;
     const int64_t col0 = task.col0 * kPanelRows, col1 = std::min(2 * d.I, task.col1 * kPanelRows);
     float* const tile = block.get(n * width);
-    uint16_t* const slice = panels.get((task.col1 - task.col0) * kPanelRows * d.h_k);
-    gemm.pack_rows(weights.gate_up + task.expert * d.gu_size, 2 * d.I, d.H, task.col0, task.col1, slice);
+    const uint16_t* slice;
+    if (weights.packed_gate_up) {
+      slice = weights.packed_gate_up + task.expert * packed_elements(2 * d.I, d.H) + task.col0 * kPanelRows * d.h_k;
+    } else {
+      uint16_t* const packed = panels.get((task.col1 - task.col0) * kPanelRows * d.h_k);
+      gemm.pack_rows(weights.gate_up + task.expert * d.gu_size, 2 * d.I, d.H, task.col0, task.col1, packed);
+      slice = packed;
+    }
     gemm.forward(xg + task.begin * d.ld_x, d.ld_x, n, slice, d.h_k, 0, task.col1 - task.col0, tile, width);
     add_lora_block(gate_up_lora, task.expert, 2 * d.I, inner_gu, task, col0, col1, tile, width);
     for (int64_t g = task.begin; g < task.end; ++g) {
@@ -370,8 +375,14 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
     const int64_t n = task.end - task.begin, width = (task.col1 - task.col0) * kPanelRows;
     const int64_t col0 = task.col0 * kPanelRows, col1 = std::min(d.H, task.col1 * kPanelRows);
     float* const tile = block.get(n * width);
-    uint16_t* const slice = panels.get((task.col1 - task.col0) * kPanelRows * d.i_k);
-    gemm.pack_rows(weights.down + task.expert * d.down_size, d.H, d.I, task.col0, task.col1, slice);
+    const uint16_t* slice;
+    if (weights.packed_down) {
+      slice = weights.packed_down + task.expert * packed_elements(d.H, d.I) + task.col0 * kPanelRows * d.i_k;
+    } else {
+      uint16_t* const packed = panels.get((task.col1 - task.col0) * kPanelRows * d.i_k);
+      gemm.pack_rows(weights.down + task.expert * d.down_size, d.H, d.I, task.col0, task.col1, packed);
+      slice = packed;
+    }
     gemm.forward(act + task.begin * d.ld_act, d.ld_act, n, slice, d.i_k, 0, task.col1 - task.col0, tile, width);
     add_lora_block(down_lora, task.expert, d.H, inner_down, task, col0, col1, tile, width);
     for (int64_t g = task.begin; g < task.end; ++g) {
