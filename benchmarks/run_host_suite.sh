@@ -53,5 +53,8 @@ fi
 if [[ "$part" == all || "$part" == profile ]]; then
   # Where steps leave the GPU idle: offload at 48 layers (8192 tokens was 1.38x its copies), co-compute at 8.
   python benchmarks/profile_step.py --paradigm offload --tokens 2048,8192 2>&1 | grep -v "Warn\|warn"
+  # The same with the allocator's expandable segments (less fragmentation under the budget cap):
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/profile_step.py --paradigm offload \
+      --tokens 8192 2>&1 | grep -v "Warn\|warn"
   python benchmarks/profile_step.py --paradigm cocompute --layers 8 --tokens 512 2>&1 | grep -v "Warn\|warn"
 fi
