@@ -5,7 +5,7 @@
 # budget (where the whole model fits, so the `gpu` paradigm has rows). Results land in OUT_DIR (default
 # benchmarks/results); each markdown file starts with the command that made it.
 #
-#   bash benchmarks/run_host_suite.sh [OUT_DIR] [all|tests|kernels|bench|bench8|profile]
+#   bash benchmarks/run_host_suite.sh [OUT_DIR] [all|tests|kernels|sweeps|bench|bench8|profile]
 set -uo pipefail
 out="${1:-benchmarks/results}"
 part="${2:-all}"
@@ -24,6 +24,8 @@ if [[ "$part" == all || "$part" == kernels ]]; then
       | grep -v '^|'
   # Where a call's time goes beyond the kernel phases, under moecc's OpenMP policy (PASSIVE):
   python benchmarks/profile_cpu_experts.py --tokens 256,8192 2>&1 | grep "^{"
+fi
+if [[ "$part" == all || "$part" == sweeps ]]; then
   # Product-task widths around the default (8,256), printed only:
   for shape in 8,512 16,256 4,128; do
     echo "task shape $shape"
