@@ -26,12 +26,6 @@ if [[ "$part" == all || "$part" == kernels ]]; then
   python benchmarks/profile_cpu_experts.py --tokens 256,8192 2>&1 | grep "^{"
 fi
 if [[ "$part" == all || "$part" == sweeps ]]; then
-  # Product-task widths around the default (8,256), printed only:
-  for shape in 8,512 16,256 4,128; do
-    echo "task shape $shape"
-    python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 256,1024,8192 --reps 2 --no-baseline \
-        --task-shape "$shape" --out "$(mktemp -d)" 2>&1 | grep '^{' | cut -c1-200
-  done
   # What packing each task's weight slice costs (locally on AVX512, 35% of a 256-token forward): the same
   # layer with the forward reading a packed copy, printed only:
   echo "prepack"
@@ -42,6 +36,12 @@ if [[ "$part" == all || "$part" == sweeps ]]; then
     echo "amx tuning $knobs"
     python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 1024,8192 --routing zipf --reps 2 \
         --no-baseline --amx-tuning "$knobs" --out "$(mktemp -d)" 2>&1 | grep '^{' | cut -c1-200
+  done
+  # Product-task widths around the default (8,256), printed only:
+  for shape in 8,512 16,256 4,128; do
+    echo "task shape $shape"
+    python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 256,1024,8192 --reps 2 --no-baseline \
+        --task-shape "$shape" --out "$(mktemp -d)" 2>&1 | grep '^{' | cut -c1-200
   done
 fi
 if [[ "$part" == all || "$part" == bench ]]; then
