@@ -146,7 +146,7 @@ def prepare(
     if paradigm == "offload":
         engine = OffloadEngine(device, config.offload_slots, cache_bytes=int(config.offload_cache_gb * 1e9))
     else:
-        engine = CoComputeEngine(device, config.backend, config.isa)
+        engine = CoComputeEngine(device, config.backend, config.isa, prepack=config.prepack_weights)
     layers = []
     for index, (name, block) in enumerate(blocks):
         keep_on_host(block.experts)
@@ -161,6 +161,8 @@ def prepare(
             layer = CoComputeLayer(name, base_experts, wrappers, engine, index)
         install_block_forward(block, family, layer)
         layers.append(layer)
+    if paradigm == "cocompute" and engine.native is not None:
+        engine.native.prepack_layers(layers)
     if paradigm == "offload":
         engine.lora_on_device = offload_lora_on_device(peft_model, layers, device, config)
         for layer in layers:  # after keep_on_host, which moved the whole experts subtree to host memory

@@ -33,6 +33,10 @@ class MoeccConfig:
             ``MOECC_OFFLOAD_CACHE_GB``.
         offload_slots: layers of experts the offload paradigm keeps on the device at once (2 = the current
             layer plus the one being prefetched).
+        prepack_weights: co-compute with the native kernels keeps a second copy of each layer's expert weights in
+            the kernels' panel layout, made in ``prepare``, which the forward products read instead of packing
+            each task's slice as they go. Doubles the experts' host memory (``prepare`` checks it is there);
+            off by default. Environment: ``MOECC_PREPACK_WEIGHTS`` (0/1).
         offload_lora: where the offload paradigm keeps the expert LoRA factors (float32 masters, their gradients
             and the optimizer's state). ``"device"``: on the GPU, used in place (no copies, and the optimizer
             steps them there). ``"host"``: in pinned host memory, copied to the device once per forward pass and
@@ -50,6 +54,7 @@ class MoeccConfig:
     offload_slots: int = 2
     offload_cache_gb: float = 0.0
     offload_lora: str = "auto"
+    prepack_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -90,10 +95,12 @@ class MoeccConfig:
                     kwargs[field_name] = float(value)
                 except ValueError:
                     raise ValueError(f"{variable}={value!r} is not a number of GB") from None
-        pin = os.environ.get("MOECC_PIN_THREADS")
-        if pin:
-            flags = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
-            if pin.strip().lower() not in flags:
-                raise ValueError(f"MOECC_PIN_THREADS={pin!r}: use 1/true/yes or 0/false/no")
-            kwargs["pin_threads"] = flags[pin.strip().lower()]
+        flags = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+        for variable, field_name in (("MOECC_PIN_THREADS", "pin_threads"),
+                                     ("MOECC_PREPACK_WEIGHTS", "prepack_weights")):
+            value = os.environ.get(variable)
+            if value:
+                if value.strip().lower() not in flags:
+                    raise ValueError(f"{variable}={value!r}: use 1/true/yes or 0/false/no")
+                kwargs[field_name] = flags[value.strip().lower()]
         return cls(**kwargs)

@@ -16,7 +16,7 @@ import warnings
 import torch
 
 from . import _ops
-from .errors import UnsupportedModelError
+from .errors import MoeccError, UnsupportedModelError
 from .reference import ExpertLora, ExpertWeights, LoraGrads, SavedState
 
 
@@ -89,6 +89,18 @@ def _check_omp_wait_policy() -> None:
         warnings.warn(OMP_WAIT_POLICY_ADVICE, RuntimeWarning, stacklevel=3)
 
 
+def _available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), None elsewhere."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 class NativeExperts:
     """Runs the kernels on each layer's weights as they are now (so PEFT merges are seen at once)."""
 
@@ -118,6 +130,25 @@ class NativeExperts:
                 f"{weights.gate_up.dtype} experts or gpt-oss-style experts. Use MOECC_BACKEND=reference"
             )
         return weights.gate_up.detach().contiguous(), weights.down.detach().contiguous()
+
+    def prepack_layers(self, layers: list) -> None:
+        """Makes the packed copies of the co-compute ``layers`` the kernels run (under ``prepack``), with a
+        progress bar, after checking that host memory holds them (the copies are as large as the weights)."""
+        weights = [layer.weights for layer in layers]
+        weights = [w for w in weights if self.supports(w)]
+        if not self.prepack or not weights:
+            return
+        needed = sum(w.gate_up.nbytes + w.down.nbytes for w in weights)
+        available = _available_host_bytes()
+        if available is not None and needed > 0.9 * available:
+            raise MoeccError(
+                f"prepack_weights needs {needed / 1e9:.1f} GB of host memory for a packed copy of the experts, "
+                f"{available / 1e9:.1f} GB is available; set prepack_weights=False (MOECC_PREPACK_WEIGHTS=0)"
+            )
+        from tqdm import tqdm
+
+        for layer_weights in tqdm(weights, desc="packing expert weights", unit="layer"):
+            self._packed(layer_weights, self._matrices(layer_weights))
 
     def _packed(self, weights: ExpertWeights, matrices: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The weights in panel layout under ``prepack``, made once per weight tensors and merge state and kept

@@ -362,3 +362,40 @@ def test_buffer_pool_hands_out_the_smallest_fitting_buffer_once():
     assert again._base is buffers[0]
     fresh = pool.take((4, 10), torch.bfloat16)  # only the 10 is left, too small: dropped, a new one made
     assert all(fresh._base is not b for b in buffers) and pool.take((1,), torch.float32).numel() == 1
+
+
+def test_prepack_weights_packs_in_prepare_and_trains_the_same(monkeypatch):
+    """MoeccConfig.prepack_weights: prepare packs every native layer (checking host memory first), and a
+    training step gives the same loss and gradients as packing per task."""
+    import copy
+
+    import moecc
+    from moecc import native_experts
+    from moecc.tiny_models import tiny_model
+
+    from .parity import batches, lora_config, randomize_lora
+
+    base = tiny_model("qwen3_moe", dtype=torch.bfloat16, seed=0)
+    models = []
+    for prepack in (False, True):
+        model = moecc.prepare(copy.deepcopy(base), lora_config=lora_config("qwen3_moe"), device="cpu",
+                              config=moecc.MoeccConfig(backend="native", prepack_weights=prepack))
+        randomize_lora(model, 3)
+        models.append(model)
+    assert all(hasattr(layer.experts, "_moecc_packed") for layer in models[1].moecc.layers)
+    assert not any(hasattr(layer.experts, "_moecc_packed") for layer in models[0].moecc.layers)
+    (ids, mask, labels), = batches(models[0].config.vocab_size, 1, seed=2)
+    losses = [m(input_ids=ids, attention_mask=mask, labels=labels).loss for m in models]
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(losses[0], losses[1])
+    for (name, p), (_, q) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        if p.requires_grad:
+            assert torch.equal(p.grad, q.grad), name
+
+    monkeypatch.setattr(native_experts, "_available_host_bytes", lambda: 1000)
+    with pytest.raises(moecc.MoeccError, match="prepack_weights needs .* GB of host memory"):
+        moecc.prepare(copy.deepcopy(base), lora_config=lora_config("qwen3_moe"), device="cpu",
+                      config=moecc.MoeccConfig(backend="native", prepack_weights=True))
+    monkeypatch.setenv("MOECC_PREPACK_WEIGHTS", "yes")
+    assert moecc.MoeccConfig.from_env().prepack_weights

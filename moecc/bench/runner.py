@@ -1,6 +1,7 @@
 """Timed LoRA training steps of one model under one paradigm, with the time broken down where it goes."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -177,7 +178,8 @@ def _build(paradigm: str, base: torch.nn.Module, lora, device: torch.device, bud
         return _whole_model_on_gpu(base, lora, device, budget_gb), None
     if paradigm == "hf-offload":
         return _hf_offload(base, lora, device, budget_gb, state)
-    config = MoeccConfig(gpu_memory_budget_gb=budget_gb)
+    # MOECC_* variables (threads, backend, prepack_weights ...) apply; the budget is the bench's own.
+    config = dataclasses.replace(MoeccConfig.from_env(), gpu_memory_budget_gb=budget_gb)
     return prepare(base, lora_config=lora, paradigm=paradigm, device=device, config=config), None
 
 

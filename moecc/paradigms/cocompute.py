@@ -63,13 +63,15 @@ def _per_layer(supports, native_fn, reference_fn):
 class CoComputeEngine:
     """Shared state of every co-compute layer: staging buffers, the CPU backend, the worker, metrics."""
 
-    def __init__(self, device: torch.device, backend: str = "auto", isa: str = "auto") -> None:
+    def __init__(self, device: torch.device, backend: str = "auto", isa: str = "auto",
+                 prepack: bool = False) -> None:
         self.device = device
         self.staging = StagingBuffers(device)
+        self.native: NativeExperts | None = None  # the kernel backend, where it runs some layers
         if backend == "reference":
             self.forward_fn, self.backward_fn = reference.experts_forward, reference.experts_backward
         elif backend in ("native", "auto"):
-            native = NativeExperts(_ops.best_isa() if isa == "auto" else isa)
+            native = self.native = NativeExperts(_ops.best_isa() if isa == "auto" else isa, prepack=prepack)
             if backend == "native":
                 self.forward_fn, self.backward_fn = native.forward, native.backward
             else:
