@@ -56,7 +56,8 @@ def main() -> None:
     before = evaluate(model, eval_ids, eval_labels, device)
     print(f"held-out before: loss {before[0]:.3f}, answer accuracy {before[1]:.1%}")
 
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    # fused: the Trainer's default, and ~4x faster than the for-each AdamW on the host-resident expert LoRA
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, fused=True)
     generator = torch.Generator().manual_seed(1)
     start = time.perf_counter()
     progress = tqdm(range(args.steps), desc="fine-tuning", unit="step", mininterval=1.0)

@@ -38,8 +38,8 @@ from .presets import preset_config
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moecc" / "rates.json"
 # A cache written in another layout (or timed with the unchunked loss, before 3; GPU layers 1 apart, before 5;
-# offload's expert LoRA copied per pass, before 6) is measured again.
-VERSION = 6
+# offload's expert LoRA copied per pass, before 6; for-each AdamW, before 7) is measured again.
+VERSION = 7
 LOADS = (32, 128, 512)  # (token, expert) pairs per expert at which the CPU kernels are timed
 GPU_LOADS = LOADS[:2]  # GPU times are close to linear in tokens beyond these
 RANK = 8  # LoRA rank of the timed layers
@@ -132,7 +132,7 @@ def host_optimizer_ns_per_param(params: int = 8_000_000) -> float:
     weights = [torch.zeros(params // 4, requires_grad=True) for _ in range(4)]
     for weight in weights:
         weight.grad = torch.zeros_like(weight)
-    optimizer = torch.optim.AdamW(weights, lr=1e-5)
+    optimizer = torch.optim.AdamW(weights, lr=1e-5, fused=True)  # as moecc.bench.runner.adamw
     return _best_of(optimizer.step) / params * 1e9
 
 

@@ -241,3 +241,13 @@ def test_gpu_kernel_busy_time_merges_overlaps_and_leaves_out_copies():
               event("silu", 500, 520)]
     assert gpu_kernel_busy_s(events) == pytest.approx(170e-6)
     assert gpu_kernel_busy_s([]) == 0.0
+
+
+def test_bench_optimizer_is_fused_where_it_can_be():
+    """The Trainer's default optimizer (fused AdamW); the for-each one when a parameter is a meta placeholder."""
+    from moecc.bench.runner import adamw
+
+    model = torch.nn.Linear(4, 4)
+    assert adamw(model).defaults["fused"] is True
+    model.bias = torch.nn.Parameter(torch.zeros(4, device="meta"))
+    assert not adamw(model).defaults["fused"]
