@@ -19,7 +19,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from moecc.bench import runner
 from moecc.bench.idle import idle_report
-from moecc.bench.presets import random_model
 from moecc.losses import chunked_causal_lm_loss
 
 
@@ -37,12 +36,8 @@ def main() -> None:
     if not cuda:
         print("no CUDA GPU: the step runs on the CPU, where every second counts as GPU idle time")
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    base = random_model(args.preset, args.layers, torch.float32 if args.preset == "tiny" else torch.bfloat16)
-    lora = runner.default_lora_config(base, rank=8)
-    state = {"mode": args.checkpointing, "on": args.checkpointing == "on"}
-    model, _ = runner._build(args.paradigm, base, lora, device, args.gpu_budget, state)
-    if state["on"]:
-        runner._enable_checkpointing(model)
+    model, _, state = runner.build_for_timing(args.preset, args.layers, args.paradigm, device, args.gpu_budget,
+                                              args.checkpointing)
     for tokens in (int(t) for t in args.tokens.split(",")):
         profile_tokens(model, device, tokens, state, args.paradigm, args.min_gap_us)
 
@@ -50,7 +45,7 @@ def main() -> None:
 def profile_tokens(model: torch.nn.Module, device: torch.device, tokens: int, state: dict, paradigm: str,
                    min_gap_us: float) -> None:
     """Times steps of ``tokens`` as the bench does, then profiles one and prints where the GPU sat idle."""
-    timing = runner._time_with_checkpointing(model, device, tokens, 2, state, None)
+    timing = runner.time_with_checkpointing(model, device, tokens, 2, state, None)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in timing.items()}
                      | {"checkpointing": state["on"]}), flush=True)
     cuda = device.type == "cuda"

@@ -229,9 +229,29 @@ def _fall_back_to_checkpointing(model: torch.nn.Module, state: dict, run):
     return run()
 
 
-def _time_with_checkpointing(model: torch.nn.Module, device: torch.device, count: int, steps: int, state: dict,
-                             max_seconds: float | None = None):
-    """``time_training``, falling back to gradient checkpointing as :func:`_fall_back_to_checkpointing` says."""
+def _dtype(preset: str) -> torch.dtype:
+    """The bench models' dtype: bf16, as real checkpoints; float32 for the tiny test preset."""
+    return torch.float32 if preset == "tiny" else torch.bfloat16
+
+
+def build_for_timing(preset: str, layers: int | None, paradigm: str, device: torch.device, budget_gb: float | None,
+                     checkpointing: str = "auto", rank: int = 8) -> tuple[torch.nn.Module, str | None, dict]:
+    """``(model, caveat, state)``: the bench's random-weight ``preset`` model with LoRA of ``rank`` under
+    ``paradigm`` and the budget, a reason its numbers mislead (or None), and the checkpointing state that
+    :func:`time_with_checkpointing` takes (``checkpointing``: ``auto``, ``on`` or ``off``)."""
+    base = random_model(preset, layers, _dtype(preset))
+    lora = default_lora_config(base, rank=rank)
+    state = {"mode": checkpointing, "on": checkpointing == "on"}
+    model, caveat = _build(paradigm, base, lora, device, budget_gb, state)
+    if state["on"]:
+        _enable_checkpointing(model)
+    return model, caveat, state
+
+
+def time_with_checkpointing(model: torch.nn.Module, device: torch.device, count: int, steps: int, state: dict,
+                            max_seconds: float | None = None):
+    """:func:`time_training`, falling back to gradient checkpointing as :func:`_fall_back_to_checkpointing`
+    says (``state`` from :func:`build_for_timing`)."""
     return _fall_back_to_checkpointing(
         model, state, lambda: time_training(model, device, count, steps, max_seconds=max_seconds))
 
@@ -254,22 +274,16 @@ def run_case(preset: str, layers: int | None, paradigm: str, tokens: list[int], 
         device = torch.device("cuda", torch.cuda.current_device())
     if paradigm == "hf-offload" and device.type != "cuda":
         return [{"paradigm": paradigm, "tokens": count, "error": HF_OFFLOAD_NEEDS_CUDA} for count in tokens]
-    dtype = torch.float32 if preset == "tiny" else torch.bfloat16
     if device.type == "cuda":  # budgets count from a clean device: no blocks cached by an earlier case
         gc.collect()
         torch.cuda.empty_cache()
-    model, base, rows = None, None, []
+    model, rows = None, []
     try:
         if paradigm == "gpu":  # before building: a model that cannot fit is not worth minutes of set-up
-            _check_whole_model_fits(preset_nbytes(preset, layers, dtype), device, budget_gb)
-        base = random_model(preset, layers, dtype)
-        lora = default_lora_config(base, rank=rank)
-        state = {"mode": checkpointing, "on": checkpointing == "on"}
-        model, caveat = _build(paradigm, base, lora, device, budget_gb, state)
-        if state["on"]:
-            _enable_checkpointing(model)
+            _check_whole_model_fits(preset_nbytes(preset, layers, _dtype(preset)), device, budget_gb)
+        model, caveat, state = build_for_timing(preset, layers, paradigm, device, budget_gb, checkpointing, rank)
         for count in tokens:
-            timing = _time_with_checkpointing(model, device, count, steps, state, max_seconds)
+            timing = time_with_checkpointing(model, device, count, steps, state, max_seconds)
             row = {"paradigm": paradigm, "tokens": count, **timing, "checkpointing": state["on"]}
             if paradigm == "offload":  # where the expert LoRA lives changes the step (see plan.predict)
                 row["lora_on_device"] = model.moecc.engine.lora_on_device
@@ -283,7 +297,7 @@ def run_case(preset: str, layers: int | None, paradigm: str, tokens: list[int], 
         rows += [{"paradigm": paradigm, "tokens": count, "error": _error_message(paradigm, error)}
                  for count in tokens if count not in done]
     finally:
-        del model, base
+        del model
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
