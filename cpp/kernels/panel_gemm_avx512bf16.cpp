@@ -110,12 +110,12 @@ MOECC_AVX512BF16 void pack_rows_avx512(const uint16_t* w, int64_t n, int64_t k, 
     uint16_t* panel = dst + (p - p0) * kPanelRows * k_padded;
     // The next panel's rows are one contiguous block (16 rows of W): ask for it in memory order, 16 lines per
     // step, while this panel is read 16 strided lines at a time.
-    const char* next = reinterpret_cast<const char*>(w + (p + 1) * kPanelRows * k);
-    const char* next_end = reinterpret_cast<const char*>(w + std::min(n, (p + 2) * kPanelRows) * k);
+    // Byte offsets, so no pointer is formed past the matrix (p + 1 < p1 keeps the next panel's rows inside it).
+    int64_t next = (p + 1) * kPanelRows * k * 2;
+    const int64_t next_end = p + 1 < p1 ? std::min(n, (p + 2) * kPanelRows) * k * 2 : next;
+    const char* base = reinterpret_cast<const char*>(w);
     for (int64_t k0 = 0; k0 < k_padded; k0 += kKAlign) {
-      if (p + 1 < p1) {
-        for (int line = 0; line < 16 && next < next_end; ++line, next += 64) _mm_prefetch(next, _MM_HINT_T1);
-      }
+      for (int line = 0; line < 16 && next < next_end; ++line, next += 64) _mm_prefetch(base + next, _MM_HINT_T1);
       const __mmask32 mask = k0 + kKAlign <= k ? ~__mmask32{0} : (k0 >= k ? 0 : (__mmask32{1} << (k - k0)) - 1);
       __m512i lo[8], hi[8];
       for (int i = 0; i < 8; ++i) {
