@@ -168,6 +168,8 @@ def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: N
 
     from moecc import _C
 
+    if native.prepack:  # the packed copy is made before the scratch is measured: it is the weights' size again
+        native.prepack_layers([types.SimpleNamespace(weights=weights)])
     resident_before_kernels = resident_bytes()
     forward_s = median_time(forward, reps, setup=release)
     forward_phases = {name: round(sec * 1e3, 2) for name, sec in _C.last_phase_times(False)}
@@ -216,7 +218,7 @@ def main() -> None:
                              "gradient columns per task (multiple of 16); default: built-in (8,256)")
     parser.add_argument("--prepack", action="store_true",
                         help="forward products read a packed copy of the weights instead of packing per task "
-                             "(an experiment: measures the packing; doubles the experts' memory)")
+                             "(MoeccConfig.prepack_weights: doubles the experts' memory)")
     parser.add_argument("--loop-only", action="store_true", help=argparse.SUPPRESS)  # the baseline's child
     args = parser.parse_args()
     cases = [(shape, int(tokens), kind) for shape in args.shapes.split(",") for tokens in args.tokens.split(",")
@@ -271,9 +273,10 @@ def main() -> None:
              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, the loop under "
              f"{_STARTED_WITH_OMP_POLICY or 'the OpenMP default'})", "",
              f"Register-only bf16 peaks: {peak_text}. efficiency = best pass TFLOP/s / the {isa} all-thread peak.",
-             "weights_gb: the layer's expert weights, read in place (no packed or transposed copy); scratch_gb: "
-             "resident memory the kernels added (scratch per routed pair, shared by all layers, plus this layer's "
-             "saved activations).",
+             "weights_gb: the layer's expert weights, read in place (no packed or transposed copy"
+             + ("; with --prepack a packed copy of the same size besides, not in scratch_gb" if args.prepack else "")
+             + "); scratch_gb: resident memory the kernels added (scratch per routed pair, shared by all layers, "
+             "plus this layer's saved activations).",
              "target_ms = half of forward + backward of the best public CPU MoE fine-tuning kernel on the same host "
              "(Qwen3 shape, Zipf routing; issue #3); compare with forward_ms + backward_ms.",
              "",

@@ -45,7 +45,7 @@ def main() -> None:
 def profile_tokens(model: torch.nn.Module, device: torch.device, tokens: int, state: dict, paradigm: str,
                    min_gap_us: float) -> None:
     """Times steps of ``tokens`` as the bench does, then profiles one and prints where the GPU sat idle."""
-    timing = runner.time_with_checkpointing(model, device, tokens, 2, state, None)
+    timing = runner.time_with_checkpointing(model, device, tokens, 2, state, None, profile_gpu=False)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in timing.items()}
                      | {"checkpointing": state["on"]}), flush=True)
     cuda = device.type == "cuda"

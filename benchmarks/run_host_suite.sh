@@ -9,7 +9,13 @@
 set -uo pipefail
 out="${1:-benchmarks/results}"
 part="${2:-all}"
+case "$part" in
+  all|tests|kernels|sweeps|bench|bench8|profile) ;;
+  *) echo "run_host_suite.sh: unknown part '$part' (all|tests|kernels|sweeps|bench|bench8|profile)" >&2; exit 2 ;;
+esac
 mkdir -p "$out"
+scratch="$(mktemp -d)"  # the sweeps' own tables, printed only
+trap 'rm -rf "$scratch"' EXIT
 export PYTHONUNBUFFERED=1
 
 if [[ "$part" == all || "$part" == tests ]]; then
@@ -30,18 +36,18 @@ if [[ "$part" == all || "$part" == sweeps ]]; then
   # layer with the forward reading a packed copy, printed only:
   echo "prepack"
   python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 256,1024,8192 --routing zipf --reps 2 \
-      --no-baseline --prepack --out "$(mktemp -d)" 2>&1 | grep '^{' | cut -c1-400
+      --no-baseline --prepack --out "$scratch" 2>&1 | grep '^{' | cut -c1-400
   # Shorter K passes (A block and weight panels in L1; see panel_gemm_amx.cpp), printed only:
   for knobs in 256,64,0 128,64,0; do
     echo "amx tuning $knobs"
     python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 1024,8192 --routing zipf --reps 2 \
-        --no-baseline --amx-tuning "$knobs" --out "$(mktemp -d)" 2>&1 | grep '^{' | cut -c1-200
+        --no-baseline --amx-tuning "$knobs" --out "$scratch" 2>&1 | grep '^{' | cut -c1-200
   done
   # Product-task widths around the default (8,256), printed only:
   for shape in 8,512 16,256 4,128; do
     echo "task shape $shape"
     python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 256,1024,8192 --reps 2 --no-baseline \
-        --task-shape "$shape" --out "$(mktemp -d)" 2>&1 | grep '^{' | cut -c1-200
+        --task-shape "$shape" --out "$scratch" 2>&1 | grep '^{' | cut -c1-200
   done
 fi
 if [[ "$part" == all || "$part" == bench ]]; then

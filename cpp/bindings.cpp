@@ -123,7 +123,8 @@ PYBIND11_MODULE(_C, m) {
             .pack_rows(as_pointer<const uint16_t>(src), rows, cols, p0, p1, as_pointer<uint16_t>(dst));
       },
       py::arg("isa"), py::arg("src"), py::arg("rows"), py::arg("cols"), py::arg("p0"), py::arg("p1"), py::arg("dst"),
-      "Packs panels [p0, p1) of one row-major bf16 matrix with the `isa` variant's packer (for tests).");
+      py::call_guard<py::gil_scoped_release>(),
+      "Packs panels [p0, p1) of one row-major bf16 matrix with the `isa` variant's packer (tests, prepacking).");
 
   m.def(
       "expert_ffn_forward",

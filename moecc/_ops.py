@@ -196,9 +196,19 @@ def _check_grouping(offsets: torch.Tensor, order: torch.Tensor, experts: int, pa
             raise ValueError(f"order must be a permutation of the {pairs} pair ids")
 
 
+def packed_nbytes(weights: torch.Tensor) -> int:
+    """Bytes of :func:`pack_expert_weights`' copy of ``[E, N, K]`` weights (N and K padded, weight_packing.h)."""
+    experts, n, k = weights.shape
+    return 2 * experts * _C.packed_elements(n, k)
+
+
 def pack_expert_weights(isa: str, weights: torch.Tensor) -> torch.Tensor:
     """``[E, N, K]`` bf16 weights in the panel layout ``isa``'s products read (weight_packing.h), each expert's
     ``packed_elements(N, K)`` values after the previous one's; a flat bf16 tensor."""
+    if weights.dim() != 3:
+        raise ValueError(f"expert weights to pack must be [E, N, K], got {list(weights.shape)}")
+    _check_host("expert weights to pack", weights, torch.bfloat16)
+    check_isa(isa)
     experts, n, k = weights.shape
     weights = weights.detach().contiguous()
     per_expert = _C.packed_elements(n, k)
@@ -246,7 +256,7 @@ def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sha
     when a bf16 tensor is given (summed in float32 and rounded once, in the kernel). ``hidden_copy`` (bf16
     ``[T, H]``, optional) receives a copy of ``hidden``, made by the kernel threads as they read it. ``packed``
     (optional, from :func:`pack_expert_weights`): the same weights in the panel layout, read by the forward
-    products instead of packing each task's slice (an experiment: it doubles the experts' memory).
+    products instead of packing each task's slice (``MoeccConfig.prepack_weights``).
     """
     experts, hidden_size, inter = shape
     tokens = hidden.shape[0]

@@ -10,7 +10,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, load_peft_weights, set_p
 from . import _ops
 from .config import MoeccConfig
 from .errors import AdapterMismatchError, MoeccError, UnsupportedDtypeError, UnsupportedModelError
-from .lora import check_adapter_matches, check_lora_config, expert_wrappers, read_adapter_config
+from .lora import check_adapter_matches, check_lora_config, expert_wrappers, read_adapter_config, track_merges
 from .lora import default_lora_config as _default_lora_config
 from .models import MoeFamily, family_for, install_block_forward
 from .paradigms import PARADIGMS
@@ -151,6 +151,7 @@ def prepare(
     for index, (name, block) in enumerate(blocks):
         keep_on_host(block.experts)
         base_experts, wrappers = expert_wrappers(block.experts)
+        track_merges(wrappers)  # device copies and packed copies of the weights follow every merge
         check_host_experts(base_experts, name)
         if paradigm == "offload":
             if device.type == "cuda":

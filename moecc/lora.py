@@ -7,6 +7,7 @@ moecc keeps PEFT's own modules and parameter names, so ``save_pretrained`` write
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 import torch
@@ -107,9 +108,34 @@ def layer_lora(wrappers: dict) -> tuple[ExpertLora | None, ExpertLora | None]:
     return expert_lora(wrappers.get("gate_up_proj")), expert_lora(wrappers.get("down_proj"))
 
 
+def track_merges(wrappers: dict) -> None:
+    """Counts every ``merge`` / ``unmerge`` of these PEFT wrappers (on the instances), for :func:`merge_revision`:
+    the merged-adapter list alone can come back to an earlier value while the weights hold other values (merge,
+    unmerge, new LoRA values, merge again: bf16 round trips and new deltas, in the same tensors)."""
+    for wrapper in wrappers.values():
+        if getattr(wrapper, "_moecc_merges", None) is not None:
+            continue
+        wrapper._moecc_merges = 0
+        # Bound methods (not closures), so a deep copy of the model counts on its own wrappers.
+        wrapper.merge = types.MethodType(_counted_merge, wrapper)
+        wrapper.unmerge = types.MethodType(_counted_unmerge, wrapper)
+
+
+def _counted_merge(self, *args, **kwargs):
+    self._moecc_merges += 1
+    return type(self).merge(self, *args, **kwargs)
+
+
+def _counted_unmerge(self, *args, **kwargs):
+    self._moecc_merges += 1
+    return type(self).unmerge(self, *args, **kwargs)
+
+
 def merge_revision(wrappers: dict) -> tuple:
-    """A value that changes whenever PEFT merges adapters into (or out of) the wrapped expert weights."""
-    return tuple((name, tuple(w.merged_adapters)) for name, w in sorted(wrappers.items()))
+    """A value that changes whenever PEFT merges adapters into (or out of) the wrapped expert weights: the
+    merged adapters and, where :func:`track_merges` counts them, how many merges and unmerges there were."""
+    return tuple((name, tuple(w.merged_adapters), getattr(w, "_moecc_merges", 0))
+                 for name, w in sorted(wrappers.items()))
 
 
 def lora_tensors(loras: tuple[ExpertLora | None, ExpertLora | None]) -> list:

@@ -90,24 +90,34 @@ def _check_omp_wait_policy() -> None:
 
 
 def _available_host_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux), None elsewhere."""
+    """Host memory this process can still take: MemAvailable (Linux), or less where a cgroup v2 memory limit
+    (a container) leaves less; None where neither can be read."""
+    available = None
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
     except OSError:
-        return None
-    return None
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit, open("/sys/fs/cgroup/memory.current") as used:
+            cap = limit.read().strip()
+            if cap != "max":
+                left = int(cap) - int(used.read().strip())
+                available = left if available is None else min(available, left)
+    except (OSError, ValueError):
+        pass
+    return available
 
 
 class NativeExperts:
     """Runs the kernels on each layer's weights as they are now (so PEFT merges are seen at once)."""
 
     def __init__(self, isa: str, prepack: bool = False) -> None:
-        """``isa``: the kernel variant. ``prepack``: keep a copy of each layer's weights in the kernels' panel
-        layout, which the forward products read instead of packing per task: an experiment that measures the
-        packing (it doubles the experts' host memory), off by default."""
+        """``isa``: the kernel variant. ``prepack`` (``MoeccConfig.prepack_weights``): keep a copy of each
+        layer's weights in the kernels' panel layout, which the forward products read instead of packing per
+        task (it doubles the experts' host memory), off by default."""
         _ops.check_isa(isa)
         _check_omp_wait_policy()
         self.isa = isa
@@ -138,7 +148,7 @@ class NativeExperts:
         weights = [w for w in weights if self.supports(w)]
         if not self.prepack or not weights:
             return
-        needed = sum(w.gate_up.nbytes + w.down.nbytes for w in weights)
+        needed = sum(_ops.packed_nbytes(w.gate_up) + _ops.packed_nbytes(w.down) for w in weights)
         available = _available_host_bytes()
         if available is not None and needed > 0.9 * available:
             raise MoeccError(

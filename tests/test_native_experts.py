@@ -393,6 +393,23 @@ def test_prepack_weights_packs_in_prepare_and_trains_the_same(monkeypatch):
         if p.requires_grad:
             assert torch.equal(p.grad, q.grad), name
 
+    # merge, unmerge, new LoRA values, merge again: the merged-adapter list is as before, the weights are not
+    with torch.no_grad():
+        for merge_again in (False, True):
+            logits = []
+            for model in models:
+                model.merge_adapter()
+                first = model(input_ids=ids, attention_mask=mask).logits
+                model.unmerge_adapter()
+                if merge_again:
+                    randomize_lora(model, 7)
+                    model.merge_adapter()
+                logits.append(model(input_ids=ids, attention_mask=mask).logits)
+                if merge_again:
+                    model.unmerge_adapter()
+                assert first is not None
+            assert torch.equal(logits[0], logits[1])
+
     monkeypatch.setattr(native_experts, "_available_host_bytes", lambda: 1000)
     with pytest.raises(moecc.MoeccError, match="prepack_weights needs .* GB of host memory"):
         moecc.prepare(copy.deepcopy(base), lora_config=lora_config("qwen3_moe"), device="cpu",

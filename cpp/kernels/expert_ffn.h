@@ -30,9 +30,9 @@ struct ExpertShapes {
 struct ExpertMatrices {  // the model's own bf16 weights, row-major, read in place
   const uint16_t* gate_up;  // [E, 2I, H]
   const uint16_t* down;     // [E, H, I]
-  // Optional copies already in the panel layout (weight_packing.h), E matrices of packed_elements(N, K) each:
-  // forward products read their panels instead of packing their slice per task. An experiment that measures
-  // the per-task packing (it doubles the experts' host memory); backward always packs per task.
+  // Optional copies already in the panel layout (weight_packing.h), E matrices of packed_elements(N, K) each
+  // (MoeccConfig.prepack_weights, which doubles the experts' host memory): forward products read their panels
+  // instead of packing their slice per task; backward always packs per task.
   const uint16_t* packed_gate_up = nullptr;
   const uint16_t* packed_down = nullptr;
 };

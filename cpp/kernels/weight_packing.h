@@ -1,6 +1,7 @@
 // The panel layout every CPU expert product reads: each task packs the slice of the model's own weights it
 // needs into per-thread scratch (PanelGemm::pack_rows; input gradients lay out column slices of the transpose,
-// pack_columns), so no second copy of the experts lives in host memory.
+// pack_columns), so by default no second copy of the experts lives in host memory. With
+// MoeccConfig.prepack_weights the forward products read a whole packed copy instead (ExpertMatrices).
 //
 // A weight W [N outputs, K inputs] (bf16, row-major) is cut into panels of 16 output rows; K is padded to a
 // multiple of 32 with zeros, N to a multiple of 16. Panel p holds rows n = 16p .. 16p+15 as K/2 rows of 64
@@ -32,7 +33,8 @@ inline int64_t packed_offset(int64_t n, int64_t k, int64_t k_padded) {
 
 // Packs `experts` matrices [N, K] (bf16 bits, row-major, consecutive) into `dst`
 // (experts * packed_elements(N, K) elements, 64-byte aligned), one task per expert, element by element: the
-// reference layout for tests. The products themselves pack only the slice a task needs (PanelGemm::pack_rows).
+// reference layout for tests. The products pack only the slice a task needs (PanelGemm::pack_rows), unless
+// given a packed copy.
 void pack_experts(const uint16_t* src, int64_t experts, int64_t n, int64_t k, uint16_t* dst,
                   moecc::pool::ThreadPool& pool);
 

@@ -249,11 +249,12 @@ def build_for_timing(preset: str, layers: int | None, paradigm: str, device: tor
 
 
 def time_with_checkpointing(model: torch.nn.Module, device: torch.device, count: int, steps: int, state: dict,
-                            max_seconds: float | None = None):
+                            max_seconds: float | None = None, profile_gpu: bool = True):
     """:func:`time_training`, falling back to gradient checkpointing as :func:`_fall_back_to_checkpointing`
     says (``state`` from :func:`build_for_timing`)."""
     return _fall_back_to_checkpointing(
-        model, state, lambda: time_training(model, device, count, steps, max_seconds=max_seconds))
+        model, state, lambda: time_training(model, device, count, steps, max_seconds=max_seconds,
+                                            profile_gpu=profile_gpu))
 
 
 def run_case(preset: str, layers: int | None, paradigm: str, tokens: list[int], steps: int, rank: int,

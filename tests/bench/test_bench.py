@@ -149,7 +149,7 @@ def test_auto_checkpointing_retries_an_out_of_memory_step(monkeypatch):
 
     calls = []
 
-    def fake_time_training(model, device, count, steps, max_seconds=None):
+    def fake_time_training(model, device, count, steps, max_seconds=None, profile_gpu=True):
         on = bool(getattr(model, "is_gradient_checkpointing", False))
         calls.append((count, on))
         if count >= 64 and not on:

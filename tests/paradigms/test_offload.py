@@ -19,6 +19,7 @@ from ..parity import (
     build_pair,
     forward_backward_both,
     lora_config,
+    randomize_lora,
     rel_err,
 )
 
@@ -124,6 +125,14 @@ def test_merge_adapter_refreshes_device_copies():
     ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         engine(input_ids=ids)  # fill the slots
+        for model in (reference, engine):
+            model.merge_adapter()
+        assert rel_err(engine(input_ids=ids).logits, reference(input_ids=ids).logits) <= 1e-5
+        # unmerge, new LoRA values, merge again: the same merged-adapter list over other weights
+        for model in (reference, engine):
+            model.unmerge_adapter()
+        randomize_lora(reference, 9)
+        engine.load_state_dict(reference.state_dict())
         for model in (reference, engine):
             model.merge_adapter()
         assert rel_err(engine(input_ids=ids).logits, reference(input_ids=ids).logits) <= 1e-5
