@@ -233,3 +233,14 @@ def test_peft_adapter_state_is_followed(paradigm, device, lora_place):
     if device == "cuda":
         factors = [p for n, p in engine.named_parameters() if ".experts." in n and ".second." in n]
         assert all(p.is_cuda if lora_place == "device" else p.is_pinned() for p in factors)
+
+
+def test_merge_and_unload_gives_the_merged_hf_model():
+    """PEFT's merge_and_unload through moecc's merge counting (lora.track_merges) returns the plain model with
+    the adapter folded in, as HF + PEFT's does."""
+    reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"))
+    (ids, _, _), = batches(engine.config.vocab_size, 1, seed=1)
+    with torch.no_grad():
+        merged_reference, merged_engine = reference.merge_and_unload(), engine.merge_and_unload()
+        assert not isinstance(merged_engine, PeftModel)
+        assert rel_err(merged_engine(input_ids=ids).logits, merged_reference(input_ids=ids).logits) <= 1e-5
