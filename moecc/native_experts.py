@@ -76,8 +76,9 @@ class _BufferPool:
 
 OMP_WAIT_POLICY_ADVICE = (
     "moecc: torch was imported before moecc with OMP_WAIT_POLICY unset, so torch's OpenMP threads busy-wait after "
-    "each CPU op on the cores moecc's expert kernels use, slowing them (15% of a 256-token layer on 2 cores, "
-    "more on many). Import moecc before torch, or start Python with OMP_WAIT_POLICY=PASSIVE in its environment "
+    "each CPU op on the cores moecc's expert kernels use, slowing them (on a 16-core Xeon a 256-token layer's "
+    "backward took 66 ms instead of 37). Import moecc before torch, or start Python with OMP_WAIT_POLICY=PASSIVE "
+    "in its environment "
     "(setting it later in the process has no effect; OMP_WAIT_POLICY=ACTIVE keeps the spinning and silences this)."
 )
 
