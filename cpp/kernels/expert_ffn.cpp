@@ -319,6 +319,17 @@ Scratch& shared_scratch() {
   return scratch;
 }
 
+// The panels [task.col0, task.col1) of the task's expert's W [n, k] (row-major at `w`) that a forward product
+// reads: in the packed copy of all experts when there is one (ExpertMatrices), else packed now into `scratch`.
+const uint16_t* weight_slice(const PanelGemm& gemm, const uint16_t* w, const uint16_t* packed, const Task& task,
+                             int64_t n, int64_t k, AlignedBuffer<uint16_t>& scratch) {
+  const int64_t k_padded = padded_k(k);
+  if (packed) return packed + task.expert * packed_elements(n, k) + task.col0 * kPanelRows * k_padded;
+  uint16_t* const slice = scratch.get((task.col1 - task.col0) * kPanelRows * k_padded);
+  gemm.pack_rows(w, n, k, task.col0, task.col1, slice);
+  return slice;
+}
+
 }  // namespace
 
 void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrices& weights,
@@ -348,14 +359,8 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
     const int64_t n = task.end - task.begin, width = (task.col1 - task.col0) * kPanelRows;
     const int64_t col0 = task.col0 * kPanelRows, col1 = std::min(2 * d.I, task.col1 * kPanelRows);
     float* const tile = block.get(n * width);
-    const uint16_t* slice;
-    if (weights.packed_gate_up) {
-      slice = weights.packed_gate_up + task.expert * packed_elements(2 * d.I, d.H) + task.col0 * kPanelRows * d.h_k;
-    } else {
-      uint16_t* const packed = panels.get((task.col1 - task.col0) * kPanelRows * d.h_k);
-      gemm.pack_rows(weights.gate_up + task.expert * d.gu_size, 2 * d.I, d.H, task.col0, task.col1, packed);
-      slice = packed;
-    }
+    const uint16_t* const slice = weight_slice(gemm, weights.gate_up + task.expert * d.gu_size,
+                                               weights.packed_gate_up, task, 2 * d.I, d.H, panels);
     gemm.forward(xg + task.begin * d.ld_x, d.ld_x, n, slice, d.h_k, 0, task.col1 - task.col0, tile, width);
     add_lora_block(gate_up_lora, task.expert, 2 * d.I, inner_gu, task, col0, col1, tile, width);
     for (int64_t g = task.begin; g < task.end; ++g) {
@@ -375,14 +380,8 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
     const int64_t n = task.end - task.begin, width = (task.col1 - task.col0) * kPanelRows;
     const int64_t col0 = task.col0 * kPanelRows, col1 = std::min(d.H, task.col1 * kPanelRows);
     float* const tile = block.get(n * width);
-    const uint16_t* slice;
-    if (weights.packed_down) {
-      slice = weights.packed_down + task.expert * packed_elements(d.H, d.I) + task.col0 * kPanelRows * d.i_k;
-    } else {
-      uint16_t* const packed = panels.get((task.col1 - task.col0) * kPanelRows * d.i_k);
-      gemm.pack_rows(weights.down + task.expert * d.down_size, d.H, d.I, task.col0, task.col1, packed);
-      slice = packed;
-    }
+    const uint16_t* const slice =
+        weight_slice(gemm, weights.down + task.expert * d.down_size, weights.packed_down, task, d.H, d.I, panels);
     gemm.forward(act + task.begin * d.ld_act, d.ld_act, n, slice, d.i_k, 0, task.col1 - task.col0, tile, width);
     add_lora_block(down_lora, task.expert, d.H, inner_down, task, col0, col1, tile, width);
     for (int64_t g = task.begin; g < task.end; ++g) {
