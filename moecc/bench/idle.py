@@ -3,9 +3,8 @@
 From the events of one step under ``torch.profiler`` (CPU and CUDA activities): the time the GPU ran kernels,
 the time it copied host to device, the time it did nothing at all (no kernel, copy or memset), and for each
 stretch of that idle time longer than ``min_gap_us`` the innermost host operation running when it began (on
-any thread). A step whose kernels and copies both leave
-long gaps is bound by the host (launches, synchronisations, the CPU optimizer); the operations at the start of
-the gaps name the culprits.
+any thread). A step whose kernels and copies both leave long gaps is bound by the host (launches,
+synchronisations, the CPU optimizer); the operations at the start of the gaps name the culprits.
 """
 from __future__ import annotations
 
@@ -52,8 +51,8 @@ _LOOK_BACK = 20_000
 def _innermost_host_op(host_ops: list, starts: list[float], at: float) -> str:
     """The CPU operation with the latest start among those running at ``at`` ("(none)" when none is, within
     ``_LOOK_BACK`` events); ``host_ops`` sorted by start, ``starts`` their starts."""
-    for index in range(bisect.bisect_right(starts, at) - 1, max(-1, bisect.bisect_right(starts, at) - 1 - _LOOK_BACK),
-                       -1):
+    last = bisect.bisect_right(starts, at) - 1  # the latest operation started by then
+    for index in range(last, max(-1, last - _LOOK_BACK), -1):
         if host_ops[index].time_range.end > at:
             return host_ops[index].name
     return "(none)"
@@ -67,14 +66,12 @@ def idle_report(events, min_gap_us: float = 500.0, top: int = 12) -> IdleReport:
     kernels = _merge([(e.time_range.start, e.time_range.end) for e in device
                       if not e.name.startswith(("Memcpy", "Memset"))])
     copies = _merge([(e.time_range.start, e.time_range.end) for e in device if e.name.startswith(_COPY_TO_DEVICE)])
-    # Copies the other way and memsets are work the step waits for too: busy, though not reported apart.
-    other = [(e.time_range.start, e.time_range.end) for e in device
-             if e.name.startswith(("Memcpy", "Memset")) and not e.name.startswith(_COPY_TO_DEVICE)]
     everything = [(e.time_range.start, e.time_range.end) for e in events]
     if not everything:
         return IdleReport(0.0, 0.0, 0.0, 0.0)
     begin, end = min(s for s, _ in everything), max(e for _, e in everything)
-    busy = _merge(kernels + copies + other)
+    # Busy: any device work, copies the other way and memsets included (the step waits for those too).
+    busy = _merge([(e.time_range.start, e.time_range.end) for e in device])
     gaps, cursor = [], begin
     for start, stop in busy + [(end, end)]:
         if start > cursor:
