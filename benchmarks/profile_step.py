@@ -49,7 +49,7 @@ def profile_tokens(model: torch.nn.Module, device: torch.device, tokens: int, st
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in timing.items()}
                      | {"checkpointing": state["on"]}), flush=True)
     cuda = device.type == "cuda"
-    optimizer = runner.adamw(model)
+    optimizer = runner.adamw(model.parameters())
     seq = min(tokens, runner.SEQUENCE)
     ids = torch.randint(0, model.config.vocab_size, (max(1, tokens // seq), seq), device=device)
 

@@ -166,8 +166,7 @@ def prepare(
         engine.native.prepack_layers(layers)
     if paradigm == "offload":
         engine.lora_on_device = offload_lora_on_device(peft_model, layers, device, config)
-        for layer in layers:  # after keep_on_host, which moved the whole experts subtree to host memory
-            engine.place_lora(_expert_lora_params([layer]))
+        engine.place_lora(_expert_lora_params(layers))  # after keep_on_host moved the experts' subtree to host
     apply_gpu_budget(peft_model, layers, paradigm, device, config)
     peft_model.to(device)
     peft_model.moecc = MoeccState(family, paradigm, device, engine, layers, config)

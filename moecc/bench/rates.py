@@ -128,12 +128,13 @@ def cpu_matmul_tflops(rows: int = 1024, size: int = 2048) -> float:
 
 
 def host_optimizer_ns_per_param(params: int = 8_000_000) -> float:
-    """AdamW (as ``moecc bench`` steps) over float32 parameters in host memory, as PEFT keeps LoRA factors."""
+    """AdamW (the one ``moecc bench`` steps) over float32 parameters in host memory, as PEFT keeps LoRA factors."""
+    from .runner import adamw
+
     weights = [torch.zeros(params // 4, requires_grad=True) for _ in range(4)]
     for weight in weights:
         weight.grad = torch.zeros_like(weight)
-    optimizer = torch.optim.AdamW(weights, lr=1e-5, fused=True)  # as moecc.bench.runner.adamw
-    return _best_of(optimizer.step) / params * 1e9
+    return _best_of(adamw(weights).step) / params * 1e9
 
 
 def pcie_gbps(device: torch.device, megabytes: int = 512) -> tuple[float, float]:

@@ -64,11 +64,11 @@ def _profiled_kernel_s(step, model: torch.nn.Module, device: torch.device) -> fl
     return busy if busy > 0 else None
 
 
-def adamw(model: torch.nn.Module, lr: float = 1e-5) -> torch.optim.AdamW:
-    """AdamW over the model's trainable parameters, fused: the Hugging Face Trainer's default
+def adamw(parameters, lr: float = 1e-5) -> torch.optim.AdamW:
+    """AdamW over the trainable ones of ``parameters``, fused: the Hugging Face Trainer's default
     (``adamw_torch_fused``), and on host-resident LoRA factors about 4x faster than the for-each one. The
     for-each one where a parameter lives where the fused one cannot run (hf-offload's meta placeholders)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in parameters if p.requires_grad]
     fused = all(p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(params, lr=lr, fused=True if fused else None)
 
@@ -83,7 +83,7 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
     one more step (of up to 10 s) runs under the profiler for ``gpu_kernels_s``, the time the GPU spent
     computing (copies excluded): a step close to it, or to the copy time, leaves nothing to hide.
     """
-    optimizer = adamw(model)
+    optimizer = adamw(model.parameters())
     seq = min(tokens, SEQUENCE)
     ids = torch.randint(0, model.config.vocab_size, (max(1, tokens // seq), seq), device=device)
     engine = getattr(getattr(model, "moecc", None), "engine", None)

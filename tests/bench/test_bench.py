@@ -248,6 +248,6 @@ def test_bench_optimizer_is_fused_where_it_can_be():
     from moecc.bench.runner import adamw
 
     model = torch.nn.Linear(4, 4)
-    assert adamw(model).defaults["fused"] is True
+    assert adamw(model.parameters()).defaults["fused"] is True
     model.bias = torch.nn.Parameter(torch.zeros(4, device="meta"))
-    assert not adamw(model).defaults["fused"]
+    assert not adamw(model.parameters()).defaults["fused"]
