@@ -15,27 +15,11 @@ import time
 from pathlib import Path
 
 import moecc  # noqa: F401  (before torch: its OpenMP threads sleep between ops, as moecc runs them)
-import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_cpu_experts import SHAPES, routing  # noqa: E402  (run from benchmarks/ or with it on sys.path)
+from bench_cpu_experts import SHAPES, make_case  # noqa: E402  (run from benchmarks/ or with it on sys.path)
 from moecc import _C, _ops
 from moecc.native_experts import NativeExperts
-from moecc.reference import ExpertLora, ExpertWeights
-
-
-def _layer(shape: str, tokens: int, rank: int):
-    experts, top_k, hidden, inter = SHAPES[shape]
-    g = torch.Generator().manual_seed(tokens)
-    weights = ExpertWeights((torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02).bfloat16(),
-                            (torch.randn(experts, hidden, inter, generator=g) * 0.02).bfloat16())
-    lora = (ExpertLora(torch.randn(rank * experts, hidden, generator=g) * 0.01,
-                       torch.randn(2 * inter, rank * experts, generator=g) * 0.01, 2.0, experts),
-            ExpertLora(torch.randn(rank * experts, inter, generator=g) * 0.01,
-                       torch.randn(hidden, rank * experts, generator=g) * 0.01, 2.0, experts))
-    x = torch.randn(tokens, hidden, generator=g).bfloat16()
-    index, w = routing(tokens, experts, top_k, "uniform", g)
-    return weights, lora, x, index, w, torch.randn(tokens, hidden, generator=g).bfloat16()
 
 
 def _faults() -> int:
@@ -72,7 +56,8 @@ def main() -> None:
              "| tokens | pass | wall_ms | phases_ms | torch_ops_ms | rest_ms | page_faults | top torch ops (ms) |",
              "|---|---|---|---|---|---|---|---|"]
     for tokens in (int(t) for t in args.tokens.split(",")):
-        weights, lora, x, index, w, grad = _layer(args.shape, tokens, args.rank)
+        weights, gate_up, down, x, index, w, grad = make_case(args.shape, tokens, "uniform", args.rank)
+        lora, grad = (gate_up, down), grad.bfloat16()  # a bf16 model's output gradient
         for _ in range(args.warmup):
             _, saved = native.forward(weights, x, index, w, *lora)
             native.backward(weights, saved, grad, *lora)
