@@ -210,9 +210,10 @@ def main() -> None:
     parser.add_argument("--isa", default="auto")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--amx-tuning", default=None, metavar="K_BLOCK,PREFETCH_A[,PREFETCH_B]",
-                        help="AMX kernel knobs (K values per pass, A-row and weight-tile prefetch distances in K "
-                             "values, 0 = off); default: built-in")
+    parser.add_argument("--amx-tuning", default=None, metavar="K_BLOCK,PREFETCH_A[,PREFETCH_B[,K_BLOCK_GRAD]]",
+                        help="AMX kernel knobs (K values per pass of the forward products, A-row and weight-tile "
+                             "prefetch distances in K values, 0 = off; K values per pass of the input gradients, "
+                             "default as the forward); default: built-in (256,64,0,1024)")
     parser.add_argument("--task-shape", default=None, metavar="PANELS,GRAD_COLUMNS",
                         help="width of the product tasks: forward output panels of 16 columns per task, input-"
                              "gradient columns per task (multiple of 16); default: built-in (8,256)")

@@ -46,7 +46,7 @@ def main() -> None:
             _C.set_amx_tuning(k_block, prefetch_a, prefetch_b)
             table.append((isa, f"{k_block},{prefetch_a},{prefetch_b}", rates(isa, args.reps)))
             print(table[-1], flush=True)
-        _C.set_amx_tuning(1024, 64, 0)  # back to the built-in defaults
+        _C.set_amx_tuning(256, 64, 0, 1024)  # back to the built-in defaults
     columns = list(table[0][2])
     header = (f"`python benchmarks/bench_panel_kernel.py` ({_ops.num_threads()} threads, "
               f"{_ops.cpu_features()['brand'].strip()}); TFLOP/s; AMX knobs = k_block,prefetch_a,prefetch_b")

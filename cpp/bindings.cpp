@@ -217,7 +217,8 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>(),
       "FLOP/s of the panel kernel of `isa` on one cache-resident problem, one thread or summed over the pool.");
   m.def("set_amx_tuning", &moecc::kernels::set_amx_tuning, py::arg("k_block"), py::arg("prefetch_ahead"),
-        py::arg("prefetch_b_ahead") = 0, "AMX blocking knobs (panel_gemm.h); for benchmarks.");
+        py::arg("prefetch_b_ahead") = 0, py::arg("k_block_input_grad") = -1,
+        "AMX blocking knobs (panel_gemm.h); for benchmarks.");
 
   m.def("_pool_fill_test", &pool_fill_test, py::call_guard<py::gil_scoped_release>());
   m.def("_pool_raise_test", &pool_raise_test, py::call_guard<py::gil_scoped_release>());

@@ -39,11 +39,15 @@ MOECC_AMX void configure(int rows0, int rows1) {
 }
 
 // Tuning knobs, set once before use (benchmarks sweep them through moecc._C.set_amx_tuning).
-// k_block: K values per pass over a task's tokens. A pass's weight slice (2 panels x k_block) is re-read for every
-// 32 tokens; short passes keep it in L1 at the price of reloading the C tiles between passes.
+// k_block: K values per pass over a task's tokens. A pass holds the 32 tokens' A rows (32 x k_block) while it
+// walks the task's panels: at 256 they stay in L1 (16 KB), at 1024 (64 KB) they spill to L2, so every tile
+// product then reads both operands from L2. The host measured 256 against 1024 under PASSIVE: the 8192-token
+// forward 131 vs 145 ms, 1024 tokens 28.5 vs 29.3; 128 was slower (C tiles reloaded too often). Input
+// gradients (the same kernel on packed weight columns) showed no gain, so they keep 1024.
 // prefetch: K values ahead at which each A row is prefetched (0: none): the 32 rows of a step are 32 separate
 // streams, more than the hardware prefetchers follow.
-int64_t k_block = 1024;
+int64_t k_block = 256;
+int64_t k_block_input_grad = 1024;
 int64_t prefetch_ahead = 64;
 // prefetch_b: K values ahead at which the weight tiles are prefetched (0: none). When few tokens reach an expert
 // the products are bound by streaming weights from DRAM, and more requests in flight per core may help; it is a
@@ -103,10 +107,10 @@ MOECC_AMX void block(const uint16_t* x, int64_t ldx, int rows, const uint16_t* p
   if (TWO_A && TWO_B) _tile_stored(3, out + 16 * ldo + kPanelRows, out_stride);
 }
 
-MOECC_AMX void forward(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed, int64_t k_padded,
-                       int64_t p0, int64_t p1, float* out, int64_t ldo) {
+MOECC_AMX void forward_in_passes(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed,
+                                 int64_t k_padded, int64_t p0, int64_t p1, float* out, int64_t ldo, int64_t pass) {
   int configured0 = -1, configured1 = -1;
-  const int64_t step = k_block > 0 ? round_up(k_block, kKAlign) : k_padded;
+  const int64_t step = pass > 0 ? round_up(pass, kKAlign) : k_padded;
   for (int64_t k0 = 0; k0 < k_padded; k0 += step) {
     const int64_t k1 = k0 + step < k_padded ? k0 + step : k_padded;
     for (int64_t t0 = 0; t0 < tokens; t0 += 32) {
@@ -137,19 +141,31 @@ MOECC_AMX void forward(const uint16_t* x, int64_t ldx, int64_t tokens, const uin
   }
 }
 
+MOECC_AMX void forward(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed, int64_t k_padded,
+                       int64_t p0, int64_t p1, float* out, int64_t ldo) {
+  forward_in_passes(x, ldx, tokens, packed, k_padded, p0, p1, out, ldo, k_block);
+}
+
+MOECC_AMX void forward_for_input_grad(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed,
+                                      int64_t k_padded, int64_t p0, int64_t p1, float* out, int64_t ldo) {
+  forward_in_passes(x, ldx, tokens, packed, k_padded, p0, p1, out, ldo, k_block_input_grad);
+}
+
 MOECC_AMX void pack_rows(const uint16_t* w, int64_t n, int64_t k, int64_t p0, int64_t p1, uint16_t* dst) {
   pack_rows_avx512(w, n, k, p0, p1, dst);
 }
 
 MOECC_AMX void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* w, int64_t n,
                           int64_t k, int64_t k0, int64_t k1, float* dx, int64_t ld_dx) {
-  input_grad_through_columns(forward, dy, ld_dy, tokens, w, n, k, k0, k1, dx, ld_dx);
+  input_grad_through_columns(forward_for_input_grad, dy, ld_dy, tokens, w, n, k, k0, k1, dx, ld_dx);
 }
 
 }  // namespace
 
-void set_amx_tuning(int64_t k_block_values, int64_t prefetch_values, int64_t prefetch_b_values) {
+void set_amx_tuning(int64_t k_block_values, int64_t prefetch_values, int64_t prefetch_b_values,
+                    int64_t k_block_input_grad_values) {
   k_block = k_block_values;
+  k_block_input_grad = k_block_input_grad_values < 0 ? k_block_values : k_block_input_grad_values;
   prefetch_ahead = prefetch_values;
   prefetch_b_ahead = prefetch_b_values;
 }
