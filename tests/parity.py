@@ -89,4 +89,5 @@ def assert_grads_match(reference: torch.nn.Module, engine: torch.nn.Module, tole
     for (name, p), (_, q) in zip(reference.named_parameters(), engine.named_parameters()):
         if p.requires_grad:
             assert q.grad is not None, name
-            assert rel_err(q.grad, p.grad) <= tolerance, name
+            err = rel_err(q.grad, p.grad)
+            assert err <= tolerance, f"{name}: relative error {err:.3g} > {tolerance:g}"
