@@ -63,6 +63,8 @@ def test_bf16_model_with_native_kernels_agrees_to_bf16_rounding():
     engines = [moecc.prepare(copy.deepcopy(base), lora_config=lora_config("qwen3_moe")) for _ in range(2)]
     engines[1].load_state_dict(engines[0].state_dict())
     (ids, mask, labels), = batches(engines[0].config.vocab_size, 1, batch=2, seq=16, seed=9, pad=True)
+    device = engines[0].get_input_embeddings().weight.device  # the GPU side: a CUDA GPU where there is one
+    ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
     expected = engines[0](input_ids=ids, attention_mask=mask, labels=labels).loss
     actual = chunked_causal_lm_loss(engines[1], ids, labels, attention_mask=mask, chunk_tokens=5)
     expected.backward()

@@ -38,10 +38,17 @@ from .presets import preset_config
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moecc" / "rates.json"
 # A cache written in another layout (or timed with the unchunked loss, before 3; GPU layers 1 apart, before 5;
-# offload's expert LoRA copied per pass, before 6; for-each AdamW, before 7) is measured again.
-VERSION = 7
-LOADS = (32, 128, 512)  # (token, expert) pairs per expert at which the CPU kernels are timed
-GPU_LOADS = LOADS[:2]  # GPU times are close to linear in tokens beyond these
+# offload's expert LoRA copied per pass, before 6; for-each AdamW, before 7; GPU steps at two loads and layers 3
+# apart, before 8) is measured again.
+VERSION = 8
+LOADS = (32, 128, 512)  # (token, expert) pairs per expert at which the CPU kernels and the GPU are timed
+# The GPU is timed at every load: a whole-model step is launch-bound up to about the second (flat in tokens), so
+# the first two extrapolated to the third predicted 0.09 s for an 8-layer step of 8192 tokens that took 0.22 s on
+# the accelerator host. Where the largest does not fit the GPU, the first two are timed.
+GPU_LOADS = LOADS
+# Whole-model steps are timed with 1 and 1 + GPU_LAYERS_APART MoE layers. Launch-bound layers vary by a few ms
+# from run to run: 3 apart put 12.5 ms per layer at 512 tokens where the 8-layer step showed about 9.
+GPU_LAYERS_APART = 7
 RANK = 8  # LoRA rank of the timed layers
 NO_EXPERTS = "moecc_plan_no_experts"  # the experts implementation that leaves the experts out
 
@@ -275,10 +282,11 @@ def model_step_s(preset: str, layers: int, device: torch.device, tokens: list[in
 def per_layer_and_rest(preset: str, device: torch.device, tokens: list[int],
                        experts: bool) -> tuple[list[float], list[float]]:
     """Step seconds per MoE layer, and of the rest of the step, at each token count: the difference of models
-    with four and one MoE layers (after any dense layers) over three, and what one MoE layer leaves of the
-    smaller. At small batches a GPU layer is launch-bound (~10 ms on the accelerator host); the difference of
-    one layer varied from 6 to 11 ms between runs there, three apart average that out."""
-    return _layer_and_rest(preset, lambda layers: model_step_s(preset, layers, device, tokens, experts), apart=3)
+    with 1 + ``GPU_LAYERS_APART`` and one MoE layers (after any dense layers) over ``GPU_LAYERS_APART``, and what
+    one MoE layer leaves of the smaller. At small batches a GPU layer is launch-bound (~10 ms on the accelerator
+    host) and varies by a few ms between runs; layers far apart average that out."""
+    return _layer_and_rest(preset, lambda layers: model_step_s(preset, layers, device, tokens, experts),
+                           apart=GPU_LAYERS_APART)
 
 
 def _layer_and_rest(preset: str, step_s, apart: int) -> tuple[list[float], list[float]]:
@@ -291,7 +299,23 @@ def _layer_and_rest(preset: str, step_s, apart: int) -> tuple[list[float], list[
 
 
 def _gpu_shape_rates(preset: str, shape: dict, device: torch.device) -> dict:
-    tokens = token_counts(shape, GPU_LOADS)
+    """The GPU timings of ``shape``, at every load of ``GPU_LOADS``, or at all but the largest where that runs out
+    of memory; what still fails is left out (the planner estimates it from FLOPs)."""
+    every = token_counts(shape, GPU_LOADS)
+    for tokens in (every, every[:2]) if len(every) > 2 else (every,):
+        rates, error = _gpu_rates_at(preset, shape, device, tokens)
+        if error is None or not isinstance(error, torch.OutOfMemoryError):
+            break
+    if error is not None:
+        text = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        warnings.warn(f"moecc plan: part of {preset}'s GPU timings could not run ({text}); the planner estimates "
+                      "those parts from FLOPs", stacklevel=2)
+    return rates
+
+
+def _gpu_rates_at(preset: str, shape: dict, device: torch.device,
+                  tokens: list[int]) -> tuple[dict, Exception | None]:
+    """(the GPU timings at ``tokens`` that ran, the error that stopped the rest or None)."""
     rates: dict = {"gpu_tokens": tokens}
     try:  # cheapest and most used first: a later failure (the whole model may not fit) keeps the others
         rates["gpu_experts_forward_s"], rates["gpu_experts_backward_s"] = gpu_expert_passes(shape, tokens, device)
@@ -299,12 +323,10 @@ def _gpu_shape_rates(preset: str, shape: dict, device: torch.device) -> dict:
                                                                                             experts=False)
         rates["gpu_layer_s"], rates["gpu_rest_s"] = per_layer_and_rest(preset, device, tokens, experts=True)
     except (RuntimeError, ValueError) as error:  # torch.OutOfMemoryError is a RuntimeError
-        text = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        warnings.warn(f"moecc plan: part of {preset}'s GPU timings could not run ({text}); the planner estimates "
-                      "those parts from FLOPs", stacklevel=2)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return rates
+        return rates, error
+    return rates, None
 
 
 def _cocompute_step_s(preset: str, layers: int, device: torch.device, tokens: list[int]) -> list[float]:

@@ -1,6 +1,7 @@
 """The planner: predictions from rates, the crossover, and the rate cache (machine rates once, each shape once)."""
 import argparse
 import json
+import warnings
 
 import pytest
 import torch
@@ -166,6 +167,34 @@ def test_gpu_timings_run_on_any_device():
     for experts in (False, True):
         layer, rest = rates_module.per_layer_and_rest("tiny", cpu, [16, 64], experts=experts)
         assert len(layer) == len(rest) == 2 and min(layer + rest) >= 0
+
+
+def test_gpu_timings_fall_back_to_the_smaller_loads_when_the_largest_runs_out_of_memory(monkeypatch):
+    """Every load is timed; where the largest runs out of GPU memory the first two are, and nothing is lost."""
+    shape = rates_module.moe_shape(preset_config("tiny"))
+    every = rates_module.token_counts(shape, rates_module.GPU_LOADS)
+    assert len(every) == 3
+    timed = []
+    monkeypatch.setattr(rates_module, "gpu_expert_passes", lambda shape, tokens, device: ([1.0] * len(tokens),) * 2)
+
+    def per_layer_and_rest(preset, device, tokens, experts):
+        timed.append(list(tokens))
+        if experts and len(tokens) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return [2.0] * len(tokens), [3.0] * len(tokens)
+
+    monkeypatch.setattr(rates_module, "per_layer_and_rest", per_layer_and_rest)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fallback is silent
+        rates = rates_module._gpu_shape_rates("tiny", shape, torch.device("cpu"))
+    assert rates["gpu_tokens"] == every[:2] and rates["gpu_layer_s"] == [2.0, 2.0]
+    assert timed == [every, every, every[:2], every[:2]]
+    # Another error (not memory) keeps what ran and warns
+    monkeypatch.setattr(rates_module, "per_layer_and_rest",
+                        lambda *args, **kwargs: (_ for _ in ()).throw(ValueError("no such layer")))
+    with pytest.warns(UserWarning, match="could not run"):
+        rates = rates_module._gpu_shape_rates("tiny", shape, torch.device("cpu"))
+    assert rates["gpu_tokens"] == every and "gpu_experts_forward_s" in rates and "gpu_layer_s" not in rates
 
 
 @pytest.fixture(autouse=True)

@@ -208,7 +208,9 @@ def test_parking_on_cuda_matches_hf_peft():
     assert state.park_activations
     engine(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=labels.cuda()).loss.backward()
     reference(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-    assert_grads_match(reference, engine, 1e-4)
+    # The reference runs on the CPU: the engine's attention runs CUDA's float32 kernels, which sum in other orders.
+    # Through 6 layers of 1024-token attention that moved a layer-0 attention LoRA gradient by 1.2e-4 on the host.
+    assert_grads_match(reference, engine, 3e-4)
     assert state.parking.bytes_to_host > 0 and state.parking.bytes_to_device == state.parking.bytes_to_host
     buffer, _ = state.parking.pool.acquire(1)
     assert buffer.is_pinned()
