@@ -33,7 +33,7 @@ class MoeccConfig:
             slots without crossing PCIe again (0: no cache). Counted in the GPU budget. Environment:
             ``MOECC_OFFLOAD_CACHE_GB``.
         offload_slots: layers of experts the offload paradigm keeps on the device at once (2 = the current
-            layer plus the one being prefetched).
+            layer plus the one being prefetched). Environment: ``MOECC_OFFLOAD_SLOTS``.
         prepack_weights: co-compute with the native kernels keeps a second copy of each layer's expert weights in
             the kernels' panel layout, made in ``prepare``, which the forward products read instead of packing
             each task's slice as they go. Doubles the experts' host memory (``prepare`` checks it is there);
@@ -87,6 +87,11 @@ class MoeccConfig:
             kwargs["backend"] = os.environ["MOECC_BACKEND"]
         if os.environ.get("MOECC_ISA"):
             kwargs["isa"] = os.environ["MOECC_ISA"]
+        slots = os.environ.get("MOECC_OFFLOAD_SLOTS")
+        if slots:
+            if not slots.strip().isdigit():
+                raise ValueError(f"MOECC_OFFLOAD_SLOTS={slots!r} is not a whole number of layers")
+            kwargs["offload_slots"] = int(slots)
         if os.environ.get("MOECC_OFFLOAD_LORA"):
             kwargs["offload_lora"] = os.environ["MOECC_OFFLOAD_LORA"].strip().lower()
         for variable, field_name in (("MOECC_OFFLOAD_CACHE_GB", "offload_cache_gb"),
