@@ -259,11 +259,8 @@ def cap_gpu_memory(device: torch.device, budget_gb: float | None) -> None:
     if budget_gb is None or device.type != "cuda":
         return
     settings = allocator_settings_under_cap(os.environ)
-    # torch 2.11 deprecates the torch.cuda spelling for the accelerator-generic one
-    setter = (getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-              or getattr(torch.cuda.memory, "_set_allocator_settings", None))
-    if settings is not None and setter is not None:
-        setter(settings)
+    if settings is not None and hasattr(torch.cuda.memory, "_set_allocator_settings"):
+        torch.cuda.memory._set_allocator_settings(settings)
     index = device.index if device.index is not None else torch.cuda.current_device()  # torch wants an index
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gb * 1e9 / total), index)
