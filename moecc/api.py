@@ -1,8 +1,6 @@
 """Public entry point: ``prepare`` turns a Hugging Face MoE model into a LoRA model whose experts run on the CPU."""
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -252,25 +250,12 @@ def apply_gpu_budget(model: torch.nn.Module, layers: list, paradigm: str, device
 
 def cap_gpu_memory(device: torch.device, budget_gb: float | None) -> None:
     """Caps this process's allocator on ``device`` at ``budget_gb``, so an allocation past it fails (nothing to
-    do without a budget or off CUDA). Unless the user configured the allocator (``PYTORCH_CUDA_ALLOC_CONF`` or
-    ``PYTORCH_ALLOC_CONF``), new memory comes in expandable segments: at the cap the default allocator frees its
-    cached blocks and retries, which waits for the whole device (measured with and without: ``offload`` in
-    ``benchmarks/results/README.md``)."""
+    do without a budget or off CUDA)."""
     if budget_gb is None or device.type != "cuda":
         return
-    settings = allocator_settings_under_cap(os.environ)
-    if settings is not None and hasattr(torch.cuda.memory, "_set_allocator_settings"):
-        torch.cuda.memory._set_allocator_settings(settings)
     index = device.index if device.index is not None else torch.cuda.current_device()  # torch wants an index
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gb * 1e9 / total), index)
-
-
-def allocator_settings_under_cap(environ: Mapping[str, str]) -> str | None:
-    """The CUDA allocator settings moecc applies with a memory cap: None where the user set their own."""
-    if environ.get("PYTORCH_CUDA_ALLOC_CONF") or environ.get("PYTORCH_ALLOC_CONF"):
-        return None
-    return "expandable_segments:True"
 
 
 def from_pretrained(

@@ -27,8 +27,7 @@ class MoeccConfig:
         pin_threads: pin pool threads to cores. Environment: ``MOECC_PIN_THREADS`` (0/1).
         gpu_memory_budget_gb: cap on this process's GPU memory (enforced with the allocator's per-process
             fraction); ``prepare`` fails up front, saying how much is needed, when the resident parts do not
-            fit. None: no cap. Under a cap the allocator takes expandable segments unless
-            ``PYTORCH_CUDA_ALLOC_CONF`` says otherwise. Environment: ``MOECC_GPU_BUDGET_GB``.
+            fit. None: no cap. Environment: ``MOECC_GPU_BUDGET_GB``.
         offload_cache_gb: device memory for offload's cache of the most frequently routed experts, served to the
             slots without crossing PCIe again (0: no cache). Counted in the GPU budget. Environment:
             ``MOECC_OFFLOAD_CACHE_GB``.

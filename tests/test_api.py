@@ -244,11 +244,3 @@ def test_merge_and_unload_gives_the_merged_hf_model():
         merged_reference, merged_engine = reference.merge_and_unload(), engine.merge_and_unload()
         assert not isinstance(merged_engine, PeftModel)
         assert rel_err(merged_engine(input_ids=ids).logits, merged_reference(input_ids=ids).logits) <= 1e-5
-
-
-def test_allocator_settings_under_a_cap_respect_the_users_own():
-    from moecc.api import allocator_settings_under_cap
-
-    assert allocator_settings_under_cap({}) == "expandable_segments:True"
-    assert allocator_settings_under_cap({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) is None
-    assert allocator_settings_under_cap({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}) is None
