@@ -56,12 +56,13 @@ fi
 if [[ "$part" == all || "$part" == bench8 ]]; then
   # 8 layers under 80 GB: the whole-model `gpu` paradigm (PEFT materialises the expert deltas: 37 GB at 8192
   # tokens) runs within its budget, next to the others under the same one.
-  python -m moecc.cli bench --layers 8 --gpu-budget 80 --out "$out/bench_L8" 2>&1 | grep -v "it/s\|s/it"
+  python -m moecc.cli bench --layers 8 --gpu-budget 80 --paradigms cocompute,offload,gpu --out "$out/bench_L8" 2>&1 \
+      | grep -v "it/s\|s/it"
 fi
 if [[ "$part" == all || "$part" == profile ]]; then
-  # Where steps leave the GPU idle: offload at 48 layers (8192 tokens was 1.38x its copies), co-compute at 8.
+  # Where steps leave the GPU idle: offload at 48 layers (8192 tokens: 1.05x its copies), co-compute at 8.
   python benchmarks/profile_step.py --paradigm offload --tokens 2048,8192 2>&1 | grep -v "Warn\|warn"
-  # The same with the allocator's expandable segments (less fragmentation under the budget cap):
+  # The same with the allocator's expandable segments (slower on the host so far: 2.66 s against 2.35 s a step):
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/profile_step.py --paradigm offload \
       --tokens 8192 2>&1 | grep -v "Warn\|warn"
   python benchmarks/profile_step.py --paradigm cocompute --layers 8 --tokens 512 2>&1 | grep -v "Warn\|warn"
