@@ -32,13 +32,15 @@ if [[ "$part" == all || "$part" == kernels ]]; then
   python benchmarks/profile_cpu_experts.py --tokens 256,8192 2>&1 | grep "^{"
 fi
 if [[ "$part" == all || "$part" == sweeps ]]; then
-  # What packing each task's weight slice costs (locally on AVX512, 35% of a 256-token forward): the same
-  # layer with the forward reading a packed copy, printed only:
+  # What packing each task's weight slice costs (locally on AVX512, 35% of a 256-token forward; on the AMX host
+  # nothing measurable): the same layer with the forward reading a packed copy, printed only:
   echo "prepack"
   python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 256,1024,8192 --routing zipf --reps 2 \
       --no-baseline --prepack --out "$scratch" 2>&1 | grep '^{' | cut -c1-400
-  # Shorter K passes (A block and weight panels in L1; see panel_gemm_amx.cpp), printed only:
-  for knobs in 256,64,0 128,64,0; do
+  # AMX K passes (see panel_gemm_amx.cpp), printed only. K_BLOCK,PREFETCH_A,PREFETCH_B,K_BLOCK_GRAD: the old
+  # single pass length, shorter forward passes, and the input gradients' passes shortened too (the defaults are
+  # 256,64,0,1024)
+  for knobs in 1024,64,0,1024 128,64,0,1024 256,64,0,256; do
     echo "amx tuning $knobs"
     python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 1024,8192 --routing zipf --reps 2 \
         --no-baseline --amx-tuning "$knobs" --out "$scratch" 2>&1 | grep '^{' | cut -c1-200

@@ -9,7 +9,7 @@ With T tokens per step, each MoE layer, forward then backward:
               costs max(copy, g + a/2), ``g`` the GPU's expert math (timed on this shape). Forward prefetches all
               of the next layer's experts once most are routed (its routing is not known yet; otherwise each
               copy waits for its router), backward the routed ones (uniform-routing estimate) and the layer's parked
-              activations; the first forward copy is exposed, and the last ``SLOTS`` layers are still on the
+              activations; the first forward copy is exposed, and the last ``offload_slots`` layers are still on the
               GPU for backward
   gpu         everything on the GPU: a timed training step of one MoE layer.
 Where co-compute's own steps were timed (models of one and three MoE layers), its prediction is those per-layer
@@ -31,7 +31,6 @@ from .presets import preset_config
 from .rates import RANK, moe_shape, shape_rates
 
 SEQUENCE = 2048  # tokens per sequence in ``moecc bench`` steps; more tokens per step are more sequences
-SLOTS = MoeccConfig().offload_slots  # layers of experts the offload paradigm keeps on the GPU
 BF16 = 2  # bytes per weight and activation
 
 
@@ -135,7 +134,7 @@ def _offload_layers_s(s: dict, tokens: int, rates: dict, attention: float, forwa
         forward_s = copy_routed + gpu_forward + (layers - 1) * max(copy_all, gpu_forward)
     else:
         forward_s = layers * (copy_routed + gpu_forward)
-    resident = min(SLOTS, layers)
+    resident = min(MoeccConfig.from_env().offload_slots, layers)  # as many slots as the bench's engine gets
     # Backward also brings each layer's parked state back on the same stream (its forward sent it the other way,
     # on a stream of its own: PCIe is full duplex).
     parked_s = _parked_bytes(s, tokens) / (rates["h2d_gbps"] * 1e9)
@@ -154,7 +153,7 @@ def _parked_bytes(s: dict, tokens: int) -> int:
 
 def _gpu_paradigm_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int) -> float:
     if "gpu_layer_s" in timed:
-        counts = timed["gpu_tokens"]
+        counts = timed["gpu_layer_tokens"] if "gpu_layer_tokens" in timed else timed["gpu_tokens"]  # before v8: one list
         return s["moe_layers"] * _at(tokens, counts, timed["gpu_layer_s"]) + _at(tokens, counts, timed["gpu_rest_s"])
     attention, rest = _gpu_nonexpert_s(s, tokens, rates, timed)
     experts = 2 * _expert_flops(s, tokens, rank) / (rates["gpu_tflops"] * 1e12)
@@ -242,7 +241,7 @@ def describe(preset: str, rates: dict) -> list[str]:
     parts = (("CPU experts (ours)", "tokens", ("cpu_forward_s", "cpu_backward_s")),
              ("GPU experts (offload)", "gpu_tokens", ("gpu_experts_forward_s", "gpu_experts_backward_s")),
              ("GPU rest of a layer", "gpu_tokens", ("gpu_attention_layer_s",)),
-             ("GPU whole layer (gpu)", "gpu_tokens", ("gpu_layer_s",)),
+             ("GPU whole layer (gpu)", "gpu_layer_tokens", ("gpu_layer_s",)),
              ("co-compute layer in a step", "tokens", ("cocompute_layer_s",)))
     lines = []
     for label, counts, names in parts:

@@ -14,17 +14,19 @@ not FLOPs alone, sets how efficient small per-expert products are:
                                            factors' gradients copied back
     gpu_layer_s, gpu_rest_s                a LoRA training step of the whole model on the GPU (the ``gpu``
                                            paradigm, PEFT): per MoE layer, and everything else (embeddings,
-                                           dense layers, LM head, loss, optimizer); from models of 1 and 2 MoE
-                                           layers
+                                           dense layers, LM head, loss, optimizer); from models of 1 and
+                                           1 + ``GPU_LAYERS_APART`` MoE layers, at ``gpu_layer_tokens``
     gpu_attention_layer_s, _rest_s         the same with the routed experts left out: what co-compute and
                                            offload leave on the GPU
     cocompute_layer_s, _rest_s             a co-compute training step (moecc's own, GPU side on the GPU if
                                            any): per MoE layer and the rest, from models of 1 and 3 MoE layers
-The GPU entries are absent without a GPU, or where a measurement could not run (say, out of memory). Layers are
+GPU entries are timed at ``gpu_tokens`` (``GPU_LOADS``), or at fewer loads and layers where the largest run out of
+memory; they are absent without a GPU, or where a measurement could not run at all. Layers are
 timed in bf16 with random weights, uniform routing and LoRA rank ``RANK``, in the standard expert layout.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -279,14 +281,14 @@ def model_step_s(preset: str, layers: int, device: torch.device, tokens: list[in
             torch.cuda.empty_cache()
 
 
-def per_layer_and_rest(preset: str, device: torch.device, tokens: list[int],
-                       experts: bool) -> tuple[list[float], list[float]]:
+def per_layer_and_rest(preset: str, device: torch.device, tokens: list[int], experts: bool,
+                       apart: int = GPU_LAYERS_APART) -> tuple[list[float], list[float]]:
     """Step seconds per MoE layer, and of the rest of the step, at each token count: the difference of models
-    with 1 + ``GPU_LAYERS_APART`` and one MoE layers (after any dense layers) over ``GPU_LAYERS_APART``, and what
-    one MoE layer leaves of the smaller. At small batches a GPU layer is launch-bound (~10 ms on the accelerator
-    host) and varies by a few ms between runs; layers far apart average that out."""
+    with 1 + ``apart`` and one MoE layers (after any dense layers) over ``apart``, and what one MoE layer leaves
+    of the smaller. At small batches a GPU layer is launch-bound (~10 ms on the accelerator host) and varies by
+    a few ms between runs; layers far apart average that out."""
     return _layer_and_rest(preset, lambda layers: model_step_s(preset, layers, device, tokens, experts),
-                           apart=GPU_LAYERS_APART)
+                           apart=apart)
 
 
 def _layer_and_rest(preset: str, step_s, apart: int) -> tuple[list[float], list[float]]:
@@ -299,34 +301,52 @@ def _layer_and_rest(preset: str, step_s, apart: int) -> tuple[list[float], list[
 
 
 def _gpu_shape_rates(preset: str, shape: dict, device: torch.device) -> dict:
-    """The GPU timings of ``shape``, at every load of ``GPU_LOADS``, or at all but the largest where that runs out
-    of memory; what still fails is left out (the planner estimates it from FLOPs)."""
+    """The GPU timings of ``shape`` (see the module docstring), each part at every load of ``GPU_LOADS`` and its
+    models ``GPU_LAYERS_APART`` layers apart, or where that runs out of memory, at the first two loads, then also
+    3 layers apart. A part that cannot run at all is left out with a warning (the planner estimates it from
+    FLOPs); cheapest first, so a later failure keeps the others."""
     every = token_counts(shape, GPU_LOADS)
-    for tokens in (every, every[:2]) if len(every) > 2 else (every,):
-        rates, error = _gpu_rates_at(preset, shape, device, tokens)
-        if error is None or not isinstance(error, torch.OutOfMemoryError):
-            break
-    if error is not None:
-        text = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        warnings.warn(f"moecc plan: part of {preset}'s GPU timings could not run ({text}); the planner estimates "
-                      "those parts from FLOPs", stacklevel=2)
+    attempts = [(every, GPU_LAYERS_APART), (every[:2], GPU_LAYERS_APART), (every[:2], 3)]
+
+    def experts_and_attention(tokens: list[int], apart: int) -> dict:
+        forward, backward = gpu_expert_passes(shape, tokens, device)
+        layer, rest = per_layer_and_rest(preset, device, tokens, experts=False, apart=apart)
+        return {"gpu_tokens": tokens, "gpu_experts_forward_s": forward, "gpu_experts_backward_s": backward,
+                "gpu_attention_layer_s": layer, "gpu_attention_rest_s": rest}
+
+    def whole_model(tokens: list[int], apart: int) -> dict:
+        layer, rest = per_layer_and_rest(preset, device, tokens, experts=True, apart=apart)
+        return {"gpu_layer_tokens": tokens, "gpu_layer_s": layer, "gpu_rest_s": rest}
+
+    rates: dict = {}
+    for part in (experts_and_attention, whole_model):
+        for tokens, apart in dict.fromkeys((tuple(t), a) for t, a in attempts):
+            timed, failure, out_of_memory = _attempt(part, list(tokens), apart, device)
+            if timed is not None:
+                rates.update(timed)
+                break
+            if not out_of_memory:
+                break
+        if timed is None:
+            warnings.warn(f"moecc plan: part of {preset}'s GPU timings could not run ({failure}); the planner "
+                          "estimates that part from FLOPs", stacklevel=2)
     return rates
 
 
-def _gpu_rates_at(preset: str, shape: dict, device: torch.device,
-                  tokens: list[int]) -> tuple[dict, Exception | None]:
-    """(the GPU timings at ``tokens`` that ran, the error that stopped the rest or None)."""
-    rates: dict = {"gpu_tokens": tokens}
-    try:  # cheapest and most used first: a later failure (the whole model may not fit) keeps the others
-        rates["gpu_experts_forward_s"], rates["gpu_experts_backward_s"] = gpu_expert_passes(shape, tokens, device)
-        rates["gpu_attention_layer_s"], rates["gpu_attention_rest_s"] = per_layer_and_rest(preset, device, tokens,
-                                                                                            experts=False)
-        rates["gpu_layer_s"], rates["gpu_rest_s"] = per_layer_and_rest(preset, device, tokens, experts=True)
-    except (RuntimeError, ValueError) as error:  # torch.OutOfMemoryError is a RuntimeError
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        return rates, error
-    return rates, None
+def _attempt(part, tokens: list[int], apart: int, device: torch.device) -> tuple[dict | None, str, bool]:
+    """``(part(tokens, apart), "", False)``, or ``(None, the error's first line, whether it ran out of memory)``.
+    Nothing of the failed attempt is kept (its traceback holds the models it built), so a retry has the memory."""
+    try:
+        return part(tokens, apart), "", False
+    except (RuntimeError, ValueError) as error:  # torch.cuda.OutOfMemoryError is a RuntimeError
+        text = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        # cuBLAS and the caching allocator outside PyTorch's own check report it as a plain RuntimeError
+        out_of_memory = isinstance(error, torch.cuda.OutOfMemoryError) or any(
+            words in str(error) for words in ("out of memory", "ALLOC_FAILED"))
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return None, text, out_of_memory
 
 
 def _cocompute_step_s(preset: str, layers: int, device: torch.device, tokens: list[int]) -> list[float]:

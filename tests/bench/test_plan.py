@@ -2,6 +2,7 @@
 import argparse
 import json
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -97,6 +98,14 @@ def test_shape_rates_time_cocompute_steps_in_place():
     assert sum(shape["cocompute_layer_s"]) + sum(shape["cocompute_rest_s"]) > 0
 
 
+def test_offload_prediction_follows_the_slots_the_engine_gets(monkeypatch):
+    """More slots keep more layers on the GPU at the forward/backward turn: fewer copies, no slower a step."""
+    rates = qwen3_rates()
+    default = predict("qwen3-30b-a3b", 512, rates)["offload"]
+    monkeypatch.setenv("MOECC_OFFLOAD_SLOTS", "6")
+    assert predict("qwen3-30b-a3b", 512, rates)["offload"] < default
+
+
 def test_predictions_grow_with_tokens_and_scale_linearly_with_layers():
     rates = qwen3_rates()
     counts = [16 * 2**i for i in range(11)]
@@ -169,32 +178,41 @@ def test_gpu_timings_run_on_any_device():
         assert len(layer) == len(rest) == 2 and min(layer + rest) >= 0
 
 
-def test_gpu_timings_fall_back_to_the_smaller_loads_when_the_largest_runs_out_of_memory(monkeypatch):
-    """Every load is timed; where the largest runs out of GPU memory the first two are, and nothing is lost."""
+def test_gpu_timings_fall_back_to_fewer_loads_and_layers_when_they_run_out_of_memory(monkeypatch):
+    """Every load is timed, models 7 layers apart; where that runs out of memory, the first two loads, then 3
+    layers apart. Each part falls back on its own, keeps what ran, and frees the failed attempt's models."""
     shape = rates_module.moe_shape(preset_config("tiny"))
     every = rates_module.token_counts(shape, rates_module.GPU_LOADS)
     assert len(every) == 3
-    timed = []
+    timed, alive = [], []
     monkeypatch.setattr(rates_module, "gpu_expert_passes", lambda shape, tokens, device: ([1.0] * len(tokens),) * 2)
 
-    def per_layer_and_rest(preset, device, tokens, experts):
-        timed.append(list(tokens))
-        if experts and len(tokens) == 3:
-            raise torch.OutOfMemoryError("CUDA out of memory")
+    class Model:  # stands for the models a failed step built; the retry must not find it alive
+        pass
+
+    def per_layer_and_rest(preset, device, tokens, experts, apart):
+        timed.append((experts, len(tokens), apart))
+        assert all(ref() is None for ref in alive), "a failed attempt's models are still alive"
+        model = Model()
+        alive.append(weakref.ref(model))
+        if experts and apart == 7:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")  # not OOM's type
         return [2.0] * len(tokens), [3.0] * len(tokens)
 
     monkeypatch.setattr(rates_module, "per_layer_and_rest", per_layer_and_rest)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the fallback is silent
+        warnings.simplefilter("error")  # falling back is silent
         rates = rates_module._gpu_shape_rates("tiny", shape, torch.device("cpu"))
-    assert rates["gpu_tokens"] == every[:2] and rates["gpu_layer_s"] == [2.0, 2.0]
-    assert timed == [every, every, every[:2], every[:2]]
-    # Another error (not memory) keeps what ran and warns
+    assert timed == [(False, 3, 7), (True, 3, 7), (True, 2, 7), (True, 2, 3)]
+    assert all(ref() is None for ref in alive)
+    assert rates["gpu_tokens"] == every and rates["gpu_layer_tokens"] == every[:2]
+    assert rates["gpu_attention_layer_s"] == [2.0] * 3 and rates["gpu_layer_s"] == [2.0] * 2
+    # Another error (not memory) is not retried: that part is left out with a warning, the others kept
     monkeypatch.setattr(rates_module, "per_layer_and_rest",
                         lambda *args, **kwargs: (_ for _ in ()).throw(ValueError("no such layer")))
-    with pytest.warns(UserWarning, match="could not run"):
+    with pytest.warns(UserWarning, match="could not run \\(no such layer\\)"):
         rates = rates_module._gpu_shape_rates("tiny", shape, torch.device("cpu"))
-    assert rates["gpu_tokens"] == every and "gpu_experts_forward_s" in rates and "gpu_layer_s" not in rates
+    assert rates == {}
 
 
 @pytest.fixture(autouse=True)
