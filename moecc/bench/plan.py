@@ -153,7 +153,8 @@ def _parked_bytes(s: dict, tokens: int) -> int:
 
 def _gpu_paradigm_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int) -> float:
     if "gpu_layer_s" in timed:
-        counts = timed["gpu_layer_tokens"] if "gpu_layer_tokens" in timed else timed["gpu_tokens"]  # before v8: one list
+        # before rates v8 the whole model shared the other GPU timings' token list
+        counts = timed["gpu_layer_tokens"] if "gpu_layer_tokens" in timed else timed["gpu_tokens"]
         return s["moe_layers"] * _at(tokens, counts, timed["gpu_layer_s"]) + _at(tokens, counts, timed["gpu_rest_s"])
     attention, rest = _gpu_nonexpert_s(s, tokens, rates, timed)
     experts = 2 * _expert_flops(s, tokens, rank) / (rates["gpu_tflops"] * 1e12)
