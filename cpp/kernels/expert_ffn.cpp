@@ -73,6 +73,12 @@ MOECC_VECTOR_CLONES void axpy(float coef, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += coef * x[i];
 }
 
+// y += bf16(x) * coef, the product rounded to float32 before the sum (no FMA contraction under ISO C++).
+MOECC_VECTOR_CLONES void axpy_bf16(float coef, const uint16_t* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += bf16_to_float(x[i]) * coef;
+}
+
 MOECC_VECTOR_CLONES void to_bf16(const float* src, uint16_t* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
@@ -105,12 +111,6 @@ inline float vector_exp(float x) {
   float scale;
   __builtin_memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
-}
-
-// Rows of float products -> bf16, and -> round(bf16) * w (a routed expert's weighted output).
-MOECC_VECTOR_CLONES void to_bf16_scaled(const float* src, float w, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = round_bf16(src[i]) * w;
 }
 
 // act[i] = round(round(silu(gate[i])) * up[i]) from one row of bf16 gate/up outputs. Two simple loops over an
@@ -211,9 +211,14 @@ void activate(const Dims& d, const uint16_t* gate_up_out, const LoraFactors& lor
   });
 }
 
-// out[t] = sum over the token's k slots (in slot order) of per_pair[t*k + j], into float32 `out` or, when it is
-// null, rounded once into bf16 `out_bf16` (the model's dtype: no float32 copy for the caller to convert).
-void sum_slots(const Dims& d, const float* per_pair, float* out, uint16_t* out_bf16, moecc::pool::ThreadPool& pool) {
+// out[t] = sum over the token's k slots (in slot order) of per_pair[t*k + j] (bf16) times its routing weight
+// (1 without `weights`), into float32 `out` or, when it is null, rounded once into bf16 `out_bf16` (the model's
+// dtype: no float32 copy for the caller to convert). The per-pair rows are bf16, as a bf16 pipeline rounds each
+// expert's product, which halves the traffic of the largest buffer of a call (per pair a whole hidden row: 0.5 GB
+// in float32 at 8192 tokens for Qwen3-30B-A3B); the forward's weighting here is the same float32 product it was
+// when applied per pair.
+void sum_slots(const Dims& d, const uint16_t* per_pair, const float* weights, float* out, uint16_t* out_bf16,
+               moecc::pool::ThreadPool& pool) {
   const int64_t chunk = 16;
   pool.run((d.T + chunk - 1) / chunk, [&](int64_t c, int) {
     thread_local AlignedBuffer<float> row;
@@ -222,7 +227,8 @@ void sum_slots(const Dims& d, const float* per_pair, float* out, uint16_t* out_b
       float* dst = out ? out + t * d.H : sum;
       std::fill(dst, dst + d.H, 0.0f);
       for (int64_t j = 0; j < d.k; ++j) {
-        axpy(1.0f, per_pair + (t * d.k + j) * d.H, dst, d.H);
+        const int64_t pair = t * d.k + j;
+        axpy_bf16(weights ? weights[pair] : 1.0f, per_pair + pair * d.H, dst, d.H);
       }
       if (!out) to_bf16(sum, out_bf16 + t * d.H, d.H);
     }
@@ -305,12 +311,12 @@ PhaseTimes last_phase_times(bool backward) {
 namespace {
 
 // One set of buffers for forward and backward: the engine runs one layer call at a time, so the buffers both
-// need (gathered rows, activations, gradients, per-pair outputs: about 24 KB per routed pair for Qwen3-30B-A3B,
+// need (gathered rows, activations, gradients, per-pair outputs: about 20 KB per routed pair for Qwen3-30B-A3B,
 // plus the LoRA re-layouts) are held once; the mutex keeps concurrent callers correct anyway.
 struct Scratch {
   std::mutex mutex;
-  AlignedBuffer<uint16_t> xg, act, dy_bf16, grad_gu_bf16;
-  AlignedBuffer<float> inner_gu, inner_down, grad_inner_gu, grad_inner_down, grad_act, per_pair,
+  AlignedBuffer<uint16_t> xg, act, dy_bf16, grad_gu_bf16, per_pair;
+  AlignedBuffer<float> inner_gu, inner_down, grad_inner_gu, grad_inner_down, grad_act,
       row_weight, b_gu, b_down, grad_b_gu, grad_b_down;
 };
 
@@ -347,7 +353,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   uint16_t* act = scratch.act.get(d.pairs * d.ld_act);
   float* inner_gu = scratch.inner_gu.get(d.pairs * std::max<int64_t>(gate_up_lora.rank, 1));
   float* inner_down = scratch.inner_down.get(d.pairs * std::max<int64_t>(down_lora.rank, 1));
-  float* per_pair = scratch.per_pair.get(d.pairs * d.H);
+  uint16_t* per_pair = scratch.per_pair.get(d.pairs * d.H);
 
   gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool, io.hidden_copy);
   clock.mark("gather");
@@ -385,15 +391,13 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
     gemm.forward(act + task.begin * d.ld_act, d.ld_act, n, slice, d.i_k, 0, task.col1 - task.col0, tile, width);
     add_lora_block(down_lora, task.expert, d.H, inner_down, task, col0, col1, tile, width);
     for (int64_t g = task.begin; g < task.end; ++g) {
-      const int64_t pair = routing.order[g];
-      const float w = routing.weights[pair];
       const float* row = tile + (g - task.begin) * width;
-      to_bf16_scaled(row, w, per_pair + pair * d.H + col0, col1 - col0);
+      to_bf16(row, per_pair + routing.order[g] * d.H + col0, col1 - col0);
     }
   });
 
   clock.mark("down");
-  sum_slots(d, per_pair, io.out, io.out_bf16, pool);
+  sum_slots(d, per_pair, routing.weights, io.out, io.out_bf16, pool);
   clock.mark("sum_slots");
 }
 
@@ -496,7 +500,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   uint16_t* dy_bf16 = scratch.dy_bf16.get(d.pairs * d.ld_dy);
   uint16_t* grad_gu_bf16 = scratch.grad_gu_bf16.get(d.pairs * d.ld_dgu);
   float* grad_act = scratch.grad_act.get(d.pairs * d.ld_act);
-  float* per_pair = scratch.per_pair.get(d.pairs * d.H);
+  uint16_t* per_pair = scratch.per_pair.get(d.pairs * d.H);
   float* row_weight = scratch.row_weight.get(std::max<int64_t>(d.pairs, 1));  // routing weight per grouped row
 
   gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool);
@@ -572,7 +576,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
                task.col1 - task.col0);
         }
       }
-      std::copy(row + task.col0, row + task.col1, per_pair + routing.order[g] * d.H + task.col0);
+      to_bf16(row + task.col0, per_pair + routing.order[g] * d.H + task.col0, task.col1 - task.col0);
     }
   });
 
@@ -588,7 +592,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   }
   if (io_peft.grad_down_b) rows_to_peft_b(io.grad_down_b, d.H, down_lora.rank, d.E, io_peft.grad_down_b, pool);
   clock.mark("lora_grads");
-  sum_slots(d, per_pair, io.grad_hidden, io.grad_hidden_bf16, pool);
+  sum_slots(d, per_pair, nullptr, io.grad_hidden, io.grad_hidden_bf16, pool);
   clock.mark("sum_slots");
 }
 
