@@ -54,6 +54,7 @@ CASES = [  # tokens, experts, hidden, inter, top_k, rank, skew
     (0, 4, 32, 16, 2, 4, False),
     (50, 5, 80, 40, 2, 12, False),    # rank above one register group of 8; column tails
     (300, 4, 64, 48, 2, 4, True),     # a hot expert with more rows than one 256-row product task
+    (40, 20, 100, 40, 3, 1, False),   # rank 1; experts past one 16-expert relayout tile; H % 8 != 0
 ]
 
 

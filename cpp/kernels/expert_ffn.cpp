@@ -73,8 +73,10 @@ MOECC_VECTOR_CLONES void axpy(float coef, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += coef * x[i];
 }
 
-// y += bf16(x) * coef, the product rounded to float32 before the sum (no FMA contraction under ISO C++).
-MOECC_VECTOR_CLONES void axpy_bf16(float coef, const uint16_t* x, float* y, int64_t n) {
+// y += bf16(x) * coef, the product rounded to float32 before the sum, as when the forward applied the routing
+// weight per pair: GCC contracts C++ into FMAs by default (it did in the scalar tail), so contraction is off here.
+__attribute__((optimize("fp-contract=off"))) MOECC_VECTOR_CLONES void axpy_bf16(float coef, const uint16_t* x,
+                                                                               float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += bf16_to_float(x[i]) * coef;
 }
