@@ -419,8 +419,8 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
 // are bf16 to begin with, and they take half the memory traffic of float32 rows.
 struct LoraGradInputs {
   const float *inner_gu, *inner_down, *grad_inner_gu, *grad_inner_down, *row_weight;
-  const uint16_t *xg, *act, *dy_bf16, *grad_gu_bf16;
-  int64_t ld_x, ld_act, ld_dy, ld_dgu;
+  const uint16_t *hidden, *act, *dy_bf16, *grad_gu_bf16;  // hidden: the token rows [T, H], read in place
+  int64_t ld_act, ld_dy, ld_dgu;
 };
 
 constexpr int64_t kGradFactorColumns = 256;
@@ -462,8 +462,9 @@ void lora_factor_grads(const Dims& d, const LoraFactors& gate_up_lora, const Lor
                             io.grad_down_b + e * r * d.H, d.H);
     } else if (t.which == 2) {  // dA_gu[r][h] = sum_g (s dG B)[g][r] x[g][h]
       const int64_t r = gate_up_lora.rank;
-      rank_outer_accumulate(in.grad_inner_gu + begin * r, nullptr, 1.0f, in.xg + begin * in.ld_x, in.ld_x, count, r,
-                            t.c0, t.c1, io.grad_gate_up_a + e * r * d.H, d.H);
+      rank_outer_accumulate_gathered(in.grad_inner_gu + begin * r, nullptr, 1.0f, in.hidden, d.H,
+                                     routing.order + begin, d.k, count, r, t.c0, t.c1,
+                                     io.grad_gate_up_a + e * r * d.H, d.H);
     } else {  // dB_gu^T[r][c] = s sum_g (x A)[g][r] dG[g][c]
       const int64_t r = gate_up_lora.rank;
       rank_outer_accumulate(in.inner_gu + begin * r, nullptr, gate_up_lora.scaling,
@@ -503,7 +504,6 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   if (io_peft.grad_down_b) io.grad_down_b = zeroed(scratch.grad_b_down, d.E * down_lora.rank * d.H);
   const int64_t r_gu = std::max<int64_t>(gate_up_lora.rank, 1), r_d = std::max<int64_t>(down_lora.rank, 1);
   const std::vector<Task> rows = make_tasks(routing.offsets, d.E, 1, 1);
-  uint16_t* xg = scratch.xg.get(d.pairs * d.ld_x);
   uint16_t* act = scratch.act.get(d.pairs * d.ld_act);
   float* inner_gu = scratch.inner_gu.get(d.pairs * r_gu);
   float* inner_down = scratch.inner_down.get(d.pairs * r_d);
@@ -515,7 +515,17 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   uint16_t* per_pair = scratch.per_pair.get(d.pairs * d.H);
   float* row_weight = scratch.row_weight.get(std::max<int64_t>(d.pairs, 1));  // routing weight per grouped row
 
-  gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool);
+  // Backward reads the token rows in place: only the LoRA terms use them (x A for dB, x for dA), so the gathered
+  // copy the forward's products need (a hidden row per pair: 268 MB at 8192 tokens) is not written again.
+  if (gate_up_lora.a) {
+    run_tasks(pool, rows, [&](const Task& task) {
+      const float* a = gate_up_lora.a + task.expert * gate_up_lora.rank * d.H;
+      for (int64_t g = task.begin; g < task.end; ++g) {
+        rank_dots(io.hidden + routing.order[g] / d.k * d.H, a, gate_up_lora.rank, d.H, 1.0f,
+                  inner_gu + g * gate_up_lora.rank);
+      }
+    });
+  }
   activate(d, io.gate_up_out, down_lora, rows, act, inner_down, pool);
   clock.mark("gather_activate");
   // Unweighted output gradient per grouped row in bf16 (zero-padded), and its down-LoRA inner product s dy B
@@ -595,8 +605,8 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   clock.mark("gate_up_input_grad");
   if (gate_up_lora.a || down_lora.a) {
     lora_factor_grads(d, gate_up_lora, down_lora, routing,
-                      {inner_gu, inner_down, grad_inner_gu, grad_inner_down, row_weight, xg, act, dy_bf16,
-                       grad_gu_bf16, d.ld_x, d.ld_act, d.ld_dy, d.ld_dgu},
+                      {inner_gu, inner_down, grad_inner_gu, grad_inner_down, row_weight, io.hidden, act, dy_bf16,
+                       grad_gu_bf16, d.ld_act, d.ld_dy, d.ld_dgu},
                       io, pool);
   }
   clock.mark("lora_grads");

@@ -177,6 +177,14 @@ MOECC_VECTOR_CLONES void outer_bf16(const float* coef, const float* row_scale, f
   outer(coef, row_scale, scale, [=](int64_t g) { return rows + g * ld; }, count, rank, c0, c1, out, out_ld);
 }
 
+MOECC_VECTOR_CLONES void outer_bf16_gathered(const float* coef, const float* row_scale, float scale,
+                                             const uint16_t* rows, int64_t ld, const int64_t* order, int64_t divisor,
+                                             int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out,
+                                             int64_t out_ld) {
+  outer(coef, row_scale, scale, [=](int64_t g) { return rows + order[g] / divisor * ld; }, count, rank, c0, c1, out,
+        out_ld);
+}
+
 }  // namespace
 
 void rank_dots(const uint16_t* row, const float* factors, int64_t rank, int64_t n, float scale, float* out) {
@@ -188,6 +196,12 @@ void rank_dots(const float* row, const float* factors, int64_t rank, int64_t n, 
 void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const uint16_t* rows, int64_t ld,
                            int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld) {
   outer_bf16(coef, row_scale, scale, rows, ld, count, rank, c0, c1, out, out_ld);
+}
+
+void rank_outer_accumulate_gathered(const float* coef, const float* row_scale, float scale, const uint16_t* rows,
+                                    int64_t ld, const int64_t* order, int64_t divisor, int64_t count, int64_t rank,
+                                    int64_t c0, int64_t c1, float* out, int64_t out_ld) {
+  outer_bf16_gathered(coef, row_scale, scale, rows, ld, order, divisor, count, rank, c0, c1, out, out_ld);
 }
 
 }  // namespace moecc::kernels

@@ -17,5 +17,10 @@ void rank_dots(const float* row, const float* factors, int64_t rank, int64_t n, 
 // bf16 rows the matrix products use).
 void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const uint16_t* rows, int64_t ld,
                            int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld);
+// The same with row g at rows + (order[g] / divisor) * ld: an expert's rows read in place from the token rows
+// (order: grouped pair ids, divisor: top-k) instead of from a gathered copy.
+void rank_outer_accumulate_gathered(const float* coef, const float* row_scale, float scale, const uint16_t* rows,
+                                    int64_t ld, const int64_t* order, int64_t divisor, int64_t count, int64_t rank,
+                                    int64_t c0, int64_t c1, float* out, int64_t out_ld);
 
 }  // namespace moecc::kernels
