@@ -86,11 +86,6 @@ MOECC_VECTOR_CLONES void to_bf16(const float* src, uint16_t* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
 }
 
-MOECC_VECTOR_CLONES void from_bf16(const uint16_t* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
-}
-
 // exp(x) in float to ~2 ulp, in operations every vector ISA has (glibc's expf is a call per element, which
 // made the SwiGLU steps the slowest of the layer). Range reduction x = n ln2 + r, |r| <= ln2/2, a degree-6
 // Taylor polynomial for e^r, and 2^n built in the exponent bits; inputs clamp to the finite float range.
@@ -475,7 +470,8 @@ void lora_factor_grads(const Dims& d, const LoraFactors& gate_up_lora, const Lor
 }
 
 // inner[g][r] = s * sum_c grad[g][c] B^T[r][c]: the LoRA-B side of an input gradient.
-void lora_grad_inner(const LoraFactors& lora, int64_t expert, int64_t out_features, const float* grad_row, int64_t g,
+template <typename Row>  // float, or bf16 bits
+void lora_grad_inner(const LoraFactors& lora, int64_t expert, int64_t out_features, const Row* grad_row, int64_t g,
                      float* inner) {
   const float* b_t = lora.b + expert * lora.rank * out_features;
   rank_dots(grad_row, b_t, lora.rank, out_features, lora.scaling, inner + g * lora.rank);
@@ -529,21 +525,20 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   activate(d, io.gate_up_out, down_lora, rows, act, inner_down, pool);
   clock.mark("gather_activate");
   // Unweighted output gradient per grouped row in bf16 (zero-padded), and its down-LoRA inner product s dy B
-  // from the token's own row (float32 as given, or widened from bf16).
+  // from the token's own row (float32 as given, or the bf16 row read as it is).
   run_tasks(pool, rows, [&](const Task& task) {
-    thread_local AlignedBuffer<float> widened;
-    float* const wide = io.grad_out ? nullptr : widened.get(d.H);
     for (int64_t g = task.begin; g < task.end; ++g) {
       const int64_t token = routing.order[g] / d.k;
-      const float* src = io.grad_out ? io.grad_out + token * d.H : wide;
       if (io.grad_out) {
+        const float* src = io.grad_out + token * d.H;
         to_bf16(src, dy_bf16 + g * d.ld_dy, d.H);
+        if (down_lora.a) lora_grad_inner(down_lora, task.expert, d.H, src, g, grad_inner_down);
       } else {
-        std::copy(io.grad_out_bf16 + token * d.H, io.grad_out_bf16 + (token + 1) * d.H, dy_bf16 + g * d.ld_dy);
-        if (down_lora.a) from_bf16(dy_bf16 + g * d.ld_dy, wide, d.H);
+        const uint16_t* src = io.grad_out_bf16 + token * d.H;
+        std::copy(src, src + d.H, dy_bf16 + g * d.ld_dy);
+        if (down_lora.a) lora_grad_inner(down_lora, task.expert, d.H, src, g, grad_inner_down);
       }
       std::fill(dy_bf16 + g * d.ld_dy + d.H, dy_bf16 + (g + 1) * d.ld_dy, uint16_t{0});
-      if (down_lora.a) lora_grad_inner(down_lora, task.expert, d.H, src, g, grad_inner_down);
     }
   });
 
