@@ -133,7 +133,8 @@ PYBIND11_MODULE(_C, m) {
          int64_t gate_up_rank, float gate_up_scaling, std::uintptr_t down_a, std::uintptr_t down_b, int64_t down_rank,
          float down_scaling, std::uintptr_t offsets, std::uintptr_t order, std::uintptr_t routing_weights,
          std::uintptr_t hidden, std::uintptr_t gate_up_out, std::uintptr_t out, bool out_bf16,
-         std::uintptr_t hidden_copy, std::uintptr_t packed_gate_up, std::uintptr_t packed_down) {
+         std::uintptr_t hidden_copy, std::uintptr_t packed_gate_up, std::uintptr_t packed_down,
+         std::uintptr_t inner_gate_up, std::uintptr_t inner_down) {
         moecc::kernels::expert_ffn_forward(
             static_cast<Isa>(isa), {experts, hidden_size, inter, tokens, top_k},
             {as_pointer<const uint16_t>(gate_up), as_pointer<const uint16_t>(down),
@@ -143,7 +144,7 @@ PYBIND11_MODULE(_C, m) {
             {as_pointer<const int64_t>(offsets), as_pointer<const int64_t>(order), as_pointer<const float>(routing_weights)},
             {as_pointer<const uint16_t>(hidden), as_pointer<uint16_t>(gate_up_out),
              out_bf16 ? nullptr : as_pointer<float>(out), out_bf16 ? as_pointer<uint16_t>(out) : nullptr,
-             as_pointer<uint16_t>(hidden_copy)},
+             as_pointer<uint16_t>(hidden_copy), as_pointer<float>(inner_gate_up), as_pointer<float>(inner_down)},
             *moecc::pool::global_pool());
       },
       py::kw_only(), py::arg("isa"), py::arg("experts"), py::arg("hidden_size"), py::arg("inter"), py::arg("tokens"),
@@ -151,7 +152,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("gate_up_rank"), py::arg("gate_up_scaling"), py::arg("down_a"), py::arg("down_b"), py::arg("down_rank"),
       py::arg("down_scaling"), py::arg("offsets"), py::arg("order"), py::arg("routing_weights"), py::arg("hidden"),
       py::arg("gate_up_out"), py::arg("out"), py::arg("out_bf16"), py::arg("hidden_copy"),
-      py::arg("packed_gate_up") = 0, py::arg("packed_down") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("packed_gate_up") = 0, py::arg("packed_down") = 0, py::arg("inner_gate_up") = 0,
+      py::arg("inner_down") = 0, py::call_guard<py::gil_scoped_release>(),
       "Routed-expert SwiGLU forward with LoRA (expert_ffn.h); addresses of tensors checked by moecc._ops; out is "
       "bf16 when out_bf16, else float32.");
 
@@ -163,7 +165,8 @@ PYBIND11_MODULE(_C, m) {
          float down_scaling, std::uintptr_t offsets, std::uintptr_t order, std::uintptr_t routing_weights,
          std::uintptr_t hidden, std::uintptr_t gate_up_out, std::uintptr_t grad_out, std::uintptr_t grad_hidden,
          std::uintptr_t grad_routing, std::uintptr_t grad_gate_up_a, std::uintptr_t grad_gate_up_b,
-         std::uintptr_t grad_down_a, std::uintptr_t grad_down_b, bool grad_out_bf16, bool grad_hidden_bf16) {
+         std::uintptr_t grad_down_a, std::uintptr_t grad_down_b, bool grad_out_bf16, bool grad_hidden_bf16,
+         std::uintptr_t inner_gate_up, std::uintptr_t inner_down) {
         moecc::kernels::expert_ffn_backward(
             static_cast<Isa>(isa), {experts, hidden_size, inter, tokens, top_k},
             {as_pointer<const uint16_t>(gate_up), as_pointer<const uint16_t>(down)},
@@ -176,7 +179,8 @@ PYBIND11_MODULE(_C, m) {
              grad_hidden_bf16 ? nullptr : as_pointer<float>(grad_hidden),
              grad_hidden_bf16 ? as_pointer<uint16_t>(grad_hidden) : nullptr,
              as_pointer<float>(grad_routing), as_pointer<float>(grad_gate_up_a),
-             as_pointer<float>(grad_gate_up_b), as_pointer<float>(grad_down_a), as_pointer<float>(grad_down_b)},
+             as_pointer<float>(grad_gate_up_b), as_pointer<float>(grad_down_a), as_pointer<float>(grad_down_b),
+             as_pointer<const float>(inner_gate_up), as_pointer<const float>(inner_down)},
             *moecc::pool::global_pool());
       },
       py::kw_only(), py::arg("isa"), py::arg("experts"), py::arg("hidden_size"), py::arg("inter"), py::arg("tokens"),
@@ -185,7 +189,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("down_scaling"), py::arg("offsets"), py::arg("order"), py::arg("routing_weights"), py::arg("hidden"),
       py::arg("gate_up_out"), py::arg("grad_out"), py::arg("grad_hidden"), py::arg("grad_routing"),
       py::arg("grad_gate_up_a"), py::arg("grad_gate_up_b"), py::arg("grad_down_a"), py::arg("grad_down_b"),
-      py::arg("grad_out_bf16"), py::arg("grad_hidden_bf16"), py::call_guard<py::gil_scoped_release>(),
+      py::arg("grad_out_bf16"), py::arg("grad_hidden_bf16"), py::arg("inner_gate_up") = 0, py::arg("inner_down") = 0,
+      py::call_guard<py::gil_scoped_release>(),
       "Backward of expert_ffn_forward; LoRA gradients accumulate. The *_bf16 flags say grad_out / grad_hidden "
       "are bf16 instead of float32.");
 

@@ -171,6 +171,22 @@ def _lora_args(prefix: str, lora: tuple | None, experts: int, n_in: int, n_out: 
             f"{prefix}_rank": rank, f"{prefix}_scaling": float(scaling)}
 
 
+def _inner_args(lora_inner: tuple | None, gate_up_lora: tuple | None, down_lora: tuple | None,
+                pairs: int) -> dict:
+    """Addresses of the saved LoRA inner products ``(x A_gu [T*k, r], act A_down [T*k, r])``, float32, grouped
+    order; either may be None (not kept, or no LoRA on that projection: then it must be None)."""
+    args = {"inner_gate_up": 0, "inner_down": 0}
+    if lora_inner is None:
+        return args
+    for key, inner, lora in zip(args, lora_inner, (gate_up_lora, down_lora)):
+        if inner is None:
+            continue
+        if lora is None:
+            raise ValueError(f"{key} was given for a projection without LoRA")
+        args[key] = _address(inner, key, torch.float32, pairs * lora[0].shape[1])
+    return args
+
+
 def _weight_args(weights: tuple[torch.Tensor, torch.Tensor], experts: int, hidden: int, inter: int) -> dict:
     """The experts' own weights, read in place: gate_up [E, 2I, H] and down [E, H, I], bf16, contiguous."""
     gate_up, down = weights
@@ -248,7 +264,8 @@ def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sha
                        hidden: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor, routing: torch.Tensor,
                        gate_up_lora: tuple | None, down_lora: tuple | None, out: torch.Tensor | None = None,
                        gate_up_out: torch.Tensor | None = None, hidden_copy: torch.Tensor | None = None,
-                       packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       packed: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       lora_inner: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the CPU expert forward. ``shape = (E, H, I)``; ``hidden [T, H]`` bf16; ``routing [T*k]`` float32.
 
     Returns ``(out [T, H], gate_up_out [T*k, 2I] bf16 in grouped order)``, written into the given tensors when
@@ -256,7 +273,9 @@ def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sha
     when a bf16 tensor is given (summed in float32 and rounded once, in the kernel). ``hidden_copy`` (bf16
     ``[T, H]``, optional) receives a copy of ``hidden``, made by the kernel threads as they read it. ``packed``
     (optional, from :func:`pack_expert_weights`): the same weights in the panel layout, read by the forward
-    products instead of packing each task's slice (``MoeccConfig.prepack_weights``).
+    products instead of packing each task's slice (``MoeccConfig.prepack_weights``). ``lora_inner`` (optional,
+    float32 ``([T*k, r_gu], [T*k, r_down])``, either None) receives the LoRA inner products ``x A`` and
+    ``act A`` in grouped order, for :func:`expert_ffn_backward` to reuse.
     """
     experts, hidden_size, inter = shape
     tokens = hidden.shape[0]
@@ -283,6 +302,7 @@ def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sha
                                        experts * _C.packed_elements(2 * inter, hidden_size)),
             "packed_down": _address(packed[1], "packed down", torch.bfloat16,
                                     experts * _C.packed_elements(hidden_size, inter))}),
+        **_inner_args(lora_inner, gate_up_lora, down_lora, pairs),
     )
     return out, gate_up_out
 
@@ -290,9 +310,11 @@ def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sha
 def expert_ffn_backward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int], top_k: int,
                         hidden: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor, routing: torch.Tensor,
                         gate_up_lora: tuple | None, down_lora: tuple | None, gate_up_out: torch.Tensor,
-                        grad_out: torch.Tensor, grad_hidden: torch.Tensor | None = None) -> tuple:
+                        grad_out: torch.Tensor, grad_hidden: torch.Tensor | None = None,
+                        lora_inner: tuple | None = None) -> tuple:
     """Backward of :func:`expert_ffn_forward` with ``grad_out [T, H]`` float32 or bf16 (``grad_hidden``
-    written into the given tensor when passed: float32, or bf16 rounded once in the kernel).
+    written into the given tensor when passed: float32, or bf16 rounded once in the kernel). ``lora_inner``: what
+    the forward wrote there, reused instead of recomputed (the same LoRA factors, or the gradients are wrong).
 
     Returns ``(grad_hidden [T, H], grad_routing [T*k], (dA_gu, dB_gu) or None, (dA_down, dB_down) or None)``,
     float32 but for a bf16 ``grad_hidden``, LoRA gradients as ``A [E, r, in]``, ``B [out, r*E]`` (PEFT's
@@ -323,5 +345,6 @@ def expert_ffn_backward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sh
         grad_hidden=grad_hidden.data_ptr(), grad_routing=grad_routing.data_ptr(),
         grad_gate_up_a=flat[0], grad_gate_up_b=flat[1], grad_down_a=flat[2], grad_down_b=flat[3],
         grad_out_bf16=grad_out_dtype == torch.bfloat16, grad_hidden_bf16=grad_hidden.dtype == torch.bfloat16,
+        **_inner_args(lora_inner, gate_up_lora, down_lora, pairs),
     )
     return grad_hidden, grad_routing, lora_grads[0], lora_grads[1]

@@ -30,6 +30,15 @@ def _kernel_lora(lora: ExpertLora | None) -> tuple | None:
     return a, lora.B.detach().float().contiguous(), lora.scaling
 
 
+def _inner_for(saved: SavedState, gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None) -> tuple | None:
+    """The forward's LoRA inner products where they fit the factors backward is given (same ranks; otherwise the
+    kernel recomputes them), else None."""
+    if saved.lora_inner is None:
+        return None
+    return tuple(inner if inner is not None and lora is not None and inner.shape[1] == lora.rank else None
+                 for inner, lora in zip(saved.lora_inner, (gate_up_lora, down_lora)))
+
+
 def _peft_grads(grads: tuple | None, lora: ExpertLora | None) -> tuple:
     if grads is None:
         return None, None
@@ -191,11 +200,14 @@ class NativeExperts:
         # The caller's buffer (a staging view, reused by the next layer): backward gets a copy, which the kernel
         # makes as it reads the rows.
         hidden_copy = self._saved_buffers.take(tuple(hidden.shape), torch.bfloat16) if hidden_bf16 is hidden else None
+        # The LoRA inner products, kept for backward (512 bytes per token at r = 8, k = 8) so it need not redo them
+        lora_inner = tuple(None if lora is None else self._saved_buffers.take((tokens * top_k, lora.rank), torch.float32)
+                           for lora in (gate_up_lora, down_lora))
         try:
             _ops.expert_ffn_forward(self.isa, matrices, shape, top_k, hidden_bf16, offsets, order, routing,
                                     _kernel_lora(gate_up_lora), _kernel_lora(down_lora), out=out,
                                     gate_up_out=gate_up_out, hidden_copy=hidden_copy,
-                                    packed=self._packed(weights, matrices))
+                                    packed=self._packed(weights, matrices), lora_inner=lora_inner)
             result = out if direct else out.to(hidden.dtype, copy=True)
         finally:
             if not direct:
@@ -203,7 +215,7 @@ class NativeExperts:
         if hidden_copy is not None:
             hidden_bf16 = hidden_copy
         saved = SavedState(hidden_bf16, top_k_weights.float().clone(), offsets, order, gate_up_out,
-                           top_k_weights.dtype)
+                           top_k_weights.dtype, lora_inner)
         return result, saved
 
     def release(self, saved: SavedState) -> None:
@@ -215,7 +227,10 @@ class NativeExperts:
         """Pools the saved state's large buffers (from ``_saved_buffers``, or made by forward alone)."""
         self._saved_buffers.give(saved.gate_up_out)
         self._saved_buffers.give(saved.hidden)
-        saved.gate_up_out = saved.hidden = None
+        for inner in saved.lora_inner or ():
+            if inner is not None:
+                self._saved_buffers.give(inner)
+        saved.gate_up_out = saved.hidden = saved.lora_inner = None
 
     def backward(self, weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor,
                  gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None):
@@ -235,7 +250,8 @@ class NativeExperts:
                 self.isa, matrices, shape, saved.top_k_weights.shape[1], saved.hidden, saved.offsets, saved.order,
                 routing, _kernel_lora(gate_up_lora), _kernel_lora(down_lora), saved.gate_up_out,
                 grad_out.contiguous() if direct else pooled[1],
-                grad_hidden=torch.empty(tuple(saved.hidden.shape), dtype=torch.bfloat16) if direct else pooled[0])
+                grad_hidden=torch.empty(tuple(saved.hidden.shape), dtype=torch.bfloat16) if direct else pooled[0],
+                lora_inner=_inner_for(saved, gate_up_lora, down_lora))
             grad_hidden = grad_in if direct else grad_in.to(grad_out.dtype, copy=True)
         finally:
             for buffer in pooled:

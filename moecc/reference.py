@@ -95,6 +95,9 @@ class SavedState:
     order: torch.Tensor  # [T*k] int64, pair ids grouped by expert
     gate_up_out: torch.Tensor  # [T*k, 2I] activation dtype, pre-activation, in grouped order
     weights_dtype: torch.dtype = torch.float32  # dtype the routing weights arrived in
+    # The native kernels' LoRA inner products (x A_gu, act A_down: [T*k, r] float32, grouped order, None where a
+    # projection has no LoRA), which their backward reuses; None for the other backends
+    lora_inner: tuple | None = None
 
 
 @dataclass

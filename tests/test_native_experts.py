@@ -417,3 +417,40 @@ def test_prepack_weights_packs_in_prepare_and_trains_the_same(monkeypatch):
                       config=moecc.MoeccConfig(backend="native", prepack_weights=True))
     monkeypatch.setenv("MOECC_PREPACK_WEIGHTS", "yes")
     assert moecc.MoeccConfig.from_env().prepack_weights
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_backward_reuses_the_forwards_lora_inner_products_bit_for_bit(isa):
+    """The LoRA inner products the forward keeps give the backward exactly what recomputing them gives."""
+    weights, x, index, w, gate_up, down = _problem(130, 5, 96, 24, 2, 8, seed=3, skew=True)
+    grad_out = torch.randn(130, 96, generator=torch.Generator().manual_seed(4)).bfloat16()
+    native = NativeExperts(isa)
+    results = []
+    for keep in (True, False):
+        _, saved = native.forward(weights, x, index, w, gate_up, down)
+        assert all(t is not None and t.shape == (130 * 2, 8) for t in saved.lora_inner)
+        if not keep:
+            saved.lora_inner = None  # the kernel recomputes them
+        grad_hidden, grad_weights, grads = native.backward(weights, saved, grad_out, gate_up, down)
+        results.append([grad_hidden, grad_weights, grads.gate_up_A, grads.gate_up_B, grads.down_A, grads.down_B])
+    for kept, recomputed in zip(*results):
+        assert torch.equal(kept, recomputed)
+    # and they are really read: zeroed, the gate/up B gradient (s sum (x A) dG) comes out zero
+    _, saved = native.forward(weights, x, index, w, gate_up, down)
+    saved.lora_inner[0].zero_()
+    _, _, grads = native.backward(weights, saved, grad_out, gate_up, down)
+    assert not grads.gate_up_B.any() and results[0][3].any()
+
+
+def test_lora_inner_products_are_refused_for_a_projection_without_lora():
+    weights, x, index, w, gate_up, _ = _problem(16, 4, 32, 16, 2, 4, seed=5)
+    offsets, order = _ops.group_tokens_by_expert(index, 4)
+    lora = (gate_up.A.view(4, 4, -1), gate_up.B, gate_up.scaling)
+    with pytest.raises(ValueError, match="without LoRA"):
+        _ops.expert_ffn_forward(_ops.best_isa(), (weights.gate_up, weights.down), (4, 32, 16), 2, x.bfloat16(),
+                                offsets, order, w.float().reshape(-1).contiguous(), lora, None,
+                                lora_inner=(torch.zeros(32, 4), torch.zeros(32, 4)))
+    with pytest.raises(ValueError, match="inner_gate_up has 16 elements"):
+        _ops.expert_ffn_forward(_ops.best_isa(), (weights.gate_up, weights.down), (4, 32, 16), 2, x.bfloat16(),
+                                offsets, order, w.float().reshape(-1).contiguous(), lora, None,
+                                lora_inner=(torch.zeros(16), None))

@@ -358,8 +358,10 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   const std::vector<Task> rows = make_tasks(routing.offsets, d.E, 1, 1);
   uint16_t* xg = scratch.xg.get(d.pairs * d.ld_x);
   uint16_t* act = scratch.act.get(d.pairs * d.ld_act);
-  float* inner_gu = scratch.inner_gu.get(d.pairs * std::max<int64_t>(gate_up_lora.rank, 1));
-  float* inner_down = scratch.inner_down.get(d.pairs * std::max<int64_t>(down_lora.rank, 1));
+  float* inner_gu = io.inner_gate_up ? io.inner_gate_up
+                                     : scratch.inner_gu.get(d.pairs * std::max<int64_t>(gate_up_lora.rank, 1));
+  float* inner_down = io.inner_down ? io.inner_down
+                                    : scratch.inner_down.get(d.pairs * std::max<int64_t>(down_lora.rank, 1));
   uint16_t* per_pair = scratch.per_pair.get(d.pairs * d.H);
 
   gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool, io.hidden_copy);
@@ -501,8 +503,12 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   const int64_t r_gu = std::max<int64_t>(gate_up_lora.rank, 1), r_d = std::max<int64_t>(down_lora.rank, 1);
   const std::vector<Task> rows = make_tasks(routing.offsets, d.E, 1, 1);
   uint16_t* act = scratch.act.get(d.pairs * d.ld_act);
-  float* inner_gu = scratch.inner_gu.get(d.pairs * r_gu);
-  float* inner_down = scratch.inner_down.get(d.pairs * r_d);
+  // The forward's LoRA inner products when the caller kept them, else recomputed here.
+  const bool recompute_gu = gate_up_lora.a && !io.inner_gate_up, recompute_down = down_lora.a && !io.inner_down;
+  float* const inner_gu_scratch = recompute_gu ? scratch.inner_gu.get(d.pairs * r_gu) : nullptr;
+  float* const inner_down_scratch = recompute_down ? scratch.inner_down.get(d.pairs * r_d) : nullptr;
+  const float* const inner_gu = recompute_gu ? inner_gu_scratch : io.inner_gate_up;
+  const float* const inner_down = recompute_down ? inner_down_scratch : io.inner_down;
   float* grad_inner_gu = scratch.grad_inner_gu.get(d.pairs * r_gu);
   float* grad_inner_down = scratch.grad_inner_down.get(d.pairs * r_d);
   uint16_t* dy_bf16 = scratch.dy_bf16.get(d.pairs * d.ld_dy);
@@ -513,16 +519,16 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
 
   // Backward reads the token rows in place: only the LoRA terms use them (x A for dB, x for dA), so the gathered
   // copy the forward's products need (a hidden row per pair: 268 MB at 8192 tokens) is not written again.
-  if (gate_up_lora.a) {
+  if (recompute_gu) {
     run_tasks(pool, rows, [&](const Task& task) {
       const float* a = gate_up_lora.a + task.expert * gate_up_lora.rank * d.H;
       for (int64_t g = task.begin; g < task.end; ++g) {
         rank_dots(io.hidden + routing.order[g] / d.k * d.H, a, gate_up_lora.rank, d.H, 1.0f,
-                  inner_gu + g * gate_up_lora.rank);
+                  inner_gu_scratch + g * gate_up_lora.rank);
       }
     });
   }
-  activate(d, io.gate_up_out, down_lora, rows, act, inner_down, pool);
+  activate(d, io.gate_up_out, recompute_down ? down_lora : LoraFactors{}, rows, act, inner_down_scratch, pool);
   clock.mark("gather_activate");
   // Unweighted output gradient per grouped row in bf16 (zero-padded), and its down-LoRA inner product s dy B
   // from the token's own row (float32 as given, or the bf16 row read as it is).

@@ -57,6 +57,10 @@ struct ForwardIo {
   float* out;              // [T, H]
   uint16_t* out_bf16;      // [T, H]
   uint16_t* hidden_copy;   // [T, H] or null: receives a copy of `hidden` (a caller saving it for backward)
+  // [T*k, r] each, grouped order, or null: receive the LoRA inner products x A_gu and act A_down (a caller saving
+  // them for backward, which then skips recomputing them: 512 bytes per token at r = 8, k = 8)
+  float* inner_gate_up = nullptr;
+  float* inner_down = nullptr;
 };
 
 struct BackwardIo {
@@ -71,6 +75,8 @@ struct BackwardIo {
   float* grad_gate_up_b;        // [2I, r*E] (PEFT's layout) or null; written
   float* grad_down_a;           // [E, r, I] or null; accumulated into
   float* grad_down_b;           // [H, r*E] (PEFT's layout) or null; written
+  const float* inner_gate_up = nullptr;  // ForwardIo's, when the caller saved them; null: recomputed
+  const float* inner_down = nullptr;
 };
 
 void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrices& weights,
