@@ -201,7 +201,8 @@ class NativeExperts:
         # makes as it reads the rows.
         hidden_copy = self._saved_buffers.take(tuple(hidden.shape), torch.bfloat16) if hidden_bf16 is hidden else None
         # The LoRA inner products, kept for backward (512 bytes per token at r = 8, k = 8) so it need not redo them
-        lora_inner = tuple(None if lora is None else self._saved_buffers.take((tokens * top_k, lora.rank), torch.float32)
+        lora_inner = tuple(None if lora is None
+                           else self._saved_buffers.take((tokens * top_k, lora.rank), torch.float32)
                            for lora in (gate_up_lora, down_lora))
         try:
             _ops.expert_ffn_forward(self.isa, matrices, shape, top_k, hidden_bf16, offsets, order, routing,
