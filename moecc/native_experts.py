@@ -51,8 +51,9 @@ class _BufferPool:
 
     Hundreds of MB per layer of freshly allocated memory cost a page fault per 4 KB on first touch, and the
     faults of many threads serialise in the kernel: at 8192 tokens that was most of the gate/up product's time.
-    Saved gate/up outputs live from a layer's forward to its backward, then return here for the next step's
-    forward; the pool never holds more buffers than were alive at once.
+    Saved state (gate/up outputs, hidden-state copies, LoRA inner products) lives from a layer's forward to its
+    backward, then returns here for the next step's forward; the pool never holds more buffers than were alive
+    at once.
     """
 
     def __init__(self) -> None:
@@ -132,7 +133,7 @@ class NativeExperts:
         _check_omp_wait_policy()
         self.isa = isa
         self.prepack = prepack
-        self._saved_buffers = _BufferPool()  # gate/up outputs, forward to backward
+        self._saved_buffers = _BufferPool()  # saved state's buffers, forward to backward
         self._scratch = _BufferPool()  # float32 results, converted before they leave this object
 
     @staticmethod

@@ -435,11 +435,13 @@ def test_backward_reuses_the_forwards_lora_inner_products_bit_for_bit(isa):
         results.append([grad_hidden, grad_weights, grads.gate_up_A, grads.gate_up_B, grads.down_A, grads.down_B])
     for kept, recomputed in zip(*results):
         assert torch.equal(kept, recomputed)
-    # and they are really read: zeroed, the gate/up B gradient (s sum (x A) dG) comes out zero
+    # and they are really read: zeroed, the B gradients (s sum (x A) dG, s sum w (act A) dy) come out zero
     _, saved = native.forward(weights, x, index, w, gate_up, down)
-    saved.lora_inner[0].zero_()
+    for inner in saved.lora_inner:
+        inner.zero_()
     _, _, grads = native.backward(weights, saved, grad_out, gate_up, down)
-    assert not grads.gate_up_B.any() and results[0][3].any()
+    assert not grads.gate_up_B.any() and not grads.down_B.any()
+    assert results[0][3].any() and results[0][5].any()
 
 
 def test_lora_inner_products_are_refused_for_a_projection_without_lora():

@@ -529,7 +529,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
     });
   }
   activate(d, io.gate_up_out, recompute_down ? down_lora : LoraFactors{}, rows, act, inner_down_scratch, pool);
-  clock.mark("gather_activate");
+  clock.mark("activate");  // the activation again (and the LoRA inner products unless forward kept them)
   // Unweighted output gradient per grouped row in bf16 (zero-padded), and its down-LoRA inner product s dy B
   // from the token's own row (float32 as given, or the bf16 row read as it is).
   run_tasks(pool, rows, [&](const Task& task) {
