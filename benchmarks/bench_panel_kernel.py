@@ -42,11 +42,13 @@ def main() -> None:
             table.append((isa, "-", rates(isa, args.reps)))
             continue
         # k_block 128 / 256: a 32-row A block and a panel pair's weights (16 KB each at 256) both stay in L1
+        defaults = None
         for k_block, prefetch_a, prefetch_b in itertools.product((0, 128, 256, 512, 1024), (0, 64), (0, 128)):
-            _C.set_amx_tuning(k_block, prefetch_a, prefetch_b)
+            previous = _C.set_amx_tuning(k_block, prefetch_a, prefetch_b)
+            defaults = defaults or previous
             table.append((isa, f"{k_block},{prefetch_a},{prefetch_b}", rates(isa, args.reps)))
             print(table[-1], flush=True)
-        _C.set_amx_tuning(256, 64, 0, 1024)  # back to the built-in defaults
+        _C.set_amx_tuning(*defaults)  # back to the built-in defaults
     columns = list(table[0][2])
     header = (f"`python benchmarks/bench_panel_kernel.py` ({_ops.num_threads()} threads, "
               f"{_ops.cpu_features()['brand'].strip()}); TFLOP/s; AMX knobs = k_block,prefetch_a,prefetch_b")

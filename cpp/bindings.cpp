@@ -195,7 +195,8 @@ PYBIND11_MODULE(_C, m) {
       "are bf16 instead of float32.");
 
   m.def("set_task_shape", &moecc::kernels::set_task_shape, py::arg("panels_per_task"),
-        py::arg("grad_columns_per_task"), "Width of the expert product tasks (expert_ffn.h); for benchmarks.");
+        py::arg("grad_columns_per_task"),
+        "Width of the expert product tasks (expert_ffn.h); returns the previous pair. For benchmarks and tests.");
   m.def("last_phase_times", &moecc::kernels::last_phase_times, py::arg("backward"),
         "[(phase, seconds)] of the latest expert_ffn_forward (backward=False) or expert_ffn_backward call.");
 
@@ -223,7 +224,7 @@ PYBIND11_MODULE(_C, m) {
       "FLOP/s of the panel kernel of `isa` on one cache-resident problem, one thread or summed over the pool.");
   m.def("set_amx_tuning", &moecc::kernels::set_amx_tuning, py::arg("k_block"), py::arg("prefetch_ahead"),
         py::arg("prefetch_b_ahead") = 0, py::arg("k_block_input_grad") = -1,
-        "AMX blocking knobs (panel_gemm.h); for benchmarks.");
+        "AMX blocking knobs (panel_gemm.h); returns the previous four. For benchmarks and tests.");
 
   m.def("_pool_fill_test", &pool_fill_test, py::call_guard<py::gil_scoped_release>());
   m.def("_pool_raise_test", &pool_raise_test, py::call_guard<py::gil_scoped_release>());

@@ -88,8 +88,10 @@ def task_shape():
     """Sets the product tasks' width for one test, then the defaults again."""
     from moecc import _C
 
+    defaults = _C.set_task_shape(1, 16)
+    _C.set_task_shape(*defaults)
     yield _C.set_task_shape
-    _C.set_task_shape(4, 256)
+    _C.set_task_shape(*defaults)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -456,3 +458,43 @@ def test_lora_inner_products_are_refused_for_a_projection_without_lora():
         _ops.expert_ffn_forward(_ops.best_isa(), (weights.gate_up, weights.down), (4, 32, 16), 2, x.bfloat16(),
                                 offsets, order, w.float().reshape(-1).contiguous(), lora, None,
                                 lora_inner=(torch.zeros(16), None))
+
+
+def test_knob_setters_hand_back_what_they_replace():
+    from moecc import _C
+
+    defaults = _C.set_task_shape(3, 48)
+    assert defaults == (8, 256)  # the built-in widths (expert_ffn.h)
+    assert _C.set_task_shape(*defaults) == (3, 48)
+    amx = _C.set_amx_tuning(128, 0, 0)
+    assert tuple(amx) == (256, 64, 0, 1024)  # panel_gemm.h; the input-gradient pass follows the forward's (-1)
+    assert tuple(_C.set_amx_tuning(*amx)) == (128, 0, 0, 128)
+
+
+AMX_KNOBS = [(1024, 64, 0, 1024), (128, 0, 128, 128), (0, 64, 0, 0), (96, 64, 0, 160)]
+
+
+@pytest.mark.amx
+@pytest.mark.parametrize("knobs", AMX_KNOBS, ids=[",".join(map(str, k)) for k in AMX_KNOBS])
+def test_amx_matches_reference_under_every_k_pass_setting(knobs):
+    """The K passes (forward and input gradients) split K unevenly here (H = 300, 2I = 400: last passes short
+    of the pass length) and still agree with the reference; the setting is restored after."""
+    if "amx" not in ISAS:
+        pytest.skip("needs a CPU with AMX (and the kernel's permission to use its tile data)")
+    from moecc import _C
+
+    weights, x, index, w, gate_up, down = _problem(200, 6, 300, 200, 2, 4, seed=9, skew=True)
+    defaults = _C.set_amx_tuning(*knobs)
+    try:
+        native = NativeExperts("amx")
+        out, saved = native.forward(weights, x, index, w, gate_up, down)
+        grad_out = torch.randn(200, 300, generator=torch.Generator().manual_seed(2))
+        grads = native.backward(weights, saved, grad_out, gate_up, down)
+    finally:
+        _C.set_amx_tuning(*defaults)
+    assert rel_err(out, experts_autograd(weights, x.float(), index, w, gate_up, down)) <= 2e-2
+    _, ref_saved = experts_forward(weights, x, index, w, gate_up, down)
+    ref_grads = experts_backward(weights, ref_saved, grad_out, gate_up, down)
+    assert rel_err(grads[0], ref_grads[0]) <= 2e-2 and rel_err(grads[1], ref_grads[1]) <= 2e-2
+    for got, want in zip(vars(grads[2]).values(), vars(ref_grads[2]).values()):
+        assert rel_err(got, want) <= 2e-2

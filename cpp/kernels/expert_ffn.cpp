@@ -620,13 +620,12 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   clock.mark("sum_slots");
 }
 
-void set_task_shape(int64_t panels, int64_t grad_columns) {
+std::pair<int64_t, int64_t> set_task_shape(int64_t panels, int64_t grad_columns) {
   if (panels < 1 || grad_columns < kPanelRows || grad_columns % kPanelRows != 0) {
     throw std::invalid_argument("task shape: panels per task must be >= 1 and gradient columns per task a "
                                 "positive multiple of " + std::to_string(kPanelRows));
   }
-  panels_per_task = panels;
-  grad_columns_per_task = grad_columns;
+  return {panels_per_task.exchange(panels), grad_columns_per_task.exchange(grad_columns)};
 }
 
 }  // namespace moecc::kernels

@@ -93,7 +93,8 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
 
 // Width of the product tasks: forward output panels (of 16 columns) per task, and input-gradient columns per
 // task (a multiple of 16). Wider tasks re-read each block of rows fewer times but hold a larger weight slice in
-// L2 and make fewer tasks. Defaults 4 and 256; for benchmarks (throws std::invalid_argument on bad values).
-void set_task_shape(int64_t panels_per_task, int64_t grad_columns_per_task);
+// L2 and make fewer tasks. Defaults 8 and 256; for benchmarks and tests (throws std::invalid_argument on bad
+// values). Returns the previous pair.
+std::pair<int64_t, int64_t> set_task_shape(int64_t panels_per_task, int64_t grad_columns_per_task);
 
 }  // namespace moecc::kernels

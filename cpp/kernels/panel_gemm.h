@@ -3,6 +3,7 @@
 // Kernels compute a slice of the output and never own threads; the caller splits work into tasks.
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 namespace moecc::kernels {
@@ -36,8 +37,10 @@ const PanelGemm& panel_gemm_avx512bf16();
 const PanelGemm& panel_gemm_amx();
 // AMX blocking knobs (panel_gemm_amx.cpp): K values per pass of the forward products (0: all of K in one pass),
 // A-row and weight-tile prefetch distances in K values (0: off), K values per pass of the input gradients (< 0:
-// as the forward). Built-in defaults: 256, 64, 0, 1024. Not thread-safe against running kernels; for benchmarks.
-void set_amx_tuning(int64_t k_block, int64_t prefetch_ahead, int64_t prefetch_b_ahead, int64_t k_block_input_grad);
+// as the forward). Built-in defaults: 256, 64, 0, 1024. Returns the previous four. Not thread-safe against running
+// kernels; for benchmarks and tests.
+std::array<int64_t, 4> set_amx_tuning(int64_t k_block, int64_t prefetch_ahead, int64_t prefetch_b_ahead,
+                                      int64_t k_block_input_grad);
 
 // The AVX512 packing routines, shared with the AMX variant (every AMX CPU has AVX512-BF16):
 // pack_rows_avx512 is PanelGemm::pack_rows; pack_columns_avx512 lays columns [k0, k0 + 16*chunks) of a

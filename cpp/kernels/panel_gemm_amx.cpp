@@ -162,12 +162,14 @@ MOECC_AMX void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, con
 
 }  // namespace
 
-void set_amx_tuning(int64_t k_block_values, int64_t prefetch_values, int64_t prefetch_b_values,
-                    int64_t k_block_input_grad_values) {
+std::array<int64_t, 4> set_amx_tuning(int64_t k_block_values, int64_t prefetch_values, int64_t prefetch_b_values,
+                                      int64_t k_block_input_grad_values) {
+  const std::array<int64_t, 4> previous{k_block, prefetch_ahead, prefetch_b_ahead, k_block_input_grad};
   k_block = k_block_values;
   k_block_input_grad = k_block_input_grad_values < 0 ? k_block_values : k_block_input_grad_values;
   prefetch_ahead = prefetch_values;
   prefetch_b_ahead = prefetch_b_values;
+  return previous;
 }
 
 const PanelGemm& panel_gemm_amx() {
