@@ -23,7 +23,7 @@ namespace moecc::kernels {
 namespace {
 
 constexpr int64_t kTokenBlock = 64;       // rows per elementwise task
-// Rows per product task: the task's weight slice (64 columns x K, <= 256 KB) stays in L2 while up to 256 rows
+// Rows per product task: the task's weight slice (128 columns x K, <= 512 KB) stays in L2 while up to 256 rows
 // stream past it, so weights cross the memory bus once per 256 rows of an expert, not once per 64; input
 // gradients also re-lay that slice once per task.
 constexpr int64_t kProductRows = 256;
