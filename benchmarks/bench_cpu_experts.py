@@ -214,9 +214,10 @@ def main() -> None:
                         help="AMX kernel knobs (K values per pass of the forward products, A-row and weight-tile "
                              "prefetch distances in K values, 0 = off; K values per pass of the input gradients, "
                              "default as the forward); default: built-in (256,64,0,1024)")
-    parser.add_argument("--task-shape", default=None, metavar="PANELS,GRAD_COLUMNS",
-                        help="width of the product tasks: forward output panels of 16 columns per task, input-"
-                             "gradient columns per task (multiple of 16); default: built-in (8,256)")
+    parser.add_argument("--task-shape", default=None, metavar="PANELS,GRAD_COLUMNS[,ROWS]",
+                        help="shape of the product tasks: forward output panels of 16 columns per task, input-"
+                             "gradient columns per task (multiple of 16), rows per task; default: built-in "
+                             "(8,256,256)")
     parser.add_argument("--prepack", action="store_true",
                         help="forward products read a packed copy of the weights instead of packing per task "
                              "(MoeccConfig.prepack_weights: doubles the experts' memory)")

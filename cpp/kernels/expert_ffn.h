@@ -10,6 +10,7 @@
 // Products take bf16 inputs and accumulate in fp32; gate/up outputs are kept in bf16 for backward.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -91,10 +92,11 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
                          const LoraFactors& gate_up_lora, const LoraFactors& down_lora, const Routing& routing,
                          const BackwardIo& io, moecc::pool::ThreadPool& pool);
 
-// Width of the product tasks: forward output panels (of 16 columns) per task, and input-gradient columns per
-// task (a multiple of 16). Wider tasks re-read each block of rows fewer times but hold a larger weight slice in
-// L2 and make fewer tasks. Defaults 8 and 256; for benchmarks and tests (throws std::invalid_argument on bad
-// values). Returns the previous pair.
-std::pair<int64_t, int64_t> set_task_shape(int64_t panels_per_task, int64_t grad_columns_per_task);
+// Shape of the product tasks: forward output panels (of 16 columns) per task, input-gradient columns per task (a
+// multiple of 16), and rows per task (-1: unchanged). Wider tasks re-read each block of rows fewer times but hold
+// a larger weight slice in L2 and make fewer tasks; taller ones read each weight slice once per more rows but
+// split a hot expert over fewer threads. Defaults 8, 256 and 256; for benchmarks and tests (throws
+// std::invalid_argument on bad values). Returns the previous three.
+std::array<int64_t, 3> set_task_shape(int64_t panels_per_task, int64_t grad_columns_per_task, int64_t rows = -1);
 
 }  // namespace moecc::kernels
