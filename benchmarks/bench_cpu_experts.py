@@ -217,7 +217,7 @@ def main() -> None:
     parser.add_argument("--task-shape", default=None, metavar="PANELS,GRAD_COLUMNS[,ROWS]",
                         help="shape of the product tasks: forward output panels of 16 columns per task, input-"
                              "gradient columns per task (multiple of 16), rows per task; default: built-in "
-                             "(8,256,256)")
+                             "(8,256,1024)")
     parser.add_argument("--prepack", action="store_true",
                         help="forward products read a packed copy of the weights instead of packing per task "
                              "(MoeccConfig.prepack_weights: doubles the experts' memory)")

@@ -45,8 +45,8 @@ if [[ "$part" == all || "$part" == sweeps ]]; then
     python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 1024,8192 --routing zipf --reps 2 \
         --no-baseline --amx-tuning "$knobs" --out "$scratch" 2>&1 | grep '^{' | cut -c1-200
   done
-  # Product-task shapes around the default (8,256,256: panels, gradient columns, rows), printed only:
-  for shape in 8,512 16,256 8,256,512 8,256,1024; do
+  # Product-task shapes around the default (8,256,1024: panels, gradient columns, rows), printed only:
+  for shape in 8,512 16,256 8,256,256 8,256,2048; do
     echo "task shape $shape"
     python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 256,1024,8192 --reps 2 --no-baseline \
         --task-shape "$shape" --out "$scratch" 2>&1 | grep '^{' | cut -c1-200

@@ -95,8 +95,8 @@ def task_shape():
 
 
 @pytest.mark.parametrize("isa", ISAS)
-# one panel; odd widths; wider than the layer; a hot expert over many 16-row tasks; every expert in one task
-@pytest.mark.parametrize("shape", [(1, 16), (3, 48), (16, 512), (2, 32, 16), (8, 256, 4096)])
+# one panel; odd widths; wider than the layer; a hot expert over many 16- or 256-row tasks; every expert in one
+@pytest.mark.parametrize("shape", [(1, 16), (3, 48), (16, 512), (2, 32, 16), (8, 256, 256), (8, 256, 4096)])
 def test_native_matches_reference_at_other_task_widths(isa, shape, task_shape):
     task_shape(*shape)
     test_native_matches_reference(isa, (130, 5, 96, 40, 2, 4, True))
@@ -465,8 +465,8 @@ def test_knob_setters_hand_back_what_they_replace():
     from moecc import _C
 
     defaults = _C.set_task_shape(3, 48)
-    assert tuple(defaults) == (8, 256, 256)  # the built-in shape (expert_ffn.h); rows unchanged by -1
-    assert tuple(_C.set_task_shape(*defaults)) == (3, 48, 256)
+    assert tuple(defaults) == (8, 256, 1024)  # the built-in shape (expert_ffn.h); rows unchanged by -1
+    assert tuple(_C.set_task_shape(*defaults)) == (3, 48, 1024)
     amx = _C.set_amx_tuning(128, 0, 0)
     assert tuple(amx) == (256, 64, 0, 1024)  # panel_gemm.h; the input-gradient pass follows the forward's (-1)
     assert tuple(_C.set_amx_tuning(*amx)) == (128, 0, 0, 128)

@@ -24,13 +24,15 @@ namespace {
 
 constexpr int64_t kTokenBlock = 64;       // rows per elementwise task
 // Task shape (see set_task_shape): output panels per forward product task, columns per input-gradient task, and
-// rows per product task. A task's weight slice (128 columns x K, <= 512 KB) stays in L2 while up to 256 rows
-// stream past it, so weights cross the memory bus once per 256 rows of an expert, not once per 64; input
-// gradients also re-lay that slice once per task. At 8192 tokens (Qwen3-30B-A3B) the gate/up weights then cross
-// it about 356 times per layer call, 2.2 GB: a quarter of the product's time on the AMX host at its DRAM rate.
+// rows per product task. A task's weight slice (128 columns x K, <= 512 KB; input gradients re-lay theirs, 256
+// columns x N) stays in L2 while up to 1024 rows stream past it, so weights cross the memory bus once per 1024
+// rows of an expert. With 256 rows, at 8192 tokens (Qwen3-30B-A3B) the gate/up weights crossed it about 356 times
+// per layer call, 2.2 GB: a quarter of the product's time at the AMX host's DRAM rate. Locally (2 cores,
+// AVX512-BF16, interleaved) 1024 rows took forward + backward from 970 to 894-944 ms at 4096 tokens and changed
+// nothing at 1024; not yet measured on the AMX host.
 std::atomic<int64_t> panels_per_task{8};
 std::atomic<int64_t> grad_columns_per_task{256};
-std::atomic<int64_t> product_rows{256};
+std::atomic<int64_t> product_rows{1024};
 
 struct Task {
   int64_t expert, begin, end, col0, col1;
