@@ -556,7 +556,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, grad_columns_per_task.load(), product_rows.load()), [&](const Task& task) {
     const int64_t n = task.end - task.begin;
     gemm.input_grad(dy_bf16 + task.begin * d.ld_dy, d.ld_dy, n, weights.down + task.expert * d.down_size, d.H, d.I,
-                    task.col0, task.col1, grad_act + task.begin * d.ld_act, d.ld_act);
+                    task.col0, task.col1, grad_act + task.begin * d.ld_act + task.col0, d.ld_act);
     if (!down_lora.a) return;
     const float* a = down_lora.a + task.expert * down_lora.rank * d.I;
     for (int64_t g = task.begin; g < task.end; ++g) {
@@ -589,20 +589,20 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   // d hidden per pair = dG W_gate_up + (s dG B) A.
   run_tasks(pool, make_tasks(routing.offsets, d.E, d.H, grad_columns_per_task.load(), product_rows.load()), [&](const Task& task) {
     thread_local AlignedBuffer<float> block;
-    const int64_t n = task.end - task.begin;
-    float* const tile = block.get(n * d.h_k);
+    const int64_t n = task.end - task.begin, width = task.col1 - task.col0;
+    const int64_t ld = round_up(width, kPanelRows);  // the task's columns only, padded as input_grad may write
+    float* const tile = block.get(n * ld);
     gemm.input_grad(grad_gu_bf16 + task.begin * d.ld_dgu, d.ld_dgu, n, weights.gate_up + task.expert * d.gu_size,
-                    2 * d.I, d.H, task.col0, task.col1, tile, d.h_k);
+                    2 * d.I, d.H, task.col0, task.col1, tile, ld);
     const float* a = gate_up_lora.a ? gate_up_lora.a + task.expert * gate_up_lora.rank * d.H : nullptr;
     for (int64_t g = task.begin; g < task.end; ++g) {
-      float* row = tile + (g - task.begin) * d.h_k;
+      float* row = tile + (g - task.begin) * ld;
       if (a) {
         for (int64_t r = 0; r < gate_up_lora.rank; ++r) {
-          axpy(grad_inner_gu[g * gate_up_lora.rank + r], a + r * d.H + task.col0, row + task.col0,
-               task.col1 - task.col0);
+          axpy(grad_inner_gu[g * gate_up_lora.rank + r], a + r * d.H + task.col0, row, width);
         }
       }
-      to_bf16(row + task.col0, per_pair + routing.order[g] * d.H + task.col0, task.col1 - task.col0);
+      to_bf16(row, per_pair + routing.order[g] * d.H + task.col0, width);
     }
   });
 

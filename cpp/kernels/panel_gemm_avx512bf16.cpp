@@ -175,7 +175,7 @@ void input_grad_through_columns(decltype(PanelGemm::forward) forward, const uint
   const int64_t chunks = (k1 - k0 + 15) / 16, n_tiles = padded_k(n);
   uint16_t* const panels = scratch.get(chunks * n_tiles * kPanelRows);
   pack_columns_avx512(w, n, k, k0, chunks, n_tiles, panels);
-  forward(dy, ld_dy, tokens, panels, n_tiles, 0, chunks, dx + k0, ld_dx);
+  forward(dy, ld_dy, tokens, panels, n_tiles, 0, chunks, dx, ld_dx);
 }
 
 namespace {

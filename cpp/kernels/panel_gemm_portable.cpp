@@ -44,7 +44,7 @@ void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_
     for (int64_t c = k0; c < k1; ++c) {
       float acc = 0.0f;
       for (int64_t r = 0; r < n; ++r) acc += bf16_to_float(dy[t * ld_dy + r]) * bf16_to_float(w[r * k + c]);
-      dx[t * ld_dx + c] = acc;
+      dx[t * ld_dx + c - k0] = acc;
     }
   }
 }
