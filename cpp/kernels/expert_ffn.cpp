@@ -1,7 +1,7 @@
 // Orchestration of the routed-expert FFN (see expert_ffn.h): phases of independent tasks on the pool.
 //
-// Every phase splits work into (expert, block of up to kTokenBlock grouped rows[, block of output columns])
-// tasks, hands them out largest first from the pool's atomic counter, so a hot expert is spread over all
+// Every phase splits work into (expert, block of grouped rows[, block of output columns]) tasks (kTokenBlock
+// rows for the elementwise phases, product_rows for the products), hands them out largest first from the pool's atomic counter, so a hot expert is spread over all
 // threads instead of landing on one. Products against base weights go through PanelGemm (ISA-specific);
 // the rank-r LoRA terms and elementwise steps are plain loops the compiler vectorises.
 #include "expert_ffn.h"
@@ -624,10 +624,11 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
 }
 
 std::array<int64_t, 3> set_task_shape(int64_t panels, int64_t grad_columns, int64_t rows) {
-  if (panels < 1 || grad_columns < kPanelRows || grad_columns % kPanelRows != 0 || rows == 0 || rows < -1) {
+  if (panels < 1 || grad_columns < kPanelRows || grad_columns % kPanelRows != 0 || rows == 0 || rows < -1 ||
+      rows > (int64_t{1} << 30) || panels > (int64_t{1} << 30) || grad_columns > (int64_t{1} << 30)) {
     throw std::invalid_argument("task shape: panels per task must be >= 1, gradient columns per task a positive "
                                 "multiple of " + std::to_string(kPanelRows) + " and rows per task >= 1 (-1: "
-                                "unchanged)");
+                                "unchanged), each at most 2^30");
   }
   return {panels_per_task.exchange(panels), grad_columns_per_task.exchange(grad_columns),
           rows < 0 ? product_rows.load() : product_rows.exchange(rows)};

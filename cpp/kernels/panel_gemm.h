@@ -23,7 +23,7 @@ struct PanelGemm {
   void (*forward)(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed, int64_t k_padded,
                   int64_t p0, int64_t p1, float* out, int64_t ldo);
   // dx[t][c - k0] = sum_r dy[t][r] * W[r][c] for t < tokens and k0 <= c < k1, k0 a multiple of 16, from the
-  // row-major W [n, k] itself. Up to the next multiple of 16 past k1 - k0 columns may be written (dx's padding).
+  // row-major W [n, k] itself. Columns k1 - k0 .. round_up(k1 - k0, 16) - 1 of dx may be written too (padding).
   // @param dy     bf16 [tokens, ld_dy], ld_dy >= padded_k(n) (a multiple of 32, not just of 16), columns
   //               n..padded_k(n) zero.
   // @param dx     fp32 [tokens, ld_dx], its column 0 being W's column k0: a compact tile (ld_dx >= k1 - k0
