@@ -77,20 +77,17 @@ class MoeccConfig:
     def from_env(cls) -> MoeccConfig:
         """Defaults, overridden by the ``MOECC_*`` variables named in the attributes above."""
         kwargs: dict = {}
-        threads = os.environ.get("MOECC_NUM_THREADS")
-        if threads:
-            if not threads.strip().isdigit():
-                raise ValueError(f"MOECC_NUM_THREADS={threads!r} is not a whole number of threads")
-            kwargs["num_threads"] = int(threads)
+        for variable, field_name, unit in (("MOECC_NUM_THREADS", "num_threads", "threads"),
+                                           ("MOECC_OFFLOAD_SLOTS", "offload_slots", "layers")):
+            value = os.environ.get(variable)
+            if value:
+                if not value.strip().isdigit():
+                    raise ValueError(f"{variable}={value!r} is not a whole number of {unit}")
+                kwargs[field_name] = int(value)
         if os.environ.get("MOECC_BACKEND"):
             kwargs["backend"] = os.environ["MOECC_BACKEND"]
         if os.environ.get("MOECC_ISA"):
             kwargs["isa"] = os.environ["MOECC_ISA"]
-        slots = os.environ.get("MOECC_OFFLOAD_SLOTS")
-        if slots:
-            if not slots.strip().isdigit():
-                raise ValueError(f"MOECC_OFFLOAD_SLOTS={slots!r} is not a whole number of layers")
-            kwargs["offload_slots"] = int(slots)
         if os.environ.get("MOECC_OFFLOAD_LORA"):
             kwargs["offload_lora"] = os.environ["MOECC_OFFLOAD_LORA"].strip().lower()
         for variable, field_name in (("MOECC_OFFLOAD_CACHE_GB", "offload_cache_gb"),
