@@ -1,9 +1,10 @@
 // Orchestration of the routed-expert FFN (see expert_ffn.h): phases of independent tasks on the pool.
 //
 // Every phase splits work into (expert, block of grouped rows[, block of output columns]) tasks (kTokenBlock
-// rows for the elementwise phases, product_rows for the products), hands them out largest first from the pool's atomic counter, so a hot expert is spread over all
-// threads instead of landing on one. Products against base weights go through PanelGemm (ISA-specific);
-// the rank-r LoRA terms and elementwise steps are plain loops the compiler vectorises.
+// rows for the elementwise phases, product_rows for the products), hands them out largest first from the
+// pool's atomic counter, so a hot expert is spread over all threads instead of landing on one. Products against
+// base weights go through PanelGemm (ISA-specific); the rank-r LoRA terms and elementwise steps are plain loops
+// the compiler vectorises.
 #include "expert_ffn.h"
 
 #include <algorithm>
@@ -142,13 +143,19 @@ MOECC_VECTOR_CLONES void swiglu_grad_row(const uint16_t* gate, const uint16_t* u
   }
 }
 
-// inner[g][r] = sum_c rows[g][c] * a[r][c] for the task's rows (bf16 rows with leading dimension ld).
-void lora_inner(const LoraFactors& lora, int64_t expert, int64_t in_features, const Task& task, const uint16_t* rows,
-                int64_t ld, float* inner) {
+// inner[g][r] = sum_c row_of(g)[c] * a[r][c] for the task's grouped rows g (bf16 rows).
+template <typename RowOf>
+void lora_inner(const LoraFactors& lora, int64_t expert, int64_t in_features, const Task& task, RowOf row_of,
+                float* inner) {
   const float* a = lora.a + expert * lora.rank * in_features;
   for (int64_t g = task.begin; g < task.end; ++g) {
-    rank_dots(rows + g * ld, a, lora.rank, in_features, 1.0f, inner + g * lora.rank);
+    rank_dots(row_of(g), a, lora.rank, in_features, 1.0f, inner + g * lora.rank);
   }
+}
+// ... from rows with leading dimension ld (a gathered copy).
+void lora_inner(const LoraFactors& lora, int64_t expert, int64_t in_features, const Task& task, const uint16_t* rows,
+                int64_t ld, float* inner) {
+  lora_inner(lora, expert, in_features, task, [=](int64_t g) { return rows + g * ld; }, inner);
 }
 
 // block[g][col - col0] += s * sum_r inner[g][r] * B^T[r][col] for the task's rows and columns [col0, col1).
@@ -242,8 +249,10 @@ void sum_slots(const Dims& d, const uint16_t* per_pair, const float* weights, fl
 constexpr int64_t kRelayoutRows = 64;
 constexpr int64_t kRelayoutExperts = 16;
 
+// Copies `from` into `to`, one layout into the other: kToRows, B -> B^T; else B^T -> B.
 template <bool kToRows>
-void relayout_b(float* b, int64_t out, int64_t rank, int64_t experts, float* b_t, moecc::pool::ThreadPool& pool) {
+void relayout_b(const float* from, int64_t out, int64_t rank, int64_t experts, float* to,
+                moecc::pool::ThreadPool& pool) {
   const int64_t columns = rank * experts;
   pool.run((out + kRelayoutRows - 1) / kRelayoutRows, [&](int64_t block, int) {
     const int64_t o0 = block * kRelayoutRows, o1 = std::min(out, o0 + kRelayoutRows);
@@ -252,13 +261,13 @@ void relayout_b(float* b, int64_t out, int64_t rank, int64_t experts, float* b_t
         const int64_t e1 = std::min(experts, e0 + kRelayoutExperts);
         if (kToRows) {  // contiguous runs of B^T rows written, 64-byte runs of B rows read
           for (int64_t e = e0; e < e1; ++e) {
-            float* dst = b_t + (e * rank + j) * out;
-            for (int64_t o = o0; o < o1; ++o) dst[o] = b[o * columns + j * experts + e];
+            float* dst = to + (e * rank + j) * out;
+            for (int64_t o = o0; o < o1; ++o) dst[o] = from[o * columns + j * experts + e];
           }
         } else {  // 64-byte runs of B rows written, the tile's B^T rows read
           for (int64_t o = o0; o < o1; ++o) {
-            float* dst = b + o * columns + j * experts;
-            for (int64_t e = e0; e < e1; ++e) dst[e] = b_t[(e * rank + j) * out + o];
+            float* dst = to + o * columns + j * experts;
+            for (int64_t e = e0; e < e1; ++e) dst[e] = from[(e * rank + j) * out + o];
           }
         }
       }
@@ -268,12 +277,12 @@ void relayout_b(float* b, int64_t out, int64_t rank, int64_t experts, float* b_t
 
 void peft_b_to_rows(const float* b, int64_t out, int64_t rank, int64_t experts, float* b_t,
                     moecc::pool::ThreadPool& pool) {
-  relayout_b<true>(const_cast<float*>(b), out, rank, experts, b_t, pool);  // reads b only
+  relayout_b<true>(b, out, rank, experts, b_t, pool);
 }
 
 void rows_to_peft_b(const float* b_t, int64_t out, int64_t rank, int64_t experts, float* b,
                     moecc::pool::ThreadPool& pool) {
-  relayout_b<false>(b, out, rank, experts, const_cast<float*>(b_t), pool);  // reads b_t only
+  relayout_b<false>(b_t, out, rank, experts, b, pool);
 }
 
 // The factors with B re-laid into `b_t` (scratch), as the loops below read them.
@@ -356,6 +365,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   PhaseClock clock(forward_times);
   const PanelGemm& gemm = panel_gemm(isa);
   const Dims d(shapes);
+  const int64_t task_rows = product_rows.load();  // one shape for the whole call
   const LoraFactors gate_up_lora = with_rows_of_b(gate_up_peft, 2 * d.I, d.E, scratch.b_gu, pool);
   const LoraFactors down_lora = with_rows_of_b(down_peft, d.H, d.E, scratch.b_down, pool);
   const std::vector<Task> rows = make_tasks(routing.offsets, d.E, 1, 1);
@@ -371,7 +381,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   clock.mark("gather");
 
   const int64_t gu_panels = padded_rows(2 * d.I) / kPanelRows;
-  run_tasks(pool, make_tasks(routing.offsets, d.E, gu_panels, panels_per_task.load(), product_rows.load()), [&](const Task& task) {
+  run_tasks(pool, make_tasks(routing.offsets, d.E, gu_panels, panels_per_task.load(), task_rows), [&](const Task& task) {
     thread_local AlignedBuffer<float> block;
     thread_local AlignedBuffer<uint16_t> panels;
     const int64_t n = task.end - task.begin, width = (task.col1 - task.col0) * kPanelRows;
@@ -392,7 +402,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   clock.mark("activate");
 
   const int64_t down_panels = padded_rows(d.H) / kPanelRows;
-  run_tasks(pool, make_tasks(routing.offsets, d.E, down_panels, panels_per_task.load(), product_rows.load()), [&](const Task& task) {
+  run_tasks(pool, make_tasks(routing.offsets, d.E, down_panels, panels_per_task.load(), task_rows), [&](const Task& task) {
     thread_local AlignedBuffer<float> block;
     thread_local AlignedBuffer<uint16_t> panels;
     const int64_t n = task.end - task.begin, width = (task.col1 - task.col0) * kPanelRows;
@@ -490,6 +500,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   PhaseClock clock(backward_times);
   const PanelGemm& gemm = panel_gemm(isa);
   const Dims d(shapes);
+  const int64_t task_rows = product_rows.load();  // one shape for the whole call
   const LoraFactors gate_up_lora = with_rows_of_b(gate_up_peft, 2 * d.I, d.E, scratch.b_gu, pool);
   const LoraFactors down_lora = with_rows_of_b(down_peft, d.H, d.E, scratch.b_down, pool);
   // B gradients accumulate as rows of B^T (zeroed here) and are laid back into PEFT's layout at the end.
@@ -524,11 +535,8 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   // copy the forward's products need (a hidden row per pair: 268 MB at 8192 tokens) is not written again.
   if (recompute_gu) {
     run_tasks(pool, rows, [&](const Task& task) {
-      const float* a = gate_up_lora.a + task.expert * gate_up_lora.rank * d.H;
-      for (int64_t g = task.begin; g < task.end; ++g) {
-        rank_dots(io.hidden + routing.order[g] / d.k * d.H, a, gate_up_lora.rank, d.H, 1.0f,
-                  inner_gu_scratch + g * gate_up_lora.rank);
-      }
+      lora_inner(gate_up_lora, task.expert, d.H, task,
+                 [&](int64_t g) { return io.hidden + routing.order[g] / d.k * d.H; }, inner_gu_scratch);
     });
   }
   activate(d, io.gate_up_out, recompute_down ? down_lora : LoraFactors{}, rows, act, inner_down_scratch, pool);
@@ -553,7 +561,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
 
   clock.mark("grad_out");
   // d act (unweighted) = dy W_down + (s dy B) A.
-  run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, grad_columns_per_task.load(), product_rows.load()), [&](const Task& task) {
+  run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, grad_columns_per_task.load(), task_rows), [&](const Task& task) {
     const int64_t n = task.end - task.begin;
     gemm.input_grad(dy_bf16 + task.begin * d.ld_dy, d.ld_dy, n, weights.down + task.expert * d.down_size, d.H, d.I,
                     task.col0, task.col1, grad_act + task.begin * d.ld_act + task.col0, d.ld_act);
@@ -587,7 +595,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
 
   clock.mark("swiglu_grad");
   // d hidden per pair = dG W_gate_up + (s dG B) A.
-  run_tasks(pool, make_tasks(routing.offsets, d.E, d.H, grad_columns_per_task.load(), product_rows.load()), [&](const Task& task) {
+  run_tasks(pool, make_tasks(routing.offsets, d.E, d.H, grad_columns_per_task.load(), task_rows), [&](const Task& task) {
     thread_local AlignedBuffer<float> block;
     const int64_t n = task.end - task.begin, width = task.col1 - task.col0;
     const int64_t ld = round_up(width, kPanelRows);  // the task's columns only, padded as input_grad may write
