@@ -218,6 +218,9 @@ def main() -> None:
                         help="shape of the product tasks: forward output panels of 16 columns per task, input-"
                              "gradient columns per task (multiple of 16), rows per task; default: built-in "
                              "(8,256,1024)")
+    parser.add_argument("--amx-token-group", type=int, default=None, metavar="ROWS",
+                        help="AMX loop order: 0 walks each K pass over all of a task's tokens, > 0 finishes groups "
+                             "of that many tokens over all of K first; default: built-in (0)")
     parser.add_argument("--prepack", action="store_true",
                         help="forward products read a packed copy of the weights instead of packing per task "
                              "(MoeccConfig.prepack_weights: doubles the experts' memory)")
@@ -235,6 +238,8 @@ def main() -> None:
         _C.set_amx_tuning(*(int(v) for v in args.amx_tuning.split(",")))
     if args.task_shape:
         _C.set_task_shape(*(int(v) for v in args.task_shape.split(",")))
+    if args.amx_token_group is not None:
+        _C.set_amx_token_group(args.amx_token_group)
 
     isa = _ops.best_isa() if args.isa == "auto" else args.isa
     native = NativeExperts(isa, prepack=args.prepack)
@@ -268,7 +273,8 @@ def main() -> None:
     columns.append("efficiency")
     peak_text = ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s" for k, v in peaks.items()) or "none measured"
     knobs = "".join(f" --{name.replace('_', '-')} {value}" for name, value in
-                    (("amx_tuning", args.amx_tuning), ("task_shape", args.task_shape)) if value)
+                    (("amx_tuning", args.amx_tuning), ("task_shape", args.task_shape),
+                     ("amx_token_group", args.amx_token_group)) if value is not None)
     knobs += " --prepack" if args.prepack else ""
     lines = [f"`python benchmarks/bench_cpu_experts.py --shapes {args.shapes} --tokens {args.tokens} "
              f"--isa {args.isa}{knobs}` ({isa}, {_ops.num_threads()} threads; kernels under "

@@ -9,6 +9,8 @@
 // outputs): 4 tile loads feed 4 tile products, the most reuse 8 tile registers allow.
 #include <immintrin.h>
 
+#include <stdexcept>
+
 #include "panel_gemm.h"
 #include "weight_packing.h"
 
@@ -53,6 +55,9 @@ int64_t prefetch_ahead = 64;
 // the products are bound by streaming weights from DRAM, and more requests in flight per core may help; it is a
 // knob until the host has measured it.
 int64_t prefetch_b_ahead = 0;
+// token_group: rows finished over all of K before the next rows start (0: each pass over all tokens); see
+// forward_in_passes.
+int64_t token_group = 0;
 
 // out[t][j] (+)= x[t][k0:k1] . W[j][k0:k1] for TWO_A ? 32 : rows0 tokens and TWO_B ? 32 : 16 outputs; `rows`
 // (the block's real token count) bounds the A prefetches, so none points past the activations.
@@ -107,35 +112,58 @@ MOECC_AMX void block(const uint16_t* x, int64_t ldx, int rows, const uint16_t* p
   if (TWO_A && TWO_B) _tile_stored(3, out + 16 * ldo + kPanelRows, out_stride);
 }
 
+// One token block (TWO_A: 32 rows, else rows0) against panels [p0, p1), K in [k0, k1).
+MOECC_AMX void block_row(const uint16_t* xt, int64_t ldx, int rows0, int rows1, const uint16_t* packed,
+                         int64_t k_padded, int64_t p0, int64_t p1, int64_t k0, int64_t k1, float* out, int64_t ldo) {
+  for (int64_t p = p0; p < p1; p += 2) {
+    const uint16_t* panel = packed + p * kPanelRows * k_padded;
+    float* dst = out + (p - p0) * kPanelRows;
+    const bool two_b = p + 1 < p1, acc = k0 > 0;
+    if (rows1 > 0) {
+      two_b ? block<true, true>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo)
+            : block<true, false>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo);
+    } else {
+      two_b ? block<false, true>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo)
+            : block<false, false>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo);
+    }
+  }
+}
+
+// Real row counts of the two 16-row halves of the 32-token block at t0.
+inline void block_rows(int64_t tokens, int64_t t0, int& rows0, int& rows1) {
+  rows0 = static_cast<int>(tokens - t0 < 16 ? tokens - t0 : 16);
+  const int64_t rest = tokens - t0 - 16;
+  rows1 = static_cast<int>(rest <= 0 ? 0 : (rest < 16 ? rest : 16));
+}
+
+// Loop order (token_group): 0 walks each K pass over all the task's tokens, so a 32-token block's C tiles go
+// to `out` and back once per pass (the whole task's rows x width floats, in L2); > 0 finishes groups of that many
+// tokens over all of K first, so a group's C rows (32 x 128 floats: 16 KB at one block) stay in L1 between
+// passes, at the cost of streaming the task's weight slice from L2 once per group instead of once per pass.
 MOECC_AMX void forward_in_passes(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed,
-                                 int64_t k_padded, int64_t p0, int64_t p1, float* out, int64_t ldo, int64_t pass) {
+                                 int64_t k_padded, int64_t p0, int64_t p1, float* out, int64_t ldo, int64_t pass,
+                                 int64_t group) {
   int configured0 = -1, configured1 = -1;
+  // The tile configuration is per thread and other code on this thread (oneDNN) may change it between calls,
+  // so it is loaded on every call and again only when the row counts change.
+  auto configure_for = [&](int rows0, int rows1) {
+    if (rows0 != configured0 || rows1 != configured1) {
+      configure(rows0, rows1);
+      configured0 = rows0;
+      configured1 = rows1;
+    }
+  };
   const int64_t step = pass > 0 ? round_up(pass, kKAlign) : k_padded;
-  for (int64_t k0 = 0; k0 < k_padded; k0 += step) {
-    const int64_t k1 = k0 + step < k_padded ? k0 + step : k_padded;
-    for (int64_t t0 = 0; t0 < tokens; t0 += 32) {
-      const int rows0 = static_cast<int>(tokens - t0 < 16 ? tokens - t0 : 16);
-      const int64_t rest = tokens - t0 - 16;
-      const int rows1 = static_cast<int>(rest <= 0 ? 0 : (rest < 16 ? rest : 16));
-      // The tile configuration is per thread and other code on this thread (oneDNN) may change it between
-      // calls, so it is loaded on every call and again only when the row counts change.
-      if (rows0 != configured0 || rows1 != configured1) {
-        configure(rows0, rows1);
-        configured0 = rows0;
-        configured1 = rows1;
-      }
-      const uint16_t* xt = x + t0 * ldx;
-      for (int64_t p = p0; p < p1; p += 2) {
-        const uint16_t* panel = packed + p * kPanelRows * k_padded;
-        float* dst = out + t0 * ldo + (p - p0) * kPanelRows;
-        const bool two_b = p + 1 < p1, acc = k0 > 0;
-        if (rows1 > 0) {
-          two_b ? block<true, true>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo)
-                : block<true, false>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo);
-        } else {
-          two_b ? block<false, true>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo)
-                : block<false, false>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo);
-        }
+  const int64_t group_rows = group > 0 ? round_up(group, 32) : round_up(tokens, 32);
+  for (int64_t g0 = 0; g0 < tokens; g0 += group_rows) {
+    const int64_t g1 = g0 + group_rows < tokens ? g0 + group_rows : tokens;
+    for (int64_t k0 = 0; k0 < k_padded; k0 += step) {
+      const int64_t k1 = k0 + step < k_padded ? k0 + step : k_padded;
+      for (int64_t t0 = g0; t0 < g1; t0 += 32) {
+        int rows0, rows1;
+        block_rows(tokens, t0, rows0, rows1);
+        configure_for(rows0, rows1);
+        block_row(x + t0 * ldx, ldx, rows0, rows1, packed, k_padded, p0, p1, k0, k1, out + t0 * ldo, ldo);
       }
     }
   }
@@ -143,12 +171,12 @@ MOECC_AMX void forward_in_passes(const uint16_t* x, int64_t ldx, int64_t tokens,
 
 MOECC_AMX void forward(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed, int64_t k_padded,
                        int64_t p0, int64_t p1, float* out, int64_t ldo) {
-  forward_in_passes(x, ldx, tokens, packed, k_padded, p0, p1, out, ldo, k_block);
+  forward_in_passes(x, ldx, tokens, packed, k_padded, p0, p1, out, ldo, k_block, token_group);
 }
 
 MOECC_AMX void forward_for_input_grad(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed,
                                       int64_t k_padded, int64_t p0, int64_t p1, float* out, int64_t ldo) {
-  forward_in_passes(x, ldx, tokens, packed, k_padded, p0, p1, out, ldo, k_block_input_grad);
+  forward_in_passes(x, ldx, tokens, packed, k_padded, p0, p1, out, ldo, k_block_input_grad, token_group);
 }
 
 MOECC_AMX void pack_rows(const uint16_t* w, int64_t n, int64_t k, int64_t p0, int64_t p1, uint16_t* dst) {
@@ -169,6 +197,16 @@ std::array<int64_t, 4> set_amx_tuning(int64_t k_block_values, int64_t prefetch_v
   k_block_input_grad = k_block_input_grad_values < 0 ? k_block_values : k_block_input_grad_values;
   prefetch_ahead = prefetch_values;
   prefetch_b_ahead = prefetch_b_values;
+  return previous;
+}
+
+int64_t set_amx_token_group(int64_t rows) {
+  if (rows < 0 || rows > (int64_t{1} << 30)) {
+    throw std::invalid_argument("AMX token group: rows must be 0 (passes over all tokens) or a positive count "
+                                "(rounded up to 32), at most 2^30");
+  }
+  const int64_t previous = token_group;
+  token_group = rows;
   return previous;
 }
 
