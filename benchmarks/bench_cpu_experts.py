@@ -218,10 +218,9 @@ def main() -> None:
                         help="shape of the product tasks: forward output panels of 16 columns per task, input-"
                              "gradient columns per task (multiple of 16), rows per task; default: built-in "
                              "(8,256,1024)")
-    parser.add_argument("--amx-schedule", default=None, metavar="TOKEN_GROUP[,DOUBLE_BUFFERED]",
-                        help="AMX schedule: token group 0 walks each K pass over all of a task's tokens, > 0 "
-                             "finishes groups of that many tokens over all of K first; double-buffered 1 computes "
-                             "through one panel and two operand tile sets per step; default: built-in (0,0)")
+    parser.add_argument("--amx-token-group", type=int, default=None, metavar="ROWS",
+                        help="AMX loop order: 0 walks each K pass over all of a task's tokens, > 0 finishes groups "
+                             "of that many tokens over all of K first; default: built-in (0)")
     parser.add_argument("--prepack", action="store_true",
                         help="forward products read a packed copy of the weights instead of packing per task "
                              "(MoeccConfig.prepack_weights: doubles the experts' memory)")
@@ -239,8 +238,8 @@ def main() -> None:
         _C.set_amx_tuning(*(int(v) for v in args.amx_tuning.split(",")))
     if args.task_shape:
         _C.set_task_shape(*(int(v) for v in args.task_shape.split(",")))
-    if args.amx_schedule:
-        _C.set_amx_schedule(*(int(v) for v in args.amx_schedule.split(",")))
+    if args.amx_token_group is not None:
+        _C.set_amx_token_group(args.amx_token_group)
 
     isa = _ops.best_isa() if args.isa == "auto" else args.isa
     native = NativeExperts(isa, prepack=args.prepack)
@@ -275,7 +274,7 @@ def main() -> None:
     peak_text = ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s" for k, v in peaks.items()) or "none measured"
     knobs = "".join(f" --{name.replace('_', '-')} {value}" for name, value in
                     (("amx_tuning", args.amx_tuning), ("task_shape", args.task_shape),
-                     ("amx_schedule", args.amx_schedule)) if value)
+                     ("amx_token_group", args.amx_token_group)) if value is not None)
     knobs += " --prepack" if args.prepack else ""
     lines = [f"`python benchmarks/bench_cpu_experts.py --shapes {args.shapes} --tokens {args.tokens} "
              f"--isa {args.isa}{knobs}` ({isa}, {_ops.num_threads()} threads; kernels under "

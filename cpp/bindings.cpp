@@ -226,10 +226,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("prefetch_b_ahead") = 0, py::arg("k_block_input_grad") = -1,
         "AMX blocking knobs (panel_gemm.h); returns the previous four. For benchmarks and tests.");
 
-  m.def("set_amx_schedule", &moecc::kernels::set_amx_schedule, py::arg("token_group"), py::arg("double_buffered") = 0,
-        "AMX schedule (panel_gemm.h): token_group 0, K passes over all of a task's tokens; > 0, groups of that many "
-        "tokens over all of K first; double_buffered 1, one panel and two operand tile sets per step. Returns the "
-        "previous two. For benchmarks and tests.");
+  m.def("set_amx_token_group", &moecc::kernels::set_amx_token_group, py::arg("rows"),
+        "AMX loop order (panel_gemm.h): 0, K passes over all of a task's tokens; > 0, groups of that many tokens "
+        "over all of K first. Returns the previous value. For benchmarks and tests.");
 
   m.def("_pool_fill_test", &pool_fill_test, py::call_guard<py::gil_scoped_release>());
   m.def("_pool_raise_test", &pool_raise_test, py::call_guard<py::gil_scoped_release>());

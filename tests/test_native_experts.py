@@ -472,31 +472,28 @@ def test_knob_setters_hand_back_what_they_replace():
     amx = _C.set_amx_tuning(128, 0, 0)
     assert tuple(amx) == (256, 64, 0, 1024)  # panel_gemm.h; the input-gradient pass follows the forward's (-1)
     assert tuple(_C.set_amx_tuning(*amx)) == (128, 0, 0, 128)
-    assert tuple(_C.set_amx_schedule(64, 1)) == (0, 0)  # panel_gemm.h: K passes over all tokens, 2 x 2 C tiles
-    assert tuple(_C.set_amx_schedule(0)) == (64, 1)
-    for bad in ((-1, 0), (0, 2)):
-        with pytest.raises(ValueError, match="AMX schedule"):
-            _C.set_amx_schedule(*bad)
+    assert _C.set_amx_token_group(64) == 0  # panel_gemm.h: K passes over all of a task's tokens
+    assert _C.set_amx_token_group(0) == 64
+    with pytest.raises(ValueError, match="token group"):
+        _C.set_amx_token_group(-1)
 
 
-AMX_KNOBS = [(1024, 64, 0, 1024, 0, 0), (128, 0, 128, 128, 32, 0), (0, 64, 0, 0, 64, 0), (96, 64, 0, 160, 50, 0),
-             (256, 64, 0, 1024, 0, 1), (96, 64, 0, 160, 32, 1), (0, 0, 0, 0, 50, 1)]
+AMX_KNOBS = [(1024, 64, 0, 1024, 0), (128, 0, 128, 128, 32), (0, 64, 0, 0, 64), (96, 64, 0, 160, 50)]
 
 
 @pytest.mark.amx
 @pytest.mark.parametrize("knobs", AMX_KNOBS, ids=[",".join(map(str, k)) for k in AMX_KNOBS])
 def test_amx_matches_reference_under_every_k_pass_setting(knobs):
     """The K passes (forward and input gradients) split K unevenly here (H = 300, 2I = 400: last passes short
-    of the pass length; 96 and 160 give odd step counts), in either loop order (token groups of 32, 64 and a
-    ragged 50 -> 64) and either kernel (2 x 2 C tiles, or double-buffered operands), and still agree with the
-    reference; the setting is restored after."""
+    of the pass length), in either loop order (token groups of 32, 64 and a ragged 50 -> 64), and still agree
+    with the reference; the setting is restored after."""
     if "amx" not in ISAS:
         pytest.skip("needs a CPU with AMX (and the kernel's permission to use its tile data)")
     from moecc import _C
 
     weights, x, index, w, gate_up, down = _problem(200, 6, 300, 200, 2, 4, seed=9, skew=True)
     defaults = _C.set_amx_tuning(*knobs[:4])
-    default_schedule = _C.set_amx_schedule(*knobs[4:])
+    default_group = _C.set_amx_token_group(knobs[4])
     try:
         native = NativeExperts("amx")
         out, saved = native.forward(weights, x, index, w, gate_up, down)
@@ -504,7 +501,7 @@ def test_amx_matches_reference_under_every_k_pass_setting(knobs):
         grads = native.backward(weights, saved, grad_out, gate_up, down)
     finally:
         _C.set_amx_tuning(*defaults)
-        _C.set_amx_schedule(*default_schedule)
+        _C.set_amx_token_group(default_group)
     assert rel_err(out, experts_autograd(weights, x.float(), index, w, gate_up, down)) <= 2e-2
     _, ref_saved = experts_forward(weights, x, index, w, gate_up, down)
     ref_grads = experts_backward(weights, ref_saved, grad_out, gate_up, down)

@@ -41,11 +41,10 @@ const PanelGemm& panel_gemm_amx();
 // kernels; for benchmarks and tests.
 std::array<int64_t, 4> set_amx_tuning(int64_t k_block, int64_t prefetch_ahead, int64_t prefetch_b_ahead,
                                       int64_t k_block_input_grad);
-// AMX schedule (panel_gemm_amx.cpp): token_group 0 walks each K pass over all of a task's tokens, > 0 finishes
-// groups of that many tokens (rounded up to 32) over all of K first; double_buffered 1 computes through one panel
-// and two sets of operand tiles instead of 2 x 2 C tiles. Returns the previous two; std::invalid_argument out of
-// range. Same caveats as set_amx_tuning.
-std::array<int64_t, 2> set_amx_schedule(int64_t token_group, int64_t double_buffered);
+// AMX loop order (panel_gemm_amx.cpp): 0 walks each K pass over all of a task's tokens; > 0 finishes groups of
+// that many tokens (rounded up to 32) over all of K first. Returns the previous value; std::invalid_argument
+// below 0. Same caveats as set_amx_tuning.
+int64_t set_amx_token_group(int64_t rows);
 
 // The AVX512 packing routines, shared with the AMX variant (every AMX CPU has AVX512-BF16):
 // pack_rows_avx512 is PanelGemm::pack_rows; pack_columns_avx512 lays columns [k0, k0 + 16*chunks) of a

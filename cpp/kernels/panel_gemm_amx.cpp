@@ -40,18 +40,6 @@ MOECC_AMX void configure(int rows0, int rows1) {
   _tile_loadconfig(&config);
 }
 
-// The double-buffered variant (block_db): tiles 0, 1: C rows 0-15 and 16-31 of one panel; 2, 3 and 5, 6: A rows
-// 0-15 and 16-31 of even and odd K steps; 4 and 7: the panel's B tile of even and odd K steps.
-MOECC_AMX void configure_db(int rows0, int rows1) {
-  TileConfig config;
-  const int rows[8] = {rows0, rows1, rows0, rows1, 16, rows0, rows1, 16};
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = static_cast<uint8_t>(rows[t]);
-    config.colsb[t] = rows[t] ? 64 : 0;
-  }
-  _tile_loadconfig(&config);
-}
-
 // Tuning knobs, set once before use (benchmarks sweep them through moecc._C.set_amx_tuning).
 // k_block: K values per pass over a task's tokens. A pass holds the 32 tokens' A rows (32 x k_block) while it
 // walks the task's panels: at 256 they stay in L1 (16 KB), at 1024 (64 KB) they spill to L2, so every tile
@@ -70,8 +58,6 @@ int64_t prefetch_b_ahead = 0;
 // token_group: rows finished over all of K before the next rows start (0: each pass over all tokens); see
 // forward_in_passes.
 int64_t token_group = 0;
-// double_buffered: products through block_db (one panel, two operand sets) instead of block (2 x 2 C tiles).
-bool double_buffered = false;
 
 // out[t][j] (+)= x[t][k0:k1] . W[j][k0:k1] for TWO_A ? 32 : rows0 tokens and TWO_B ? 32 : 16 outputs; `rows`
 // (the block's real token count) bounds the A prefetches, so none points past the activations.
@@ -126,66 +112,9 @@ MOECC_AMX void block(const uint16_t* x, int64_t ldx, int rows, const uint16_t* p
   if (TWO_A && TWO_B) _tile_stored(3, out + 16 * ldo + kPanelRows, out_stride);
 }
 
-// out[t][j] (+)= x[t][k0:k1] . W[j][k0:k1] for TWO_A ? 32 : rows0 tokens and the 16 outputs of one panel. Two
-// C tiles only, so the operands get two sets of tile registers: the loads of K step s + 1 go to the set step s is
-// not reading, and need not wait for its products to finish with their tiles (with one set, as in block, each
-// step's loads queue behind the previous step's products). Three tile loads per two products instead of block's
-// one per product; the B tile comes from L2 and is used twice, as in block.
-template <bool TWO_A>
-MOECC_AMX void block_db(const uint16_t* x, int64_t ldx, int rows, const uint16_t* panel, int64_t k0, int64_t k1,
-                        bool accumulate, float* out, int64_t ldo) {
-  const int64_t x_stride = ldx * static_cast<int64_t>(sizeof(uint16_t));
-  const int64_t out_stride = ldo * static_cast<int64_t>(sizeof(float));
-  const uint16_t* x1 = x + 16 * ldx;
-  if (accumulate) {
-    _tile_loadd(0, out, out_stride);
-    if (TWO_A) _tile_loadd(1, out + 16 * ldo, out_stride);
-  } else {
-    _tile_zero(0);
-    if (TWO_A) _tile_zero(1);
-  }
-  const int64_t ahead = prefetch_ahead;
-  int64_t k = k0;
-  for (; k + kKAlign < k1; k += 2 * kKAlign) {
-    if (ahead > 0 && k + ahead < k1) {
-      for (int r = 0; r < rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(x + r * ldx + k + ahead), _MM_HINT_T0);
-    }
-    _tile_loadd(2, x + k, x_stride);
-    _tile_loadd(4, panel + k * kPanelRows, 64);
-    if (TWO_A) _tile_loadd(3, x1 + k, x_stride);
-    _tile_dpbf16ps(0, 2, 4);
-    if (TWO_A) _tile_dpbf16ps(1, 3, 4);
-    _tile_loadd(5, x + k + kKAlign, x_stride);
-    _tile_loadd(7, panel + (k + kKAlign) * kPanelRows, 64);
-    if (TWO_A) _tile_loadd(6, x1 + k + kKAlign, x_stride);
-    _tile_dpbf16ps(0, 5, 7);
-    if (TWO_A) _tile_dpbf16ps(1, 6, 7);
-  }
-  if (k < k1) {  // an odd number of K steps: the last one alone
-    _tile_loadd(2, x + k, x_stride);
-    _tile_loadd(4, panel + k * kPanelRows, 64);
-    _tile_dpbf16ps(0, 2, 4);
-    if (TWO_A) {
-      _tile_loadd(3, x1 + k, x_stride);
-      _tile_dpbf16ps(1, 3, 4);
-    }
-  }
-  _tile_stored(0, out, out_stride);
-  if (TWO_A) _tile_stored(1, out + 16 * ldo, out_stride);
-}
-
 // One token block (TWO_A: 32 rows, else rows0) against panels [p0, p1), K in [k0, k1).
 MOECC_AMX void block_row(const uint16_t* xt, int64_t ldx, int rows0, int rows1, const uint16_t* packed,
                          int64_t k_padded, int64_t p0, int64_t p1, int64_t k0, int64_t k1, float* out, int64_t ldo) {
-  if (double_buffered) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const uint16_t* panel = packed + p * kPanelRows * k_padded;
-      float* dst = out + (p - p0) * kPanelRows;
-      rows1 > 0 ? block_db<true>(xt, ldx, rows0 + rows1, panel, k0, k1, k0 > 0, dst, ldo)
-                : block_db<false>(xt, ldx, rows0 + rows1, panel, k0, k1, k0 > 0, dst, ldo);
-    }
-    return;
-  }
   for (int64_t p = p0; p < p1; p += 2) {
     const uint16_t* panel = packed + p * kPanelRows * k_padded;
     float* dst = out + (p - p0) * kPanelRows;
@@ -219,7 +148,7 @@ MOECC_AMX void forward_in_passes(const uint16_t* x, int64_t ldx, int64_t tokens,
   // so it is loaded on every call and again only when the row counts change.
   auto configure_for = [&](int rows0, int rows1) {
     if (rows0 != configured0 || rows1 != configured1) {
-      double_buffered ? configure_db(rows0, rows1) : configure(rows0, rows1);
+      configure(rows0, rows1);
       configured0 = rows0;
       configured1 = rows1;
     }
@@ -271,14 +200,13 @@ std::array<int64_t, 4> set_amx_tuning(int64_t k_block_values, int64_t prefetch_v
   return previous;
 }
 
-std::array<int64_t, 2> set_amx_schedule(int64_t group_rows, int64_t double_buffered_kernel) {
-  if (group_rows < 0 || group_rows > (int64_t{1} << 30) || double_buffered_kernel < 0 || double_buffered_kernel > 1) {
-    throw std::invalid_argument("AMX schedule: token group rows must be 0 (K passes over all tokens) or a positive "
-                                "count (rounded up to 32), at most 2^30; double_buffered 0 or 1");
+int64_t set_amx_token_group(int64_t rows) {
+  if (rows < 0 || rows > (int64_t{1} << 30)) {
+    throw std::invalid_argument("AMX token group: rows must be 0 (passes over all tokens) or a positive count "
+                                "(rounded up to 32), at most 2^30");
   }
-  const std::array<int64_t, 2> previous{token_group, double_buffered ? 1 : 0};
-  token_group = group_rows;
-  double_buffered = double_buffered_kernel == 1;
+  const int64_t previous = token_group;
+  token_group = rows;
   return previous;
 }
 
