@@ -470,15 +470,16 @@ def test_knob_setters_hand_back_what_they_replace():
     assert tuple(defaults) == (8, 256, 1024)  # the built-in shape (expert_ffn.h); rows unchanged by -1
     assert tuple(_C.set_task_shape(*defaults)) == (3, 48, 1024)
     amx = _C.set_amx_tuning(128, 0, 0)
-    assert tuple(amx) == (256, 64, 0, 1024)  # panel_gemm.h; the input-gradient pass follows the forward's (-1)
+    assert tuple(amx) == (0, 64, 0, 1024)  # panel_gemm.h; the input-gradient pass follows the forward's (-1)
     assert tuple(_C.set_amx_tuning(*amx)) == (128, 0, 0, 128)
-    assert _C.set_amx_token_group(64) == 0  # panel_gemm.h: K passes over all of a task's tokens
-    assert _C.set_amx_token_group(0) == 64
+    assert _C.set_amx_token_group(64) == 32  # panel_gemm.h: groups of 32 tokens
+    assert _C.set_amx_token_group(32) == 64
     with pytest.raises(ValueError, match="token group"):
         _C.set_amx_token_group(-1)
 
 
-AMX_KNOBS = [(1024, 64, 0, 1024, 0), (128, 0, 128, 128, 32), (0, 64, 0, 0, 64), (96, 64, 0, 160, 50)]
+AMX_KNOBS = [(1024, 64, 0, 1024, 0), (128, 0, 128, 128, 32), (0, 64, 0, 0, 64), (96, 64, 0, 160, 50),
+             (256, 64, 0, 1024, 0)]
 
 
 @pytest.mark.amx

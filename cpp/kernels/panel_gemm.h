@@ -37,13 +37,13 @@ const PanelGemm& panel_gemm_avx512bf16();
 const PanelGemm& panel_gemm_amx();
 // AMX blocking knobs (panel_gemm_amx.cpp): K values per pass of the forward products (0: all of K in one pass),
 // A-row and weight-tile prefetch distances in K values (0: off), K values per pass of the input gradients (< 0:
-// as the forward). Built-in defaults: 256, 64, 0, 1024. Returns the previous four. Not thread-safe against running
+// as the forward). Built-in defaults: 0, 64, 0, 1024. Returns the previous four. Not thread-safe against running
 // kernels; for benchmarks and tests.
 std::array<int64_t, 4> set_amx_tuning(int64_t k_block, int64_t prefetch_ahead, int64_t prefetch_b_ahead,
                                       int64_t k_block_input_grad);
 // AMX loop order (panel_gemm_amx.cpp): 0 walks each K pass over all of a task's tokens; > 0 finishes groups of
-// that many tokens (rounded up to 32) over all of K first. Returns the previous value; std::invalid_argument
-// below 0. Same caveats as set_amx_tuning.
+// that many tokens (rounded up to 32) over all of K first (built-in: 32). Returns the previous value;
+// std::invalid_argument below 0. Same caveats as set_amx_tuning.
 int64_t set_amx_token_group(int64_t rows);
 
 // The AVX512 packing routines, shared with the AMX variant (every AMX CPU has AVX512-BF16):

@@ -41,23 +41,27 @@ MOECC_AMX void configure(int rows0, int rows1) {
 }
 
 // Tuning knobs, set once before use (benchmarks sweep them through moecc._C.set_amx_tuning).
-// k_block: K values per pass over a task's tokens. A pass holds the 32 tokens' A rows (32 x k_block) while it
-// walks the task's panels: at 256 they stay in L1 (16 KB), at 1024 (64 KB) they spill to L2, so every tile
-// product then reads both operands from L2. The host measured 256 against 1024 under PASSIVE: the 8192-token
-// forward 131 vs 145 ms, 1024 tokens 28.5 vs 29.3; 128 was slower (C tiles reloaded too often). Input
-// gradients (the same kernel on packed weight columns) showed no gain, so they keep 1024.
+// k_block: K values per pass over a task's tokens (0: all of K in one pass). One pass keeps each 2 x 2 block's C
+// tiles in registers from the first K step to the last, so they never go to memory and back; both operands then
+// stream from L2. Passes of 256 hold the 32 tokens' A rows in L1 (16 KB) while the task's panels go by, but store
+// and reload every C tile once per pass. On the host (16 threads, PASSIVE, Zipf, interleaved in one process, best
+// of 6; 2026-11-29) one pass with token groups of 32 against passes of 256 over all tokens: forward + backward
+// 78.1 vs 83.7 ms at 1024 tokens, 199 vs 225 at 4096, 370 vs 404 at 8192 (a second sweep: 77 vs 76, 191 vs
+// 199, 347 vs 389). Earlier, passes of 256 had beaten 1024 (8192-token forward 131 vs 145 ms).
+// k_block_input_grad: the same for the input gradients (K = the product's output width; 1536 for gate/up).
+// token_group: tokens finished over all of K before the next start (0: each pass walks all of a task's tokens).
+// With passes, groups of 32 keep a block's C rows (32 x 256 floats at most: 32 KB) in L1 between passes; with
+// one pass it changes nothing.
+int64_t k_block = 0;
+int64_t k_block_input_grad = 1024;
+int64_t token_group = 32;
 // prefetch: K values ahead at which each A row is prefetched (0: none): the 32 rows of a step are 32 separate
 // streams, more than the hardware prefetchers follow.
-int64_t k_block = 256;
-int64_t k_block_input_grad = 1024;
 int64_t prefetch_ahead = 64;
 // prefetch_b: K values ahead at which the weight tiles are prefetched (0: none). When few tokens reach an expert
 // the products are bound by streaming weights from DRAM, and more requests in flight per core may help; it is a
 // knob until the host has measured it.
 int64_t prefetch_b_ahead = 0;
-// token_group: rows finished over all of K before the next rows start (0: each pass over all tokens); see
-// forward_in_passes.
-int64_t token_group = 0;
 
 // out[t][j] (+)= x[t][k0:k1] . W[j][k0:k1] for TWO_A ? 32 : rows0 tokens and TWO_B ? 32 : 16 outputs; `rows`
 // (the block's real token count) bounds the A prefetches, so none points past the activations.
