@@ -330,12 +330,12 @@ PhaseTimes last_phase_times(bool backward) {
 namespace {
 
 // One set of buffers for forward and backward: the engine runs one layer call at a time, so the buffers both
-// need (gathered rows, activations, gradients, per-pair outputs: about 20 KB per routed pair for Qwen3-30B-A3B,
+// need (gathered rows, activations, gradients, per-pair outputs: about 17.5 KB per routed pair for Qwen3-30B-A3B,
 // plus the LoRA re-layouts) are held once; the mutex keeps concurrent callers correct anyway.
 struct Scratch {
   std::mutex mutex;
   AlignedBuffer<uint16_t> xg, act, dy_bf16, grad_gu_bf16, per_pair;
-  AlignedBuffer<float> inner_gu, inner_down, grad_inner_gu, grad_inner_down, grad_act,
+  AlignedBuffer<float> inner_gu, inner_down, grad_inner_gu, grad_inner_down, routing_parts, inner_gu_parts,
       row_weight, b_gu, b_down, grad_b_gu, grad_b_down;
 };
 
@@ -527,7 +527,6 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   float* grad_inner_down = scratch.grad_inner_down.get(d.pairs * r_d);
   uint16_t* dy_bf16 = scratch.dy_bf16.get(d.pairs * d.ld_dy);
   uint16_t* grad_gu_bf16 = scratch.grad_gu_bf16.get(d.pairs * d.ld_dgu);
-  float* grad_act = scratch.grad_act.get(d.pairs * d.ld_act);
   uint16_t* per_pair = scratch.per_pair.get(d.pairs * d.H);
   float* row_weight = scratch.row_weight.get(std::max<int64_t>(d.pairs, 1));  // routing weight per grouped row
 
@@ -539,8 +538,10 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
                  [&](int64_t g) { return io.hidden + routing.order[g] / d.k * d.H; }, inner_gu_scratch);
     });
   }
-  activate(d, io.gate_up_out, recompute_down ? down_lora : LoraFactors{}, rows, act, inner_down_scratch, pool);
-  clock.mark("activate");  // the activation again (and the LoRA inner products unless forward kept them)
+  // The activation again, whole rows, only where the forward did not keep act A_down (it needs all of I); else
+  // the fused input-gradient tasks below write act chunk by chunk.
+  if (recompute_down) activate(d, io.gate_up_out, down_lora, rows, act, inner_down_scratch, pool);
+  clock.mark("activate");
   // Unweighted output gradient per grouped row in bf16 (zero-padded), and its down-LoRA inner product s dy B
   // from the token's own row (float32 as given, or the bf16 row read as it is).
   run_tasks(pool, rows, [&](const Task& task) {
@@ -560,40 +561,73 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   });
 
   clock.mark("grad_out");
-  // d act (unweighted) = dy W_down + (s dy B) A.
-  run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, grad_columns_per_task.load(), task_rows), [&](const Task& task) {
-    const int64_t n = task.end - task.begin;
+  // d act (unweighted) = dy W_down + (s dy B) A, by (rows, chunk of I's columns) tasks, each running the SwiGLU
+  // backward of its chunk while the chunk is in cache: act again (bf16, rounded as the forward did), d gate and
+  // d up (bf16, into grad_gu_bf16), and the chunk's parts of the two row sums that need all of I: act . d act (the
+  // routing-weight gradient) and s dG B. Parts are kept per chunk and added in chunk order after the phase, so
+  // results do not depend on which thread ran what. Done as separate passes (act, d act in float32, then the
+  // SwiGLU backward), d act alone was a float32 row per pair written and read back: 200 MB at 8192 tokens.
+  const int64_t chunk_columns = grad_columns_per_task.load();
+  const int64_t chunks = (d.I + chunk_columns - 1) / chunk_columns;
+  float* const routing_parts = scratch.routing_parts.get(d.pairs * chunks);
+  float* const inner_gu_parts = scratch.inner_gu_parts.get(d.pairs * chunks * 2 * r_gu);  // gate, up halves
+  run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, chunk_columns, task_rows), [&](const Task& task) {
+    thread_local AlignedBuffer<float> block, dg_pair;
+    const int64_t n = task.end - task.begin, width = task.col1 - task.col0, chunk = task.col0 / chunk_columns;
+    const int64_t ld = round_up(width, kPanelRows);  // the task's columns only, padded as input_grad may write
+    const bool last = task.col1 == d.I;               // writes the rows' zero padding
+    float* const tile = block.get(n * ld);
+    float* const dg = dg_pair.get(2 * width);  // one row's d gate, d up for the chunk
     gemm.input_grad(dy_bf16 + task.begin * d.ld_dy, d.ld_dy, n, weights.down + task.expert * d.down_size, d.H, d.I,
-                    task.col0, task.col1, grad_act + task.begin * d.ld_act + task.col0, d.ld_act);
-    if (!down_lora.a) return;
-    const float* a = down_lora.a + task.expert * down_lora.rank * d.I;
+                    task.col0, task.col1, tile, ld);
+    const float* a = down_lora.a ? down_lora.a + task.expert * down_lora.rank * d.I + task.col0 : nullptr;
+    const float* b_t = gate_up_lora.a ? gate_up_lora.b + task.expert * gate_up_lora.rank * 2 * d.I : nullptr;
     for (int64_t g = task.begin; g < task.end; ++g) {
-      for (int64_t r = 0; r < down_lora.rank; ++r) {
-        axpy(grad_inner_down[g * down_lora.rank + r], a + r * d.I + task.col0, grad_act + g * d.ld_act + task.col0,
-             task.col1 - task.col0);
+      float* const grad_act = tile + (g - task.begin) * ld;
+      if (a) {
+        for (int64_t r = 0; r < down_lora.rank; ++r) {
+          axpy(grad_inner_down[g * down_lora.rank + r], a + r * d.I, grad_act, width);
+        }
+      }
+      const uint16_t* gate = io.gate_up_out + g * 2 * d.I + task.col0;
+      const uint16_t* up = gate + d.I;
+      uint16_t* const act_row = act + g * d.ld_act;
+      swiglu_row(gate, up, act_row + task.col0, width);
+      if (last) std::fill(act_row + d.I, act_row + d.ld_act, uint16_t{0});
+      routing_parts[g * chunks + chunk] = dot_bf16(act_row + task.col0, grad_act, width);
+      swiglu_grad_row(gate, up, grad_act, routing.weights[routing.order[g]], dg, dg + width, width);
+      uint16_t* const dg_row = grad_gu_bf16 + g * d.ld_dgu;
+      to_bf16(dg, dg_row + task.col0, width);
+      to_bf16(dg + width, dg_row + d.I + task.col0, width);
+      if (last) std::fill(dg_row + 2 * d.I, dg_row + d.ld_dgu, uint16_t{0});
+      if (b_t) {
+        const int64_t rank = gate_up_lora.rank;
+        float* const parts = inner_gu_parts + (g * chunks + chunk) * 2 * rank;
+        rank_dots(dg, b_t + task.col0, 2 * d.I, rank, width, gate_up_lora.scaling, parts);
+        rank_dots(dg + width, b_t + d.I + task.col0, 2 * d.I, rank, width, gate_up_lora.scaling, parts + rank);
       }
     }
   });
 
   clock.mark("down_input_grad");
-  // Routing-weight gradient, then d gate_up through the SwiGLU (zero-padded), and s dG B.
+  // The row sums from their chunk parts, in chunk order (gate half before up half).
   run_tasks(pool, rows, [&](const Task& task) {
-    thread_local AlignedBuffer<float> dg_row;  // one row's float32 dG, kept only as long as it is needed
-    float* const dg = dg_row.get(d.ld_dgu);
     for (int64_t g = task.begin; g < task.end; ++g) {
       const int64_t pair = routing.order[g];
-      const float w = routing.weights[pair];
-      row_weight[g] = w;
-      io.grad_routing[pair] = dot_bf16(act + g * d.ld_act, grad_act + g * d.ld_act, d.I);
-      const uint16_t* gu = io.gate_up_out + g * 2 * d.I;
-      swiglu_grad_row(gu, gu + d.I, grad_act + g * d.ld_act, w, dg, dg + d.I, d.I);
-      std::fill(dg + 2 * d.I, dg + d.ld_dgu, 0.0f);
-      to_bf16(dg, grad_gu_bf16 + g * d.ld_dgu, d.ld_dgu);
-      if (gate_up_lora.a) lora_grad_inner(gate_up_lora, task.expert, 2 * d.I, dg, g, grad_inner_gu);
+      row_weight[g] = routing.weights[pair];
+      float sum = 0.0f;
+      for (int64_t c = 0; c < chunks; ++c) sum += routing_parts[g * chunks + c];
+      io.grad_routing[pair] = sum;
+      if (!gate_up_lora.a) continue;
+      const int64_t rank = gate_up_lora.rank;
+      for (int64_t r = 0; r < rank; ++r) {
+        float inner = 0.0f;
+        for (int64_t part = 0; part < 2 * chunks; ++part) inner += inner_gu_parts[(g * 2 * chunks + part) * rank + r];
+        grad_inner_gu[g * rank + r] = inner;
+      }
     }
   });
-
-  clock.mark("swiglu_grad");
+  clock.mark("row_sums");
   // d hidden per pair = dG W_gate_up + (s dG B) A.
   run_tasks(pool, make_tasks(routing.offsets, d.E, d.H, grad_columns_per_task.load(), task_rows), [&](const Task& task) {
     thread_local AlignedBuffer<float> block;

@@ -49,35 +49,36 @@ MOECC_INLINE float lane_sum(vf v) {
 }
 
 template <int G, typename T>
-MOECC_INLINE void dots_group(const T* row, const float* factors, int64_t n, float scale, float* out) {
+MOECC_INLINE void dots_group(const T* row, const float* factors, int64_t ld, int64_t n, float scale, float* out) {
   vf acc[G];
   for (int j = 0; j < G; ++j) acc[j] = vf{};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     const vf x = load16(row + i);
-    for (int j = 0; j < G; ++j) acc[j] += x * load16(factors + j * n + i);
+    for (int j = 0; j < G; ++j) acc[j] += x * load16(factors + j * ld + i);
   }
   for (int j = 0; j < G; ++j) {
     float s = lane_sum(acc[j]);
-    for (int64_t t = i; t < n; ++t) s += widen(row[t]) * factors[j * n + t];
+    for (int64_t t = i; t < n; ++t) s += widen(row[t]) * factors[j * ld + t];
     out[j] = scale * s;
   }
 }
 
 template <typename T>
-MOECC_INLINE void dots(const T* row, const float* factors, int64_t rank, int64_t n, float scale, float* out) {
+MOECC_INLINE void dots(const T* row, const float* factors, int64_t ld, int64_t rank, int64_t n, float scale,
+                       float* out) {
   for (int64_t j0 = 0; j0 < rank; j0 += kGroup) {
-    const float* f = factors + j0 * n;
+    const float* f = factors + j0 * ld;
     float* o = out + j0;
     switch (rank - j0 < kGroup ? rank - j0 : kGroup) {
-      case 8: dots_group<8>(row, f, n, scale, o); break;
-      case 7: dots_group<7>(row, f, n, scale, o); break;
-      case 6: dots_group<6>(row, f, n, scale, o); break;
-      case 5: dots_group<5>(row, f, n, scale, o); break;
-      case 4: dots_group<4>(row, f, n, scale, o); break;
-      case 3: dots_group<3>(row, f, n, scale, o); break;
-      case 2: dots_group<2>(row, f, n, scale, o); break;
-      default: dots_group<1>(row, f, n, scale, o); break;
+      case 8: dots_group<8>(row, f, ld, n, scale, o); break;
+      case 7: dots_group<7>(row, f, ld, n, scale, o); break;
+      case 6: dots_group<6>(row, f, ld, n, scale, o); break;
+      case 5: dots_group<5>(row, f, ld, n, scale, o); break;
+      case 4: dots_group<4>(row, f, ld, n, scale, o); break;
+      case 3: dots_group<3>(row, f, ld, n, scale, o); break;
+      case 2: dots_group<2>(row, f, ld, n, scale, o); break;
+      default: dots_group<1>(row, f, ld, n, scale, o); break;
     }
   }
 }
@@ -163,13 +164,13 @@ MOECC_INLINE void outer(const float* coef, const float* row_scale, float scale, 
   }
 }
 
-MOECC_VECTOR_CLONES void dots_bf16(const uint16_t* row, const float* factors, int64_t rank, int64_t n, float scale,
-                                   float* out) {
-  dots(row, factors, rank, n, scale, out);
+MOECC_VECTOR_CLONES void dots_bf16(const uint16_t* row, const float* factors, int64_t ld, int64_t rank, int64_t n,
+                                   float scale, float* out) {
+  dots(row, factors, ld, rank, n, scale, out);
 }
-MOECC_VECTOR_CLONES void dots_f32(const float* row, const float* factors, int64_t rank, int64_t n, float scale,
-                                  float* out) {
-  dots(row, factors, rank, n, scale, out);
+MOECC_VECTOR_CLONES void dots_f32(const float* row, const float* factors, int64_t ld, int64_t rank, int64_t n,
+                                  float scale, float* out) {
+  dots(row, factors, ld, rank, n, scale, out);
 }
 MOECC_VECTOR_CLONES void outer_bf16(const float* coef, const float* row_scale, float scale, const uint16_t* rows,
                                     int64_t ld, int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out,
@@ -188,10 +189,14 @@ MOECC_VECTOR_CLONES void outer_bf16_gathered(const float* coef, const float* row
 }  // namespace
 
 void rank_dots(const uint16_t* row, const float* factors, int64_t rank, int64_t n, float scale, float* out) {
-  dots_bf16(row, factors, rank, n, scale, out);
+  dots_bf16(row, factors, n, rank, n, scale, out);
 }
 void rank_dots(const float* row, const float* factors, int64_t rank, int64_t n, float scale, float* out) {
-  dots_f32(row, factors, rank, n, scale, out);
+  dots_f32(row, factors, n, rank, n, scale, out);
+}
+void rank_dots(const float* row, const float* factors, int64_t factor_ld, int64_t rank, int64_t n, float scale,
+               float* out) {
+  dots_f32(row, factors, factor_ld, rank, n, scale, out);
 }
 void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const uint16_t* rows, int64_t ld,
                            int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld) {
