@@ -195,8 +195,8 @@ PYBIND11_MODULE(_C, m) {
       "are bf16 instead of float32.");
 
   m.def("set_task_shape", &moecc::kernels::set_task_shape, py::arg("panels_per_task"),
-        py::arg("grad_columns_per_task"), py::arg("rows") = -1,
-        "Shape of the expert product tasks (expert_ffn.h); returns the previous three. For benchmarks and tests.");
+        py::arg("grad_columns_per_task"), py::arg("rows") = -1, py::arg("block_rows") = -1,
+        "Shape of the expert product tasks (expert_ffn.h); returns the previous four. For benchmarks and tests.");
   m.def("last_phase_times", &moecc::kernels::last_phase_times, py::arg("backward"),
         "[(phase, seconds)] of the latest expert_ffn_forward (backward=False) or expert_ffn_backward call.");
 

@@ -96,16 +96,19 @@ def task_shape():
 
 @pytest.mark.parametrize("isa", ISAS)
 # one panel; odd widths; wider than the layer; the hot expert (130 rows) split over 16- and 40-row tasks
-# (AMX blocks of fewer than 32 rows inside a split); every expert in one task. H = 100: the gate/up input
-# gradient's compact tiles are ragged past the first column block.
-@pytest.mark.parametrize("shape", [(1, 16), (3, 48), (16, 512), (2, 32, 16), (8, 256, 40), (8, 256, 4096)])
+# (AMX blocks of fewer than 32 rows inside a split); every expert in one task; product calls of 7, 32 and 50 rows
+# inside a task (a ragged last block each). H = 100: the gate/up input gradient's compact tiles are ragged past
+# the first column block.
+@pytest.mark.parametrize("shape", [(1, 16), (3, 48), (16, 512), (2, 32, 16), (8, 256, 40), (8, 256, 4096),
+                                   (8, 256, 1024, 7), (3, 48, 100, 32), (8, 256, 4096, 50)])
 def test_native_matches_reference_at_other_task_widths(isa, shape, task_shape):
     task_shape(*shape)
     test_native_matches_reference(isa, (130, 5, 100, 40, 2, 4, True))
 
 
 def test_bad_task_width_is_refused(task_shape):
-    for shape in ((0, 256), (4, 0), (4, 100), (4, 256, 0), (4, 256, -2), (4, 256, 1 << 31)):
+    for shape in ((0, 256), (4, 0), (4, 100), (4, 256, 0), (4, 256, -2), (4, 256, 1 << 31), (4, 256, 64, -2),
+                  (4, 256, 64, 1 << 31)):
         with pytest.raises(ValueError, match="task shape"):
             task_shape(*shape)
 
@@ -467,8 +470,8 @@ def test_knob_setters_hand_back_what_they_replace():
     from moecc import _C
 
     defaults = _C.set_task_shape(3, 48)
-    assert tuple(defaults) == (8, 256, 1024)  # the built-in shape (expert_ffn.h); rows unchanged by -1
-    assert tuple(_C.set_task_shape(*defaults)) == (3, 48, 1024)
+    assert tuple(defaults) == (8, 256, 1024, 0)  # the built-in shape (expert_ffn.h); rows unchanged by -1
+    assert tuple(_C.set_task_shape(*defaults)) == (3, 48, 1024, 0)
     amx = _C.set_amx_tuning(128, 0, 0)
     assert tuple(amx) == (0, 64, 0, 1024)  # panel_gemm.h; the input-gradient pass follows the forward's (-1)
     assert tuple(_C.set_amx_tuning(*amx)) == (128, 0, 0, 128)

@@ -34,10 +34,23 @@ constexpr int64_t kTokenBlock = 64;       // rows per elementwise task
 std::atomic<int64_t> panels_per_task{8};
 std::atomic<int64_t> grad_columns_per_task{256};
 std::atomic<int64_t> product_rows{1024};
+// Rows per product call inside a task (0: all of them): the task's output tile is this many rows, so its epilogue
+// reads it from L1/L2 instead of after the whole task (1024 x 256 floats: 1 MB, as large as the weight slice).
+std::atomic<int64_t> product_block_rows{0};
 
 struct Task {
   int64_t expert, begin, end, col0, col1;
 };
+
+// Calls fn(sub) for the consecutive row blocks of `task` of at most `block` rows (0: one block), each a Task of
+// the same expert and columns.
+template <typename Fn>
+void for_row_blocks(const Task& task, int64_t block, Fn&& fn) {
+  const int64_t step = block > 0 ? block : task.end - task.begin;
+  for (int64_t begin = task.begin; begin < task.end; begin += step) {
+    fn(Task{task.expert, begin, std::min(task.end, begin + step), task.col0, task.col1});
+  }
+}
 
 // (expert, row block, column block) tasks over `columns` outputs in steps of `step`, largest row blocks first.
 std::vector<Task> make_tasks(const int64_t* offsets, int64_t experts, int64_t columns, int64_t step,
@@ -365,7 +378,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   PhaseClock clock(forward_times);
   const PanelGemm& gemm = panel_gemm(isa);
   const Dims d(shapes);
-  const int64_t task_rows = product_rows.load();  // one shape for the whole call
+  const int64_t task_rows = product_rows.load(), block_rows = product_block_rows.load();  // one shape a call
   const LoraFactors gate_up_lora = with_rows_of_b(gate_up_peft, 2 * d.I, d.E, scratch.b_gu, pool);
   const LoraFactors down_lora = with_rows_of_b(down_peft, d.H, d.E, scratch.b_down, pool);
   const std::vector<Task> rows = make_tasks(routing.offsets, d.E, 1, 1);
@@ -384,17 +397,20 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   run_tasks(pool, make_tasks(routing.offsets, d.E, gu_panels, panels_per_task.load(), task_rows), [&](const Task& task) {
     thread_local AlignedBuffer<float> block;
     thread_local AlignedBuffer<uint16_t> panels;
-    const int64_t n = task.end - task.begin, width = (task.col1 - task.col0) * kPanelRows;
+    const int64_t width = (task.col1 - task.col0) * kPanelRows;
     const int64_t col0 = task.col0 * kPanelRows, col1 = std::min(2 * d.I, task.col1 * kPanelRows);
-    float* const tile = block.get(n * width);
     const uint16_t* const slice = weight_slice(gemm, weights.gate_up + task.expert * d.gu_size,
                                                weights.packed_gate_up, task, 2 * d.I, d.H, panels);
-    gemm.forward(xg + task.begin * d.ld_x, d.ld_x, n, slice, d.h_k, 0, task.col1 - task.col0, tile, width);
-    add_lora_block(gate_up_lora, task.expert, 2 * d.I, inner_gu, task, col0, col1, tile, width);
-    for (int64_t g = task.begin; g < task.end; ++g) {
-      const float* row = tile + (g - task.begin) * width;
-      to_bf16(row, io.gate_up_out + g * 2 * d.I + col0, col1 - col0);
-    }
+    for_row_blocks(task, block_rows, [&](const Task& rows_block) {
+      const int64_t n = rows_block.end - rows_block.begin;
+      float* const tile = block.get(n * width);
+      gemm.forward(xg + rows_block.begin * d.ld_x, d.ld_x, n, slice, d.h_k, 0, task.col1 - task.col0, tile, width);
+      add_lora_block(gate_up_lora, task.expert, 2 * d.I, inner_gu, rows_block, col0, col1, tile, width);
+      for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
+        const float* row = tile + (g - rows_block.begin) * width;
+        to_bf16(row, io.gate_up_out + g * 2 * d.I + col0, col1 - col0);
+      }
+    });
   });
 
   clock.mark("gate_up");
@@ -405,17 +421,21 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   run_tasks(pool, make_tasks(routing.offsets, d.E, down_panels, panels_per_task.load(), task_rows), [&](const Task& task) {
     thread_local AlignedBuffer<float> block;
     thread_local AlignedBuffer<uint16_t> panels;
-    const int64_t n = task.end - task.begin, width = (task.col1 - task.col0) * kPanelRows;
+    const int64_t width = (task.col1 - task.col0) * kPanelRows;
     const int64_t col0 = task.col0 * kPanelRows, col1 = std::min(d.H, task.col1 * kPanelRows);
-    float* const tile = block.get(n * width);
     const uint16_t* const slice =
         weight_slice(gemm, weights.down + task.expert * d.down_size, weights.packed_down, task, d.H, d.I, panels);
-    gemm.forward(act + task.begin * d.ld_act, d.ld_act, n, slice, d.i_k, 0, task.col1 - task.col0, tile, width);
-    add_lora_block(down_lora, task.expert, d.H, inner_down, task, col0, col1, tile, width);
-    for (int64_t g = task.begin; g < task.end; ++g) {
-      const float* row = tile + (g - task.begin) * width;
-      to_bf16(row, per_pair + routing.order[g] * d.H + col0, col1 - col0);
-    }
+    for_row_blocks(task, block_rows, [&](const Task& rows_block) {
+      const int64_t n = rows_block.end - rows_block.begin;
+      float* const tile = block.get(n * width);
+      gemm.forward(act + rows_block.begin * d.ld_act, d.ld_act, n, slice, d.i_k, 0, task.col1 - task.col0, tile,
+                   width);
+      add_lora_block(down_lora, task.expert, d.H, inner_down, rows_block, col0, col1, tile, width);
+      for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
+        const float* row = tile + (g - rows_block.begin) * width;
+        to_bf16(row, per_pair + routing.order[g] * d.H + col0, col1 - col0);
+      }
+    });
   });
 
   clock.mark("down");
@@ -500,7 +520,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   PhaseClock clock(backward_times);
   const PanelGemm& gemm = panel_gemm(isa);
   const Dims d(shapes);
-  const int64_t task_rows = product_rows.load();  // one shape for the whole call
+  const int64_t task_rows = product_rows.load(), block_rows = product_block_rows.load();  // one shape a call
   const LoraFactors gate_up_lora = with_rows_of_b(gate_up_peft, 2 * d.I, d.E, scratch.b_gu, pool);
   const LoraFactors down_lora = with_rows_of_b(down_peft, d.H, d.E, scratch.b_down, pool);
   // B gradients accumulate as rows of B^T (zeroed here) and are laid back into PEFT's layout at the end.
@@ -573,40 +593,45 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   float* const inner_gu_parts = scratch.inner_gu_parts.get(d.pairs * chunks * 2 * r_gu);  // gate, up halves
   run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, chunk_columns, task_rows), [&](const Task& task) {
     thread_local AlignedBuffer<float> block, dg_pair;
-    const int64_t n = task.end - task.begin, width = task.col1 - task.col0, chunk = task.col0 / chunk_columns;
+    thread_local AlignedBuffer<uint16_t> columns;
+    const int64_t width = task.col1 - task.col0, chunk = task.col0 / chunk_columns;
     const int64_t ld = round_up(width, kPanelRows);  // the task's columns only, padded as input_grad may write
     const bool last = task.col1 == d.I;               // writes the rows' zero padding
-    float* const tile = block.get(n * ld);
     float* const dg = dg_pair.get(2 * width);  // one row's d gate, d up for the chunk
-    gemm.input_grad(dy_bf16 + task.begin * d.ld_dy, d.ld_dy, n, weights.down + task.expert * d.down_size, d.H, d.I,
-                    task.col0, task.col1, tile, ld);
+    uint16_t* const packed = columns.get(column_panel_elements(d.H, task.col0, task.col1));
+    gemm.pack_columns(weights.down + task.expert * d.down_size, d.H, d.I, task.col0, task.col1, packed);
     const float* a = down_lora.a ? down_lora.a + task.expert * down_lora.rank * d.I + task.col0 : nullptr;
     const float* b_t = gate_up_lora.a ? gate_up_lora.b + task.expert * gate_up_lora.rank * 2 * d.I : nullptr;
-    for (int64_t g = task.begin; g < task.end; ++g) {
-      float* const grad_act = tile + (g - task.begin) * ld;
-      if (a) {
-        for (int64_t r = 0; r < down_lora.rank; ++r) {
-          axpy(grad_inner_down[g * down_lora.rank + r], a + r * d.I, grad_act, width);
+    for_row_blocks(task, block_rows, [&](const Task& rows_block) {
+      float* const tile = block.get((rows_block.end - rows_block.begin) * ld);
+      gemm.input_grad(dy_bf16 + rows_block.begin * d.ld_dy, d.ld_dy, rows_block.end - rows_block.begin, packed, d.H,
+                      ld / kPanelRows, tile, ld);
+      for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
+        float* const grad_act = tile + (g - rows_block.begin) * ld;
+        if (a) {
+          for (int64_t r = 0; r < down_lora.rank; ++r) {
+            axpy(grad_inner_down[g * down_lora.rank + r], a + r * d.I, grad_act, width);
+          }
+        }
+        const uint16_t* gate = io.gate_up_out + g * 2 * d.I + task.col0;
+        const uint16_t* up = gate + d.I;
+        uint16_t* const act_row = act + g * d.ld_act;
+        swiglu_row(gate, up, act_row + task.col0, width);
+        if (last) std::fill(act_row + d.I, act_row + d.ld_act, uint16_t{0});
+        routing_parts[g * chunks + chunk] = dot_bf16(act_row + task.col0, grad_act, width);
+        swiglu_grad_row(gate, up, grad_act, routing.weights[routing.order[g]], dg, dg + width, width);
+        uint16_t* const dg_row = grad_gu_bf16 + g * d.ld_dgu;
+        to_bf16(dg, dg_row + task.col0, width);
+        to_bf16(dg + width, dg_row + d.I + task.col0, width);
+        if (last) std::fill(dg_row + 2 * d.I, dg_row + d.ld_dgu, uint16_t{0});
+        if (b_t) {
+          const int64_t rank = gate_up_lora.rank;
+          float* const parts = inner_gu_parts + (g * chunks + chunk) * 2 * rank;
+          rank_dots(dg, b_t + task.col0, 2 * d.I, rank, width, gate_up_lora.scaling, parts);
+          rank_dots(dg + width, b_t + d.I + task.col0, 2 * d.I, rank, width, gate_up_lora.scaling, parts + rank);
         }
       }
-      const uint16_t* gate = io.gate_up_out + g * 2 * d.I + task.col0;
-      const uint16_t* up = gate + d.I;
-      uint16_t* const act_row = act + g * d.ld_act;
-      swiglu_row(gate, up, act_row + task.col0, width);
-      if (last) std::fill(act_row + d.I, act_row + d.ld_act, uint16_t{0});
-      routing_parts[g * chunks + chunk] = dot_bf16(act_row + task.col0, grad_act, width);
-      swiglu_grad_row(gate, up, grad_act, routing.weights[routing.order[g]], dg, dg + width, width);
-      uint16_t* const dg_row = grad_gu_bf16 + g * d.ld_dgu;
-      to_bf16(dg, dg_row + task.col0, width);
-      to_bf16(dg + width, dg_row + d.I + task.col0, width);
-      if (last) std::fill(dg_row + 2 * d.I, dg_row + d.ld_dgu, uint16_t{0});
-      if (b_t) {
-        const int64_t rank = gate_up_lora.rank;
-        float* const parts = inner_gu_parts + (g * chunks + chunk) * 2 * rank;
-        rank_dots(dg, b_t + task.col0, 2 * d.I, rank, width, gate_up_lora.scaling, parts);
-        rank_dots(dg + width, b_t + d.I + task.col0, 2 * d.I, rank, width, gate_up_lora.scaling, parts + rank);
-      }
-    }
+    });
   });
 
   clock.mark("down_input_grad");
@@ -631,21 +656,26 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   // d hidden per pair = dG W_gate_up + (s dG B) A.
   run_tasks(pool, make_tasks(routing.offsets, d.E, d.H, grad_columns_per_task.load(), task_rows), [&](const Task& task) {
     thread_local AlignedBuffer<float> block;
-    const int64_t n = task.end - task.begin, width = task.col1 - task.col0;
+    thread_local AlignedBuffer<uint16_t> columns;
+    const int64_t width = task.col1 - task.col0;
     const int64_t ld = round_up(width, kPanelRows);  // the task's columns only, padded as input_grad may write
-    float* const tile = block.get(n * ld);
-    gemm.input_grad(grad_gu_bf16 + task.begin * d.ld_dgu, d.ld_dgu, n, weights.gate_up + task.expert * d.gu_size,
-                    2 * d.I, d.H, task.col0, task.col1, tile, ld);
+    uint16_t* const packed = columns.get(column_panel_elements(2 * d.I, task.col0, task.col1));
+    gemm.pack_columns(weights.gate_up + task.expert * d.gu_size, 2 * d.I, d.H, task.col0, task.col1, packed);
     const float* a = gate_up_lora.a ? gate_up_lora.a + task.expert * gate_up_lora.rank * d.H : nullptr;
-    for (int64_t g = task.begin; g < task.end; ++g) {
-      float* row = tile + (g - task.begin) * ld;
-      if (a) {
-        for (int64_t r = 0; r < gate_up_lora.rank; ++r) {
-          axpy(grad_inner_gu[g * gate_up_lora.rank + r], a + r * d.H + task.col0, row, width);
+    for_row_blocks(task, block_rows, [&](const Task& rows_block) {
+      float* const tile = block.get((rows_block.end - rows_block.begin) * ld);
+      gemm.input_grad(grad_gu_bf16 + rows_block.begin * d.ld_dgu, d.ld_dgu, rows_block.end - rows_block.begin,
+                      packed, 2 * d.I, ld / kPanelRows, tile, ld);
+      for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
+        float* row = tile + (g - rows_block.begin) * ld;
+        if (a) {
+          for (int64_t r = 0; r < gate_up_lora.rank; ++r) {
+            axpy(grad_inner_gu[g * gate_up_lora.rank + r], a + r * d.H + task.col0, row, width);
+          }
         }
+        to_bf16(row, per_pair + routing.order[g] * d.H + task.col0, width);
       }
-      to_bf16(row, per_pair + routing.order[g] * d.H + task.col0, width);
-    }
+    });
   });
 
   clock.mark("gate_up_input_grad");
@@ -665,15 +695,17 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   clock.mark("sum_slots");
 }
 
-std::array<int64_t, 3> set_task_shape(int64_t panels, int64_t grad_columns, int64_t rows) {
+std::array<int64_t, 4> set_task_shape(int64_t panels, int64_t grad_columns, int64_t rows, int64_t block_rows) {
+  constexpr int64_t kMax = int64_t{1} << 30;
   if (panels < 1 || grad_columns < kPanelRows || grad_columns % kPanelRows != 0 || rows == 0 || rows < -1 ||
-      rows > (int64_t{1} << 30) || panels > (int64_t{1} << 30) || grad_columns > (int64_t{1} << 30)) {
+      rows > kMax || panels > kMax || grad_columns > kMax || block_rows < -1 || block_rows > kMax) {
     throw std::invalid_argument("task shape: panels per task must be >= 1, gradient columns per task a positive "
-                                "multiple of " + std::to_string(kPanelRows) + " and rows per task >= 1 (-1: "
-                                "unchanged), each at most 2^30");
+                                "multiple of " + std::to_string(kPanelRows) + ", rows per task >= 1 and rows per "
+                                "product call >= 0 (0: the whole task; -1: unchanged), each at most 2^30");
   }
   return {panels_per_task.exchange(panels), grad_columns_per_task.exchange(grad_columns),
-          rows < 0 ? product_rows.load() : product_rows.exchange(rows)};
+          rows < 0 ? product_rows.load() : product_rows.exchange(rows),
+          block_rows < 0 ? product_block_rows.load() : product_block_rows.exchange(block_rows)};
 }
 
 }  // namespace moecc::kernels

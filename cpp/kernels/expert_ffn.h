@@ -93,10 +93,12 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
                          const BackwardIo& io, moecc::pool::ThreadPool& pool);
 
 // Shape of the product tasks: forward output panels (of 16 columns) per task, input-gradient columns per task (a
-// multiple of 16), and rows per task (-1: unchanged). Wider tasks re-read each block of rows fewer times but hold
-// a larger weight slice in L2 and make fewer tasks; taller ones read each weight slice once per more rows but
-// split a hot expert over fewer threads. Defaults 8, 256 and 1024; for benchmarks and tests (throws
-// std::invalid_argument on bad values). Returns the previous three.
-std::array<int64_t, 3> set_task_shape(int64_t panels_per_task, int64_t grad_columns_per_task, int64_t rows = -1);
+// multiple of 16), rows per task, and rows per product call within a task (its epilogue, the LoRA term and the
+// bf16 rounding, runs on each block while the block is in cache; 0: the whole task at once). -1: unchanged.
+// Wider tasks re-read each block of rows fewer times but hold a larger weight slice in L2 and make fewer tasks;
+// taller ones read each weight slice once per more rows but split a hot expert over fewer threads. Defaults 8,
+// 256, 1024 and 0; for benchmarks and tests (throws std::invalid_argument on bad values). Returns the previous four.
+std::array<int64_t, 4> set_task_shape(int64_t panels_per_task, int64_t grad_columns_per_task, int64_t rows = -1,
+                                      int64_t block_rows = -1);
 
 }  // namespace moecc::kernels

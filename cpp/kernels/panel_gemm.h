@@ -22,14 +22,17 @@ struct PanelGemm {
   // @param out    fp32 [tokens, ldo]; written, not accumulated.
   void (*forward)(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed, int64_t k_padded,
                   int64_t p0, int64_t p1, float* out, int64_t ldo);
-  // dx[t][c - k0] = sum_r dy[t][r] * W[r][c] for t < tokens and k0 <= c < k1, k0 a multiple of 16, from the
-  // row-major W [n, k] itself. Columns k1 - k0 .. round_up(k1 - k0, 16) - 1 of dx may be written too (padding).
+  // Lays columns [k0, k1) of a row-major bf16 W [n, k] out as the panels of its transpose (output j = column
+  // k0 + j, K = the n rows, padded to padded_k(n)) into `dst`: column_panel_elements(n, k0, k1) elements, rows
+  // past n and columns past k zero. Input-gradient tasks pack once and run input_grad on row blocks.
+  void (*pack_columns)(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t k1, uint16_t* dst);
+  // dx[t][j] = sum_r dy[t][r] * W[r][k0 + j] for t < tokens, j < 16 * chunks, from pack_columns' panels of W's
+  // columns [k0, k1) (chunks = (k1 - k0 + 15) / 16); columns past k1 - k0 of dx hold zeros or padding.
   // @param dy     bf16 [tokens, ld_dy], ld_dy >= padded_k(n) (a multiple of 32, not just of 16), columns
   //               n..padded_k(n) zero.
-  // @param dx     fp32 [tokens, ld_dx], its column 0 being W's column k0: a compact tile (ld_dx >= k1 - k0
-  //               rounded up to 16) or a view into a wider buffer; written, not accumulated.
-  void (*input_grad)(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* w, int64_t n, int64_t k,
-                     int64_t k0, int64_t k1, float* dx, int64_t ld_dx);
+  // @param dx     fp32 [tokens, ld_dx], ld_dx >= 16 * chunks; written, not accumulated.
+  void (*input_grad)(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* columns, int64_t n,
+                     int64_t chunks, float* dx, int64_t ld_dx);
 };
 
 const PanelGemm& panel_gemm_portable();
@@ -52,13 +55,13 @@ int64_t set_amx_token_group(int64_t rows);
 // (W[2r][col], W[2r+1][col]), rows past n zero, n_tiles a multiple of 32 >= n), so input gradients run on a
 // forward kernel.
 void pack_rows_avx512(const uint16_t* w, int64_t n, int64_t k, int64_t p0, int64_t p1, uint16_t* dst);
-// PanelGemm::input_grad for the AVX512-BF16 and AMX variants: the needed columns through pack_columns_avx512
-// into per-thread scratch (L2-sized), then the variant's `forward` on them.
-void input_grad_through_columns(decltype(PanelGemm::forward) forward, const uint16_t* dy, int64_t ld_dy,
-                                int64_t tokens, const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t k1,
-                                float* dx, int64_t ld_dx);
 void pack_columns_avx512(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t chunks, int64_t n_tiles,
                          uint16_t* dst);
+
+// Elements pack_columns writes for columns [k0, k1) of a matrix with n rows.
+inline int64_t column_panel_elements(int64_t n, int64_t k0, int64_t k1) {
+  return (k1 - k0 + 15) / 16 * 16 * ((n + 31) / 32 * 32);
+}
 
 // The variant for `isa`; throws std::invalid_argument if this build or CPU cannot run it.
 const PanelGemm& panel_gemm(Isa isa);

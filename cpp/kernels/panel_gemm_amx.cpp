@@ -187,9 +187,13 @@ MOECC_AMX void pack_rows(const uint16_t* w, int64_t n, int64_t k, int64_t p0, in
   pack_rows_avx512(w, n, k, p0, p1, dst);
 }
 
-MOECC_AMX void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* w, int64_t n,
-                          int64_t k, int64_t k0, int64_t k1, float* dx, int64_t ld_dx) {
-  input_grad_through_columns(forward_for_input_grad, dy, ld_dy, tokens, w, n, k, k0, k1, dx, ld_dx);
+MOECC_AMX void pack_columns(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t k1, uint16_t* dst) {
+  pack_columns_avx512(w, n, k, k0, (k1 - k0 + 15) / 16, padded_k(n), dst);
+}
+
+MOECC_AMX void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* columns, int64_t n,
+                          int64_t chunks, float* dx, int64_t ld_dx) {
+  forward_for_input_grad(dy, ld_dy, tokens, columns, padded_k(n), 0, chunks, dx, ld_dx);
 }
 
 }  // namespace
@@ -215,7 +219,7 @@ int64_t set_amx_token_group(int64_t rows) {
 }
 
 const PanelGemm& panel_gemm_amx() {
-  static const PanelGemm gemm{pack_rows, forward, input_grad};
+  static const PanelGemm gemm{pack_rows, forward, pack_columns, input_grad};
   return gemm;
 }
 

@@ -9,7 +9,6 @@
 #include <algorithm>
 
 
-#include "aligned_buffer.h"
 #include "panel_gemm.h"
 #include "weight_packing.h"
 
@@ -167,32 +166,26 @@ MOECC_AVX512BF16 void pack_columns_avx512(const uint16_t* w, int64_t n, int64_t 
   }
 }
 
-// The transposed panels' K is n, padded to a multiple of 32 as AMX tiles need (dy has zero columns there).
-void input_grad_through_columns(decltype(PanelGemm::forward) forward, const uint16_t* dy, int64_t ld_dy,
-                                int64_t tokens, const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t k1,
-                                float* dx, int64_t ld_dx) {
-  thread_local AlignedBuffer<uint16_t> scratch;
-  const int64_t chunks = (k1 - k0 + 15) / 16, n_tiles = padded_k(n);
-  uint16_t* const panels = scratch.get(chunks * n_tiles * kPanelRows);
-  pack_columns_avx512(w, n, k, k0, chunks, n_tiles, panels);
-  forward(dy, ld_dy, tokens, panels, n_tiles, 0, chunks, dx, ld_dx);
-}
-
 namespace {
 
 MOECC_AVX512BF16 void pack_rows(const uint16_t* w, int64_t n, int64_t k, int64_t p0, int64_t p1, uint16_t* dst) {
   pack_rows_avx512(w, n, k, p0, p1, dst);
 }
 
-MOECC_AVX512BF16 void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* w, int64_t n,
-                                 int64_t k, int64_t k0, int64_t k1, float* dx, int64_t ld_dx) {
-  input_grad_through_columns(forward, dy, ld_dy, tokens, w, n, k, k0, k1, dx, ld_dx);
+// The transposed panels' K is n, padded to a multiple of 32 as AMX tiles need (dy has zero columns there).
+MOECC_AVX512BF16 void pack_columns(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t k1, uint16_t* dst) {
+  pack_columns_avx512(w, n, k, k0, (k1 - k0 + 15) / 16, padded_k(n), dst);
+}
+
+MOECC_AVX512BF16 void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* columns,
+                                 int64_t n, int64_t chunks, float* dx, int64_t ld_dx) {
+  forward(dy, ld_dy, tokens, columns, padded_k(n), 0, chunks, dx, ld_dx);
 }
 
 }  // namespace
 
 const PanelGemm& panel_gemm_avx512bf16() {
-  static const PanelGemm gemm{pack_rows, forward, input_grad};
+  static const PanelGemm gemm{pack_rows, forward, pack_columns, input_grad};
   return gemm;
 }
 

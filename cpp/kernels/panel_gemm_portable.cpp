@@ -38,21 +38,24 @@ void pack_rows(const uint16_t* w, int64_t n, int64_t k, int64_t p0, int64_t p1, 
   }
 }
 
-void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* w, int64_t n, int64_t k,
-                int64_t k0, int64_t k1, float* dx, int64_t ld_dx) {
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t c = k0; c < k1; ++c) {
-      float acc = 0.0f;
-      for (int64_t r = 0; r < n; ++r) acc += bf16_to_float(dy[t * ld_dy + r]) * bf16_to_float(w[r * k + c]);
-      dx[t * ld_dx + c - k0] = acc;
-    }
+// The panels of W's transpose, element by element: what pack_columns_avx512 writes with vector shuffles.
+void pack_columns(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t k1, uint16_t* dst) {
+  const int64_t n_tiles = padded_k(n);
+  std::fill(dst, dst + column_panel_elements(n, k0, k1), uint16_t{0});
+  for (int64_t col = k0; col < std::min(k1, k); ++col) {
+    for (int64_t row = 0; row < n; ++row) dst[packed_offset(col - k0, row, n_tiles)] = w[row * k + col];
   }
+}
+
+void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* columns, int64_t n,
+                int64_t chunks, float* dx, int64_t ld_dx) {
+  forward(dy, ld_dy, tokens, columns, padded_k(n), 0, chunks, dx, ld_dx);
 }
 
 }  // namespace
 
 const PanelGemm& panel_gemm_portable() {
-  static const PanelGemm gemm{pack_rows, forward, input_grad};
+  static const PanelGemm gemm{pack_rows, forward, pack_columns, input_grad};
   return gemm;
 }
 
