@@ -123,7 +123,10 @@ def make_case(shape: str, tokens: int, kind: str, rank: int):
                       torch.randn(hidden, rank * experts, generator=g) * 0.01, 2.0, experts)
     x = torch.randn(tokens, hidden, generator=g).bfloat16()
     index, w = routing(tokens, experts, top_k, kind, g)
-    grad_out = torch.randn(tokens, hidden, generator=g)
+    # bf16, as autograd hands it over: the layer's output is bf16 (the model's dtype), and so is its gradient in a
+    # training step (co-compute passes it on as it arrives). A float32 gradient would add a conversion and a
+    # float32 input gradient, page-faulted fresh each call, that no bf16 model pays.
+    grad_out = torch.randn(tokens, hidden, generator=g).bfloat16()
     return weights, gate_up, down, x, index, w, grad_out
 
 
@@ -133,7 +136,7 @@ def loop_times(shape: str, tokens: int, kind: str, rank: int) -> tuple[float, fl
     xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
     forward = median_time(lambda: torch_loop(weights, xb, index, wb, gate_up, down), 1)
     out = torch_loop(weights, xb, index, wb, gate_up, down)
-    backward = median_time(lambda: out.backward(grad_out.bfloat16(), retain_graph=True), 1)
+    backward = median_time(lambda: out.backward(grad_out, retain_graph=True), 1)
     return forward, backward
 
 
@@ -214,10 +217,10 @@ def main() -> None:
                         help="AMX kernel knobs (K values per pass of the forward products, A-row and weight-tile "
                              "prefetch distances in K values, 0 = off; K values per pass of the input gradients, "
                              "default as the forward); default: built-in (0,64,0,1024)")
-    parser.add_argument("--task-shape", default=None, metavar="PANELS,GRAD_COLUMNS[,ROWS]",
+    parser.add_argument("--task-shape", default=None, metavar="PANELS,GRAD_COLUMNS[,ROWS[,BLOCK_ROWS]]",
                         help="shape of the product tasks: forward output panels of 16 columns per task, input-"
-                             "gradient columns per task (multiple of 16), rows per task; default: built-in "
-                             "(8,256,1024)")
+                             "gradient columns per task (multiple of 16), rows per task, rows per product call "
+                             "inside a task (0: all); default: built-in (8,256,1024,0)")
     parser.add_argument("--amx-token-group", type=int, default=None, metavar="ROWS",
                         help="AMX loop order: 0 walks each K pass over all of a task's tokens, > 0 finishes groups "
                              "of that many tokens over all of K first; default: built-in (32)")
