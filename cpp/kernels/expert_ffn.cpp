@@ -30,12 +30,15 @@ constexpr int64_t kTokenBlock = 64;       // rows per elementwise task
 // rows of an expert. With 256 rows, at 8192 tokens (Qwen3-30B-A3B) the gate/up weights crossed it about 356 times
 // per layer call, 2.2 GB: a quarter of the product's time at the AMX host's DRAM rate. Locally (2 cores,
 // AVX512-BF16, interleaved) 1024 rows took forward + backward from 970 to 894-944 ms at 4096 tokens and changed
-// nothing at 1024; not yet measured on the AMX host.
+// nothing at 1024. On the AMX host (2026-11-29) 512 and 2048 rows were within that day's spread of 1024, as were
+// 16 panels and 128 gradient columns.
 std::atomic<int64_t> panels_per_task{8};
 std::atomic<int64_t> grad_columns_per_task{256};
 std::atomic<int64_t> product_rows{1024};
 // Rows per product call inside a task (0: all of them): the task's output tile is this many rows, so its epilogue
 // reads it from L1/L2 instead of after the whole task (1024 x 256 floats: 1 MB, as large as the weight slice).
+// Off: on the AMX host blocks of 64, 128 and 256 rows scored 0.99, 1.02 and 0.99 of whole tasks (interleaved,
+// 1024-8192 tokens), within the spread.
 std::atomic<int64_t> product_block_rows{0};
 
 struct Task {
