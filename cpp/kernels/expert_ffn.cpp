@@ -397,7 +397,8 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   clock.mark("gather");
 
   const int64_t gu_panels = padded_rows(2 * d.I) / kPanelRows;
-  run_tasks(pool, make_tasks(routing.offsets, d.E, gu_panels, panels_per_task.load(), task_rows), [&](const Task& task) {
+  const std::vector<Task> gu_tasks = make_tasks(routing.offsets, d.E, gu_panels, panels_per_task.load(), task_rows);
+  run_tasks(pool, gu_tasks, [&](const Task& task) {
     thread_local AlignedBuffer<float> block;
     thread_local AlignedBuffer<uint16_t> panels;
     const int64_t width = (task.col1 - task.col0) * kPanelRows;
@@ -421,7 +422,9 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   clock.mark("activate");
 
   const int64_t down_panels = padded_rows(d.H) / kPanelRows;
-  run_tasks(pool, make_tasks(routing.offsets, d.E, down_panels, panels_per_task.load(), task_rows), [&](const Task& task) {
+  const std::vector<Task> down_tasks =
+      make_tasks(routing.offsets, d.E, down_panels, panels_per_task.load(), task_rows);
+  run_tasks(pool, down_tasks, [&](const Task& task) {
     thread_local AlignedBuffer<float> block;
     thread_local AlignedBuffer<uint16_t> panels;
     const int64_t width = (task.col1 - task.col0) * kPanelRows;
@@ -561,7 +564,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
                  [&](int64_t g) { return io.hidden + routing.order[g] / d.k * d.H; }, inner_gu_scratch);
     });
   }
-  // The activation again, whole rows, only where the forward did not keep act A_down (it needs all of I); else
+  // The activation again as whole rows only where the forward did not keep act A_down (it needs all of I); else
   // the fused input-gradient tasks below write act chunk by chunk.
   if (recompute_down) activate(d, io.gate_up_out, down_lora, rows, act, inner_down_scratch, pool);
   clock.mark("activate");
@@ -588,12 +591,14 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   // backward of its chunk while the chunk is in cache: act again (bf16, rounded as the forward did), d gate and
   // d up (bf16, into grad_gu_bf16), and the chunk's parts of the two row sums that need all of I: act . d act (the
   // routing-weight gradient) and s dG B. Parts are kept per chunk and added in chunk order after the phase, so
-  // results do not depend on which thread ran what. Done as separate passes (act, d act in float32, then the
-  // SwiGLU backward), d act alone was a float32 row per pair written and read back: 200 MB at 8192 tokens.
+  // results do not depend on which thread ran what (they do, in the last bits, on the chunk width, the gradient
+  // columns of set_task_shape). Done as separate passes (act, d act in float32, then the SwiGLU backward), d act
+  // alone was a float32 row per pair written and read back: 200 MB at 8192 tokens.
   const int64_t chunk_columns = grad_columns_per_task.load();
   const int64_t chunks = (d.I + chunk_columns - 1) / chunk_columns;
   float* const routing_parts = scratch.routing_parts.get(d.pairs * chunks);
-  float* const inner_gu_parts = scratch.inner_gu_parts.get(d.pairs * chunks * 2 * r_gu);  // gate, up halves
+  float* const inner_gu_parts =  // gate, up halves
+      gate_up_lora.a ? scratch.inner_gu_parts.get(d.pairs * chunks * 2 * gate_up_lora.rank) : nullptr;
   run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, chunk_columns, task_rows), [&](const Task& task) {
     thread_local AlignedBuffer<float> block, dg_pair;
     thread_local AlignedBuffer<uint16_t> columns;
@@ -619,8 +624,10 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
         const uint16_t* gate = io.gate_up_out + g * 2 * d.I + task.col0;
         const uint16_t* up = gate + d.I;
         uint16_t* const act_row = act + g * d.ld_act;
-        swiglu_row(gate, up, act_row + task.col0, width);
-        if (last) std::fill(act_row + d.I, act_row + d.ld_act, uint16_t{0});
+        if (!recompute_down) {  // else activate wrote the whole rows
+          swiglu_row(gate, up, act_row + task.col0, width);
+          if (last) std::fill(act_row + d.I, act_row + d.ld_act, uint16_t{0});
+        }
         routing_parts[g * chunks + chunk] = dot_bf16(act_row + task.col0, grad_act, width);
         swiglu_grad_row(gate, up, grad_act, routing.weights[routing.order[g]], dg, dg + width, width);
         uint16_t* const dg_row = grad_gu_bf16 + g * d.ld_dgu;
@@ -657,7 +664,9 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   });
   clock.mark("row_sums");
   // d hidden per pair = dG W_gate_up + (s dG B) A.
-  run_tasks(pool, make_tasks(routing.offsets, d.E, d.H, grad_columns_per_task.load(), task_rows), [&](const Task& task) {
+  const std::vector<Task> hidden_tasks =
+      make_tasks(routing.offsets, d.E, d.H, grad_columns_per_task.load(), task_rows);
+  run_tasks(pool, hidden_tasks, [&](const Task& task) {
     thread_local AlignedBuffer<float> block;
     thread_local AlignedBuffer<uint16_t> columns;
     const int64_t width = task.col1 - task.col0;

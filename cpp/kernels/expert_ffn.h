@@ -4,9 +4,10 @@
 // p = t*k + j; `order` lists pair ids grouped by expert (token_grouping.h), grouped position g = index in
 // `order`. Base weights are the model's own, per expert gate_up [2I, H] (gate rows, then up rows) and
 // down [H, I], row-major; each product task packs the slice it needs (weight_packing.h) into per-thread
-// scratch, so host memory holds the experts once. LoRA factors are fp32 in PEFT's layout: A [E*r, in] expert-major (= [E, r, in]) and
-// B [out, r*E] rank-major (expert e's column j is j*E + e); y = x W^T + s (x A_e^T) B_e^T. B is re-laid
-// internally as B^T [E, r, out] (rows the loops read contiguously) and its gradient laid back.
+// scratch, so host memory holds the experts once. LoRA factors are fp32 in PEFT's layout: A [E*r, in]
+// expert-major (= [E, r, in]) and B [out, r*E] rank-major (expert e's column j is j*E + e);
+// y = x W^T + s (x A_e^T) B_e^T. B is re-laid internally as B^T [E, r, out] (rows the loops read contiguously)
+// and its gradient laid back.
 // Products take bf16 inputs and accumulate in fp32; gate/up outputs are kept in bf16 for backward.
 #pragma once
 
@@ -93,8 +94,10 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
                          const BackwardIo& io, moecc::pool::ThreadPool& pool);
 
 // Shape of the product tasks: forward output panels (of 16 columns) per task, input-gradient columns per task (a
-// multiple of 16), rows per task, and rows per product call within a task (its epilogue, the LoRA term and the
-// bf16 rounding, runs on each block while the block is in cache; 0: the whole task at once). -1: unchanged.
+// multiple of 16; also the chunks whose parts the backward's row sums add, so it moves the routing and gate/up A
+// gradients in their last bits), rows per task, and rows per product call within a task (its epilogue, the LoRA
+// term and the bf16 rounding, runs on each block while the block is in cache; 0: the whole task at once). rows
+// and block_rows take -1 for unchanged.
 // Wider tasks re-read each block of rows fewer times but hold a larger weight slice in L2 and make fewer tasks;
 // taller ones read each weight slice once per more rows but split a hot expert over fewer threads. Defaults 8,
 // 256, 1024 and 0; for benchmarks and tests (throws std::invalid_argument on bad values). Returns the previous four.

@@ -50,8 +50,8 @@ MOECC_AMX void configure(int rows0, int rows1) {
 // 199, 347 vs 389). Earlier, passes of 256 had beaten 1024 (8192-token forward 131 vs 145 ms).
 // k_block_input_grad: the same for the input gradients (K = the product's output width; 1536 for gate/up).
 // token_group: tokens finished over all of K before the next start (0: each pass walks all of a task's tokens).
-// With passes, groups of 32 keep a block's C rows (32 x 256 floats at most: 32 KB) in L1 between passes; with
-// one pass it changes nothing.
+// With passes, groups of 32 keep a block's C rows in L1 between passes (32 x 128 floats, 16 KB, for an 8-panel
+// forward task; 32 x 256, 32 KB, for a 256-column input-gradient task); with one pass it changes nothing.
 int64_t k_block = 0;
 int64_t k_block_input_grad = 1024;
 int64_t token_group = 32;
@@ -89,11 +89,11 @@ MOECC_AMX void block(const uint16_t* x, int64_t ldx, int rows, const uint16_t* p
       for (int r = 0; r < rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(x + r * ldx + k + ahead), _MM_HINT_T0);
     }
     if (b_ahead > 0 && k + b_ahead < k1) {  // one B tile is 16 cache lines, contiguous
-      const uint16_t* next = panel0 + (k + b_ahead) * kPanelRows;
-      for (int line = 0; line < 16; ++line) _mm_prefetch(reinterpret_cast<const char*>(next + line * 32), _MM_HINT_T0);
+      const char* next = reinterpret_cast<const char*>(panel0 + (k + b_ahead) * kPanelRows);
+      for (int line = 0; line < 16; ++line) _mm_prefetch(next + line * 64, _MM_HINT_T0);
       if (TWO_B) {
-        next = panel1 + (k + b_ahead) * kPanelRows;
-        for (int line = 0; line < 16; ++line) _mm_prefetch(reinterpret_cast<const char*>(next + line * 32), _MM_HINT_T0);
+        next = reinterpret_cast<const char*>(panel1 + (k + b_ahead) * kPanelRows);
+        for (int line = 0; line < 16; ++line) _mm_prefetch(next + line * 64, _MM_HINT_T0);
       }
     }
     const int64_t b_offset = k * kPanelRows;  // 16 pair rows of 32 bf16 per 32 values of K
@@ -142,8 +142,9 @@ inline void block_rows(int64_t tokens, int64_t t0, int& rows0, int& rows1) {
 
 // Loop order (token_group): 0 walks each K pass over all the task's tokens, so a 32-token block's C tiles go
 // to `out` and back once per pass (the whole task's rows x width floats, in L2); > 0 finishes groups of that many
-// tokens over all of K first, so a group's C rows (32 x 128 floats: 16 KB at one block) stay in L1 between
-// passes, at the cost of streaming the task's weight slice from L2 once per group instead of once per pass.
+// tokens over all of K first, so a group's C rows (32 x 128 floats, 16 KB, for one block of an 8-panel task)
+// stay in L1 between passes, at the cost of streaming the task's weight slice from L2 once per group instead of
+// once per pass.
 MOECC_AMX void forward_in_passes(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed,
                                  int64_t k_padded, int64_t p0, int64_t p1, float* out, int64_t ldo, int64_t pass,
                                  int64_t group) {
