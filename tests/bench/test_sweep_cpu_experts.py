@@ -1,0 +1,45 @@
+"""benchmarks/sweep_cpu_experts.py: its setting syntax, and one small interleaved sweep end to end."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sweep_cpu_experts.py"
+
+
+def _module():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("sweep_cpu_experts", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def test_settings_parse_into_knob_values():
+    parse = _module().parse_setting
+    assert parse("one-pass:amx=0,64,0,1024/group=32") == ("one-pass", {"amx": [0, 64, 0, 1024], "group": [32]})
+    assert parse("wide:task=16,256,1024,0") == ("wide", {"task": [16, 256, 1024, 0]})
+    for bad, message in (("nocolon", "expected NAME"), ("x:speed=1", "unknown knob"), ("x:group=1,2", "1 values"),
+                         ("x:task=a,b,c,d", "integers"), (":group=1", "expected NAME")):
+        with pytest.raises(ValueError, match=message):
+            parse(bad)
+
+
+def test_sweep_times_every_setting_and_writes_its_table(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--tokens", "16,32", "--reps", "2", "--setting",
+                           "narrow:task=2,32,64,16", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = next(tmp_path.glob("cpu_experts_sweep_*.md")).read_text().splitlines()
+    rows = [line.split(" | ") for line in table if line.startswith("| default") or line.startswith("| narrow")]
+    assert [(r[0], r[1]) for r in rows] == [("| default", "16"), ("| default", "32"), ("| narrow", "16"),
+                                            ("| narrow", "32")]
+    assert all(float(r[4]) > 0 for r in rows)  # best forward + backward, ms
+    assert rows[0][-1] == "1.000 |"  # the defaults' score against themselves
