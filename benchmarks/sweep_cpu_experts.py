@@ -114,7 +114,8 @@ def main() -> None:
     lines = [f"`python benchmarks/sweep_cpu_experts.py {' '.join(sys.argv[1:])}` ({native.isa}, "
              f"{_ops.num_threads()} threads, {args.shape}, {args.routing} routing, best of {args.reps} interleaved "
              f"reps; default = amx {defaults['amx']}, task {defaults['task']}, group {defaults['group'][0]})", "",
-             "| setting | tokens | forward ms | backward ms | sum | median sum | score |", "|---|---|---|---|---|---|---|"]
+             "| setting | tokens | forward ms | backward ms | sum | median sum | score |",
+             "|---|---|---|---|---|---|---|"]
     for name in settings:
         for t in tokens:
             median = statistics.median(f + b for f, b in times[name, t]) * 1e3
