@@ -162,12 +162,22 @@ def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: N
 
     state = {}
 
+    def give_back_results():  # as co-compute does once they are on the device: later calls reuse their pages
+        for key in ("out", "grad"):
+            if key in state:
+                native.release_result(state.pop(key))
+
     def forward():
+        give_back_results()
         state["out"], state["saved"] = native.forward(weights, x, index, w, gate_up, down)
+
+    def backward():
+        state["grad"] = native.backward(weights, state["saved"], grad_out, gate_up, down)[0]
 
     def release():  # as a training step's backward would: the next forward reuses the saved buffers
         if "saved" in state:
             native.release(state["saved"])
+        give_back_results()
 
     from moecc import _C
 
@@ -178,8 +188,7 @@ def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: N
     forward_phases = {name: round(sec * 1e3, 2) for name, sec in _C.last_phase_times(False)}
     # A forward's saved state serves one backward (its buffers go back to the pool), so each backward gets a
     # fresh, untimed forward.
-    backward_s = median_time(lambda: native.backward(weights, state["saved"], grad_out, gate_up, down), reps,
-                             setup=forward)
+    backward_s = median_time(backward, reps, setup=forward)
     backward_phases = {name: round(sec * 1e3, 2) for name, sec in _C.last_phase_times(True)}
     # Host memory the kernels add while they run: the weights are read in place (no copy); this is their scratch
     # (per routed pair, shared by all layers of a model), this layer's saved activations and LoRA re-layouts.

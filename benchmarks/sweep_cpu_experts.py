@@ -104,10 +104,12 @@ def main() -> None:
                 for t in tokens:
                     weights, gate_up, down, x, index, w, grad_out = cases[t]
                     start = time.perf_counter()
-                    _, saved = native.forward(weights, x, index, w, gate_up, down)
+                    out, saved = native.forward(weights, x, index, w, gate_up, down)
                     middle = time.perf_counter()
-                    native.backward(weights, saved, grad_out, gate_up, down)
+                    grad = native.backward(weights, saved, grad_out, gate_up, down)[0]
                     times.setdefault((name, t), []).append((middle - start, time.perf_counter() - middle))
+                    native.release_result(out)  # as co-compute does once they are on the device
+                    native.release_result(grad)
     finally:
         apply(defaults)
     best = {key: (min(f for f, _ in runs) * 1e3, min(b for _, b in runs) * 1e3) for key, runs in times.items()}

@@ -512,3 +512,28 @@ def test_amx_matches_reference_under_every_k_pass_setting(knobs):
     assert rel_err(grads[0], ref_grads[0]) <= 2e-2 and rel_err(grads[1], ref_grads[1]) <= 2e-2
     for got, want in zip(vars(grads[2]).values(), vars(ref_grads[2]).values()):
         assert rel_err(got, want) <= 2e-2
+
+
+def test_released_results_are_reused_and_never_handed_out_twice():
+    """bf16 outputs and input gradients given back through release_result come back from later calls (same pages)
+    with correct values; one released twice still goes to one caller at a time; other dtypes are not pooled."""
+    weights, x, index, w, gate_up, down = _problem(40, 5, 64, 32, 2, 4, seed=3)
+    native = NativeExperts(_ops.best_isa())
+    want, saved = native.forward(weights, x, index, w, gate_up, down)
+    grad_out = torch.randn(40, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    want_grad = native.backward(weights, saved, grad_out, gate_up, down)[0]
+    first = want.clone()
+    native.release_result(want)
+    native.release_result(want)  # twice: must not come back for two live results
+    again, saved = native.forward(weights, x, index, w, gate_up, down)
+    assert again.data_ptr() == want.data_ptr() and torch.equal(again, first)
+    other, saved_other = native.forward(weights, x, index, w, gate_up, down)
+    assert other.data_ptr() != again.data_ptr() and torch.equal(other, first)
+    native.release(saved_other)
+    grad = native.backward(weights, saved, grad_out, gate_up, down)[0]
+    _, saved = native.forward(weights, x, index, w, gate_up, down)  # before the release: it would take the pages
+    native.release_result(grad)
+    grad_again = native.backward(weights, saved, grad_out, gate_up, down)[0]
+    assert grad_again.data_ptr() == grad.data_ptr() and torch.equal(grad_again, want_grad)
+    native.release_result(torch.zeros(40, 64))  # float32: not the pool's
+    assert all(b.dtype == torch.bfloat16 for b in native._results._free)

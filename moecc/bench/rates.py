@@ -217,10 +217,12 @@ def cpu_expert_passes(shape: dict, tokens: list[int], rank: int = RANK) -> tuple
 
     def forward(batch):
         hidden, index, routing, _ = batch
-        return native.forward(weights, hidden, index, routing, *lora)[1]
+        out, saved = native.forward(weights, hidden, index, routing, *lora)
+        native.release_result(out)  # as co-compute does once the output is on the device
+        return saved
 
     def backward(saved, batch):
-        native.backward(weights, saved, batch[3], *lora)
+        native.release_result(native.backward(weights, saved, batch[3], *lora)[0])
 
     return _timed_passes(shape, tokens, torch.device("cpu"), forward, backward)
 

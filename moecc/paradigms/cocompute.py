@@ -84,6 +84,11 @@ class CoComputeEngine:
         # One worker: layers are sequential, and the kernels parallelise inside a call.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecc-experts")
 
+    def release_result(self, host: torch.Tensor) -> None:
+        """Hands a CPU expert output or input gradient back to the kernel backend once it is on the device."""
+        if self.native is not None:
+            self.native.release_result(host)
+
     def reset_metrics(self) -> None:
         """Starts a new measurement window for :meth:`metrics_since_reset`."""
         self.metrics.reset()
@@ -113,6 +118,9 @@ class ExpertJob:
         self.future: Future | None = None
         self.saved: SavedState | None = None
         self.shape: tuple | None = None  # (hidden shape, top_k shape) it was submitted with
+        # A checkpointed layer's recomputation replays this job, copying its host output to the device again, until
+        # its backward has run: its output goes back to the backend then, not once first copied.
+        self.may_replay = False
 
     def compute(self, staged: HostCopy) -> torch.Tensor:
         engine = self.layer.engine
@@ -143,6 +151,8 @@ class PendingExperts:
         engine.metrics.wait_s += time.perf_counter() - start
         with torch.no_grad(), record_function("moecc.cpu_experts.to_device"):
             engine.staging.copy_to_device("out", host, self._output)
+        if not self._job.may_replay:  # copied and never needed again: a later forward writes into these pages
+            engine.release_result(host)
         return self._output
 
 
@@ -209,6 +219,7 @@ class CoComputeLayer:
             # Forwards whose graph was dropped without a backward leave dead references: drop them here.
             self.pending_backward = [ref for ref in self.pending_backward if ref() is not None]
             self.pending_backward.append(weakref.ref(job))
+            job.may_replay = True
         output = CpuExpertsFunction.apply(hidden, top_k_weights, job, *lora_tensors(job.lora))
         return PendingExperts(output, job)
 
@@ -245,9 +256,13 @@ class CpuExpertsFunction(torch.autograd.Function):
             grad_hidden, grad_weights, lora_grads = engine.backward_fn(job.weights, job.saved,
                                                                        views["grad_out"], *job.lora)
         engine.metrics.cpu_backward_s += time.perf_counter() - start
-        job.saved = None  # release host activations as soon as they are used
+        job.saved = None  # release host activations as soon as they are used (and the job can no longer replay)
+        if job.may_replay:
+            engine.release_result(job.future.result())
         job.layer.pending_backward = [ref for ref in job.layer.pending_backward if ref() not in (job, None)]
         staging = engine.staging
-        grad_hidden = staging.to_device("grad_hidden", grad_hidden.to(ctx.hidden_dtype))
+        host_grad_hidden = grad_hidden
+        grad_hidden = staging.to_device("grad_hidden", host_grad_hidden.to(ctx.hidden_dtype))
+        engine.release_result(host_grad_hidden)  # copied: the next layer's backward writes into these pages
         grad_weights = staging.to_device("grad_weights", grad_weights.to(ctx.weights_dtype))
         return (grad_hidden, grad_weights, None, *factor_gradients(job.lora, lora_grads))

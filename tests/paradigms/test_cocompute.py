@@ -78,3 +78,41 @@ def test_forwards_without_backward_leave_nothing_pending():
     gc.collect()
     engine(input_ids=ids, labels=ids)
     assert all(len(layer.pending_backward) <= 2 for layer in engine.moecc.layers)
+
+
+def test_bf16_checkpoint_replays_read_outputs_the_kernels_have_not_reused():
+    """In bf16 the CPU experts' outputs come from the kernels' result pool. A checkpointed region whose
+    recomputation reaches the experts (here an op after them saves their output) replays the first job, copying
+    its host output to the device again; so that output goes back to the pool only at the job's backward. Had it
+    gone back once first copied, the next layer's forward (between this forward and the backward) would have
+    written over it. Gradients equal those of the same step without checkpointing, bit for bit."""
+    from torch.utils.checkpoint import checkpoint
+
+    _, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), backend="native")
+    first, second = engine.moecc.layers[:2]
+    generator = torch.Generator().manual_seed(0)
+    tokens, experts, top_k = 24, engine.config.num_experts, engine.config.num_experts_per_tok
+    hidden = torch.randn(tokens, engine.config.hidden_size, generator=generator).bfloat16()
+    index = torch.rand(tokens, experts, generator=generator).topk(top_k, dim=1).indices
+    routing = torch.rand(tokens, top_k, generator=generator).bfloat16()
+    calls = []
+    forward_fn = first.engine.forward_fn
+    first.engine.forward_fn = lambda *args: calls.append(1) or forward_fn(*args)
+
+    def region(x):
+        return torch.sin(first.submit(x, index, routing).result())  # sin saves the experts' output
+
+    def step(checkpointing):
+        engine.zero_grad(set_to_none=True)
+        x = hidden.clone().requires_grad_()
+        y = checkpoint(region, x, use_reentrant=False) if checkpointing else region(x)
+        second.submit(y, index, routing).result().float().square().sum().backward()
+        return [x.grad] + [p.grad.clone() for p in engine.parameters() if p.grad is not None]
+
+    plain = step(False)
+    assert first.engine.native._results._free  # outputs and input gradients went back to the pool
+    calls.clear()
+    checkpointed = step(True)
+    assert len(calls) == 2  # each layer's experts ran once: the recomputation replayed the first
+    assert len(plain) == len(checkpointed) > 1
+    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
