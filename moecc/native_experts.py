@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 import warnings
 
 import torch
@@ -58,6 +59,10 @@ class _BufferPool:
 
     def __init__(self) -> None:
         self._free: list[torch.Tensor] = []
+        # The tensors take() handed out and give() has not had back, weakly (one its caller drops just goes): give()
+        # pools only these very objects, so a foreign tensor, or one given back twice (its pages meanwhile lent
+        # again as another tensor), never reaches two callers at once.
+        self._lent: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()  # forwards run on the engine's worker thread, backwards on autograd's
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -77,13 +82,17 @@ class _BufferPool:
                 buffer = None
         if buffer is None:
             buffer = torch.empty(numel, dtype=dtype)
-        return buffer[:numel].view(shape)
+        lent = buffer[:numel].view(shape)  # a view: its _base is the buffer
+        with self._lock:
+            self._lent[id(lent)] = lent
+        return lent
 
     def give(self, tensor: torch.Tensor) -> None:
-        buffer = tensor if tensor._base is None else tensor._base
+        """Takes back a tensor take() handed out; anything else (or a second give) is ignored."""
         with self._lock:
-            if all(b is not buffer for b in self._free):  # given twice, it would be handed out twice
-                self._free.append(buffer)
+            if self._lent.get(id(tensor)) is tensor:
+                del self._lent[id(tensor)]
+                self._free.append(tensor._base)
 
 
 OMP_WAIT_POLICY_ADVICE = (
@@ -227,7 +236,8 @@ class NativeExperts:
         """Hands back a bf16 output of :meth:`forward` or input gradient of :meth:`backward` once the caller is done
         with it (co-compute: once it is copied to the device), so a later call writes into the same pages instead
         of page-faulting fresh ones (a [T, H] bf16 tensor: 33.5 MB at 8192 tokens for Qwen3-30B-A3B). The tensor
-        must not be used afterwards: a later call overwrites it. Other tensors (other dtypes, devices) are ignored.
+        must not be used afterwards: a later call overwrites it. Tensors this object did not hand out, and a second
+        release of one, are ignored.
         """
         if tensor.dtype == torch.bfloat16 and tensor.device.type == "cpu":
             self._results.give(tensor)

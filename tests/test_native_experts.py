@@ -362,9 +362,12 @@ def test_buffer_pool_hands_out_the_smallest_fitting_buffer_once():
     from moecc.native_experts import _BufferPool
 
     pool = _BufferPool()
-    buffers = [torch.zeros(n, dtype=torch.bfloat16) for n in (100, 10, 50)]
-    for buffer in buffers:
-        pool.give(buffer)
+    lent = [pool.take((n,), torch.bfloat16) for n in (100, 10, 50)]
+    buffers = [tensor._base for tensor in lent]
+    for tensor in lent:
+        pool.give(tensor)
+    pool.give(lent[0])  # again: ignored, or the 100 would be handed out twice below
+    pool.give(torch.zeros(60, dtype=torch.bfloat16))  # not the pool's: ignored
     taken = pool.take((4, 10), torch.bfloat16)  # 40 elements: the 50-element buffer, not the first or largest
     assert taken.shape == (4, 10) and taken._base is buffers[2]
     again = pool.take((4, 10), torch.bfloat16)  # the 50 is out now: the 100 is next
@@ -536,4 +539,21 @@ def test_released_results_are_reused_and_never_handed_out_twice():
     grad_again = native.backward(weights, saved, grad_out, gate_up, down)[0]
     assert grad_again.data_ptr() == grad.data_ptr() and torch.equal(grad_again, want_grad)
     native.release_result(torch.zeros(40, 64))  # float32: not the pool's
-    assert all(b.dtype == torch.bfloat16 for b in native._results._free)
+    native.release_result(torch.zeros(40, 64, dtype=torch.bfloat16))  # bf16, but not handed out by it
+    assert native._results._free == []
+
+
+def test_a_result_released_again_after_it_was_lent_again_is_ignored():
+    """release(a), a later call lends the same pages as b, release(a) again: the next call must not get b's pages
+    while b is live."""
+    weights, x, index, w, gate_up, down = _problem(40, 5, 64, 32, 2, 4, seed=3)
+    native = NativeExperts(_ops.best_isa())
+    a, saved = native.forward(weights, x, index, w, gate_up, down)
+    native.release(saved)
+    native.release_result(a)
+    b, saved = native.forward(weights, x, index, w, gate_up, down)
+    native.release(saved)
+    assert b.data_ptr() == a.data_ptr()
+    native.release_result(a)  # stale: b holds these pages now
+    c, _ = native.forward(weights, x, index, w, gate_up, down)
+    assert c.data_ptr() != b.data_ptr()

@@ -116,3 +116,15 @@ def test_bf16_checkpoint_replays_read_outputs_the_kernels_have_not_reused():
     assert len(calls) == 2  # each layer's experts ran once: the recomputation replayed the first
     assert len(plain) == len(checkpointed) > 1
     assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed))
+
+
+def test_outputs_of_layers_on_the_reference_backend_do_not_pile_up_in_the_kernels_pool():
+    """gpt-oss's experts run on the reference math under the default backend; their outputs are not the kernels'
+    to reuse, so handing them back leaves the pool as it was instead of growing it every step."""
+    _, engine = build_pair("gpt_oss", torch.bfloat16, lora_config("gpt_oss"), backend="auto")
+    native = engine.moecc.engine.native
+    assert native is not None and not any(native.supports(layer.weights) for layer in engine.moecc.layers)
+    (ids, mask, labels), = batches(engine.config.vocab_size, 1, pad=True)
+    for _ in range(3):
+        engine(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    assert native._results._free == []
