@@ -371,6 +371,48 @@ const uint16_t* weight_slice(const PanelGemm& gemm, const uint16_t* w, const uin
   return slice;
 }
 
+// A forward product task: the task's panels of W [n, k] (from `packed`, or packed now) against the grouped rows
+// x by row blocks (set_task_shape), each block's tile getting its LoRA term and leaving in bf16 at
+// out_row(g) + the task's first column.
+template <typename OutRow>
+void forward_product(const PanelGemm& gemm, const Task& task, int64_t block_rows, const uint16_t* x, int64_t ld_x,
+                     const uint16_t* w, const uint16_t* packed, int64_t n, int64_t k, const LoraFactors& lora,
+                     const float* inner, OutRow out_row) {
+  thread_local AlignedBuffer<float> block;
+  thread_local AlignedBuffer<uint16_t> panels;
+  const int64_t width = (task.col1 - task.col0) * kPanelRows;
+  const int64_t col0 = task.col0 * kPanelRows, col1 = std::min(n, task.col1 * kPanelRows);
+  const uint16_t* const slice = weight_slice(gemm, w, packed, task, n, k, panels);
+  for_row_blocks(task, block_rows, [&](const Task& rows_block) {
+    const int64_t rows = rows_block.end - rows_block.begin;
+    float* const tile = block.get(rows * width);
+    gemm.forward(x + rows_block.begin * ld_x, ld_x, rows, slice, padded_k(k), 0, task.col1 - task.col0, tile, width);
+    add_lora_block(lora, task.expert, n, inner, rows_block, col0, col1, tile, width);
+    for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
+      to_bf16(tile + (g - rows_block.begin) * width, out_row(g) + col0, col1 - col0);
+    }
+  });
+}
+
+// An input-gradient task: W's [n, k] columns [task.col0, task.col1) packed once, then dx = dy W for them by row
+// blocks, each block's tile (rows x ld floats, ld the columns rounded up to 16; column 0 = W's column col0) handed
+// to epilogue(rows_block, tile, ld).
+template <typename Epilogue>
+void input_grad_product(const PanelGemm& gemm, const Task& task, int64_t block_rows, const uint16_t* dy,
+                        int64_t ld_dy, const uint16_t* w, int64_t n, int64_t k, Epilogue&& epilogue) {
+  thread_local AlignedBuffer<float> block;
+  thread_local AlignedBuffer<uint16_t> columns;
+  const int64_t chunks = column_chunks(task.col0, task.col1), ld = chunks * kPanelRows;
+  uint16_t* const packed = columns.get(column_panel_elements(n, task.col0, task.col1));
+  gemm.pack_columns(w, n, k, task.col0, task.col1, packed);
+  for_row_blocks(task, block_rows, [&](const Task& rows_block) {
+    const int64_t rows = rows_block.end - rows_block.begin;
+    float* const tile = block.get(rows * ld);
+    gemm.input_grad(dy + rows_block.begin * ld_dy, ld_dy, rows, packed, n, chunks, tile, ld);
+    epilogue(rows_block, tile, ld);
+  });
+}
+
 }  // namespace
 
 void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrices& weights,
@@ -399,22 +441,9 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   const int64_t gu_panels = padded_rows(2 * d.I) / kPanelRows;
   const std::vector<Task> gu_tasks = make_tasks(routing.offsets, d.E, gu_panels, panels_per_task.load(), task_rows);
   run_tasks(pool, gu_tasks, [&](const Task& task) {
-    thread_local AlignedBuffer<float> block;
-    thread_local AlignedBuffer<uint16_t> panels;
-    const int64_t width = (task.col1 - task.col0) * kPanelRows;
-    const int64_t col0 = task.col0 * kPanelRows, col1 = std::min(2 * d.I, task.col1 * kPanelRows);
-    const uint16_t* const slice = weight_slice(gemm, weights.gate_up + task.expert * d.gu_size,
-                                               weights.packed_gate_up, task, 2 * d.I, d.H, panels);
-    for_row_blocks(task, block_rows, [&](const Task& rows_block) {
-      const int64_t n = rows_block.end - rows_block.begin;
-      float* const tile = block.get(n * width);
-      gemm.forward(xg + rows_block.begin * d.ld_x, d.ld_x, n, slice, d.h_k, 0, task.col1 - task.col0, tile, width);
-      add_lora_block(gate_up_lora, task.expert, 2 * d.I, inner_gu, rows_block, col0, col1, tile, width);
-      for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
-        const float* row = tile + (g - rows_block.begin) * width;
-        to_bf16(row, io.gate_up_out + g * 2 * d.I + col0, col1 - col0);
-      }
-    });
+    forward_product(gemm, task, block_rows, xg, d.ld_x, weights.gate_up + task.expert * d.gu_size,
+                    weights.packed_gate_up, 2 * d.I, d.H, gate_up_lora, inner_gu,
+                    [&](int64_t g) { return io.gate_up_out + g * 2 * d.I; });
   });
 
   clock.mark("gate_up");
@@ -425,23 +454,9 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   const std::vector<Task> down_tasks =
       make_tasks(routing.offsets, d.E, down_panels, panels_per_task.load(), task_rows);
   run_tasks(pool, down_tasks, [&](const Task& task) {
-    thread_local AlignedBuffer<float> block;
-    thread_local AlignedBuffer<uint16_t> panels;
-    const int64_t width = (task.col1 - task.col0) * kPanelRows;
-    const int64_t col0 = task.col0 * kPanelRows, col1 = std::min(d.H, task.col1 * kPanelRows);
-    const uint16_t* const slice =
-        weight_slice(gemm, weights.down + task.expert * d.down_size, weights.packed_down, task, d.H, d.I, panels);
-    for_row_blocks(task, block_rows, [&](const Task& rows_block) {
-      const int64_t n = rows_block.end - rows_block.begin;
-      float* const tile = block.get(n * width);
-      gemm.forward(act + rows_block.begin * d.ld_act, d.ld_act, n, slice, d.i_k, 0, task.col1 - task.col0, tile,
-                   width);
-      add_lora_block(down_lora, task.expert, d.H, inner_down, rows_block, col0, col1, tile, width);
-      for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
-        const float* row = tile + (g - rows_block.begin) * width;
-        to_bf16(row, per_pair + routing.order[g] * d.H + col0, col1 - col0);
-      }
-    });
+    forward_product(gemm, task, block_rows, act, d.ld_act, weights.down + task.expert * d.down_size,
+                    weights.packed_down, d.H, d.I, down_lora, inner_down,
+                    [&](int64_t g) { return per_pair + routing.order[g] * d.H; });
   });
 
   clock.mark("down");
@@ -600,20 +615,14 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   float* const inner_gu_parts =  // gate, up halves
       gate_up_lora.a ? scratch.inner_gu_parts.get(d.pairs * chunks * 2 * gate_up_lora.rank) : nullptr;
   run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, chunk_columns, task_rows), [&](const Task& task) {
-    thread_local AlignedBuffer<float> block, dg_pair;
-    thread_local AlignedBuffer<uint16_t> columns;
+    thread_local AlignedBuffer<float> dg_pair;
     const int64_t width = task.col1 - task.col0, chunk = task.col0 / chunk_columns;
-    const int64_t ld = round_up(width, kPanelRows);  // the task's columns only, padded as input_grad may write
-    const bool last = task.col1 == d.I;               // writes the rows' zero padding
+    const bool last = task.col1 == d.I;        // writes the rows' zero padding
     float* const dg = dg_pair.get(2 * width);  // one row's d gate, d up for the chunk
-    uint16_t* const packed = columns.get(column_panel_elements(d.H, task.col0, task.col1));
-    gemm.pack_columns(weights.down + task.expert * d.down_size, d.H, d.I, task.col0, task.col1, packed);
     const float* a = down_lora.a ? down_lora.a + task.expert * down_lora.rank * d.I + task.col0 : nullptr;
     const float* b_t = gate_up_lora.a ? gate_up_lora.b + task.expert * gate_up_lora.rank * 2 * d.I : nullptr;
-    for_row_blocks(task, block_rows, [&](const Task& rows_block) {
-      float* const tile = block.get((rows_block.end - rows_block.begin) * ld);
-      gemm.input_grad(dy_bf16 + rows_block.begin * d.ld_dy, d.ld_dy, rows_block.end - rows_block.begin, packed, d.H,
-                      ld / kPanelRows, tile, ld);
+    input_grad_product(gemm, task, block_rows, dy_bf16, d.ld_dy, weights.down + task.expert * d.down_size, d.H, d.I,
+                       [&](const Task& rows_block, float* tile, int64_t ld) {
       for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
         float* const grad_act = tile + (g - rows_block.begin) * ld;
         if (a) {
@@ -667,17 +676,10 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   const std::vector<Task> hidden_tasks =
       make_tasks(routing.offsets, d.E, d.H, grad_columns_per_task.load(), task_rows);
   run_tasks(pool, hidden_tasks, [&](const Task& task) {
-    thread_local AlignedBuffer<float> block;
-    thread_local AlignedBuffer<uint16_t> columns;
     const int64_t width = task.col1 - task.col0;
-    const int64_t ld = round_up(width, kPanelRows);  // the task's columns only, padded as input_grad may write
-    uint16_t* const packed = columns.get(column_panel_elements(2 * d.I, task.col0, task.col1));
-    gemm.pack_columns(weights.gate_up + task.expert * d.gu_size, 2 * d.I, d.H, task.col0, task.col1, packed);
     const float* a = gate_up_lora.a ? gate_up_lora.a + task.expert * gate_up_lora.rank * d.H : nullptr;
-    for_row_blocks(task, block_rows, [&](const Task& rows_block) {
-      float* const tile = block.get((rows_block.end - rows_block.begin) * ld);
-      gemm.input_grad(grad_gu_bf16 + rows_block.begin * d.ld_dgu, d.ld_dgu, rows_block.end - rows_block.begin,
-                      packed, 2 * d.I, ld / kPanelRows, tile, ld);
+    input_grad_product(gemm, task, block_rows, grad_gu_bf16, d.ld_dgu, weights.gate_up + task.expert * d.gu_size,
+                       2 * d.I, d.H, [&](const Task& rows_block, float* tile, int64_t ld) {
       for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
         float* row = tile + (g - rows_block.begin) * ld;
         if (a) {

@@ -6,6 +6,8 @@
 #include <array>
 #include <cstdint>
 
+#include "weight_packing.h"
+
 namespace moecc::kernels {
 
 enum class Isa { kPortable = 0, kAvx512Bf16 = 1, kAmx = 2 };
@@ -58,9 +60,11 @@ void pack_rows_avx512(const uint16_t* w, int64_t n, int64_t k, int64_t p0, int64
 void pack_columns_avx512(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t chunks, int64_t n_tiles,
                          uint16_t* dst);
 
-// Elements pack_columns writes for columns [k0, k1) of a matrix with n rows.
+// The 16-column chunks (panels) pack_columns lays out for columns [k0, k1), and the elements it writes for a
+// matrix with n rows.
+inline int64_t column_chunks(int64_t k0, int64_t k1) { return (k1 - k0 + kPanelRows - 1) / kPanelRows; }
 inline int64_t column_panel_elements(int64_t n, int64_t k0, int64_t k1) {
-  return (k1 - k0 + 15) / 16 * 16 * ((n + 31) / 32 * 32);
+  return column_chunks(k0, k1) * kPanelRows * padded_k(n);
 }
 
 // The variant for `isa`; throws std::invalid_argument if this build or CPU cannot run it.

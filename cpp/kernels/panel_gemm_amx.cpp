@@ -189,7 +189,7 @@ MOECC_AMX void pack_rows(const uint16_t* w, int64_t n, int64_t k, int64_t p0, in
 }
 
 MOECC_AMX void pack_columns(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t k1, uint16_t* dst) {
-  pack_columns_avx512(w, n, k, k0, (k1 - k0 + 15) / 16, padded_k(n), dst);
+  pack_columns_avx512(w, n, k, k0, column_chunks(k0, k1), padded_k(n), dst);
 }
 
 MOECC_AMX void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* columns, int64_t n,

@@ -174,7 +174,7 @@ MOECC_AVX512BF16 void pack_rows(const uint16_t* w, int64_t n, int64_t k, int64_t
 
 // The transposed panels' K is n, padded to a multiple of 32 as AMX tiles need (dy has zero columns there).
 MOECC_AVX512BF16 void pack_columns(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t k1, uint16_t* dst) {
-  pack_columns_avx512(w, n, k, k0, (k1 - k0 + 15) / 16, padded_k(n), dst);
+  pack_columns_avx512(w, n, k, k0, column_chunks(k0, k1), padded_k(n), dst);
 }
 
 MOECC_AVX512BF16 void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* columns,
