@@ -239,8 +239,7 @@ class NativeExperts:
         must not be used afterwards: a later call overwrites it. Tensors this object did not hand out, and a second
         release of one, are ignored.
         """
-        if tensor.dtype == torch.bfloat16 and tensor.device.type == "cpu":
-            self._results.give(tensor)
+        self._results.give(tensor)
 
     def release(self, saved: SavedState) -> None:
         """Hands a forward's saved buffers back for reuse when no backward will consume them."""
