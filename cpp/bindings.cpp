@@ -4,15 +4,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <pthread.h>
-#include <sched.h>
-
-#include <chrono>
 #include <cstdint>
-#include <mutex>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "kernels/cpu_features.h"
@@ -42,26 +36,6 @@ void pool_raise_test(int64_t n, int64_t failing_task) {
   moecc::pool::global_pool()->run(n, [failing_task](int64_t task, int) {
     if (task == failing_task) throw std::runtime_error("task " + std::to_string(task) + " failed on purpose");
   });
-}
-
-// The CPUs in the calling thread's affinity mask while it runs a task of a pool job (thread id 0): the pool's
-// free CPU when it pins the caller.
-std::vector<int> pool_caller_cpus_test() {
-  std::vector<int> cpus;
-  std::mutex seen;
-  moecc::pool::global_pool()->run(64, [&](int64_t, int thread_id) {
-    std::this_thread::sleep_for(std::chrono::microseconds(200));  // so the caller surely runs some task
-    if (thread_id != 0) return;
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    if (pthread_getaffinity_np(pthread_self(), sizeof(set), &set) != 0) return;
-    std::lock_guard<std::mutex> lock(seen);
-    if (!cpus.empty()) return;
-    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
-      if (CPU_ISSET(cpu, &set)) cpus.push_back(cpu);
-    }
-  });
-  return cpus;
 }
 
 using moecc::kernels::Isa;
@@ -98,9 +72,6 @@ PYBIND11_MODULE(_C, m) {
         "Whether the global pool's workers are pinned to CPUs.");
   m.def("set_num_threads", &moecc::pool::reset_global_pool, py::arg("num_threads"), py::arg("pin_threads") = true,
         py::call_guard<py::gil_scoped_release>(), "Restart the global pool with this many threads (<1: all CPUs).");
-  m.def("set_pin_caller", &moecc::pool::set_pin_caller, py::arg("on"),
-        "Whether pinned pools move the calling thread onto their free CPU while they work (default on); returns "
-        "the previous setting. For benchmarks and tests.");
   m.def("shutdown", &moecc::pool::shutdown_global_pool, py::call_guard<py::gil_scoped_release>(),
         "Join the global pool's threads.");
 
@@ -266,5 +237,4 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("_pool_fill_test", &pool_fill_test, py::call_guard<py::gil_scoped_release>());
   m.def("_pool_raise_test", &pool_raise_test, py::call_guard<py::gil_scoped_release>());
-  m.def("_pool_caller_cpus_test", &pool_caller_cpus_test, py::call_guard<py::gil_scoped_release>());
 }

@@ -72,27 +72,6 @@ def test_pool_can_be_replaced_while_another_thread_runs_jobs():
     assert not worker.is_alive() and not failures
 
 
-def test_pool_pins_its_caller_to_the_free_cpu_only_while_it_works():
-    """A pinned pool runs its caller on the one CPU no worker has (the first of the mask) during a job, and
-    gives the caller its own mask back after; with set_pin_caller(False) the caller keeps its mask throughout."""
-    import os
-
-    from moecc import _C
-
-    before = os.sched_getaffinity(0)
-    try:
-        _ops.set_num_threads(0)
-        during = _C._pool_caller_cpus_test()
-        # one CPU: no workers, the caller runs the job alone, unpinned
-        assert during == ([min(before)] if len(before) > 1 else sorted(before))
-        assert os.sched_getaffinity(0) == before
-        assert _C.set_pin_caller(False) is True  # the default
-        assert _C._pool_caller_cpus_test() == sorted(before)
-        assert os.sched_getaffinity(0) == before
-    finally:
-        _C.set_pin_caller(True)
-
-
 def test_configure_pool_applies_pinning_choice():
     try:
         _ops.configure_pool(2, pin_threads=False)

@@ -33,30 +33,6 @@ void pin_to_cpu(pthread_t thread, int cpu) {
   (void)pthread_setaffinity_np(thread, sizeof(set), &set);
 }
 
-std::atomic<bool> g_pin_caller{true};
-
-// Pins the calling thread to one CPU for its lifetime, then restores the mask it had (nothing if either fails).
-class CallerPin {
- public:
-  explicit CallerPin(int cpu) {
-    if (cpu < 0 || pthread_getaffinity_np(pthread_self(), sizeof(saved_), &saved_) != 0) return;
-    cpu_set_t one;
-    CPU_ZERO(&one);
-    CPU_SET(cpu, &one);
-    if (CPU_EQUAL(&one, &saved_)) return;  // already there
-    active_ = pthread_setaffinity_np(pthread_self(), sizeof(one), &one) == 0;
-  }
-  ~CallerPin() {
-    if (active_) (void)pthread_setaffinity_np(pthread_self(), sizeof(saved_), &saved_);
-  }
-  CallerPin(const CallerPin&) = delete;
-  CallerPin& operator=(const CallerPin&) = delete;
-
- private:
-  cpu_set_t saved_;
-  bool active_ = false;
-};
-
 // Spin this many polls before sleeping: long enough to bridge the gap between two layers' calls.
 constexpr int kSpinPolls = 20000;
 
@@ -67,14 +43,10 @@ std::shared_ptr<ThreadPool> g_pool;
 
 int available_cpus() { return static_cast<int>(allowed_cpu_ids().size()); }
 
-bool set_pin_caller(bool on) { return g_pin_caller.exchange(on); }
-
 ThreadPool::ThreadPool(int num_threads, bool pin_threads) : pinned_(pin_threads) {
   const std::vector<int> cpus = allowed_cpu_ids();
   if (num_threads < 1) num_threads = static_cast<int>(cpus.size());
   workers_.reserve(num_threads - 1);
-  // Workers take cpus[1..]; cpus[0] stays free for the caller unless the workers wrap around onto it.
-  if (pin_threads && num_threads <= static_cast<int>(cpus.size())) caller_cpu_ = cpus[0];
   for (int i = 1; i < num_threads; ++i) {
     workers_.emplace_back([this, i] { worker_loop(i); });
     if (pin_threads) pin_to_cpu(workers_.back().native_handle(), cpus[i % cpus.size()]);
@@ -140,7 +112,6 @@ void ThreadPool::run(int64_t n_tasks, const TaskFunction& fn) {
     for (int64_t task = 0; task < n_tasks; ++task) fn(task, 0);
     return;
   }
-  const CallerPin pin(g_pin_caller.load(std::memory_order_relaxed) ? caller_cpu_ : -1);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     job_ = &fn;

@@ -24,10 +24,8 @@ using TaskFunction = std::function<void(int64_t task, int thread_id)>;
 class ThreadPool {
  public:
   // @param num_threads total threads including the caller; values < 1 mean "all cores we may run on".
-  // @param pin_threads pin worker i to the i-th CPU of the process affinity mask. The calling thread is pinned
-  //        only while run() works (to the first CPU, which no worker has; see set_pin_caller) and gets its own
-  //        mask back before run() returns: threads it starts later (torch's OpenMP team) would inherit a
-  //        one-CPU mask.
+  // @param pin_threads pin worker i to the i-th CPU of the process affinity mask. The calling thread is never
+  //        pinned: threads it starts later (torch's OpenMP team) would inherit a one-CPU mask.
   ThreadPool(int num_threads, bool pin_threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -45,7 +43,6 @@ class ThreadPool {
 
   std::vector<std::thread> workers_;
   bool pinned_ = false;
-  int caller_cpu_ = -1;  // the CPU no worker is pinned to (-1: none)
   std::mutex mutex_;
   std::condition_variable wake_;
   std::condition_variable done_;
@@ -71,9 +68,5 @@ void reset_global_pool(int num_threads, bool pin_threads);
 void shutdown_global_pool();
 // Number of CPUs in this process's affinity mask.
 int available_cpus();
-// Whether pinned pools move the calling thread onto their free CPU while run() works (default on). Unpinned, the
-// scheduler may wake the caller on a worker's CPU, and the two then share that core for the next job while the
-// free CPU idles. Returns the previous setting; for benchmarks and tests.
-bool set_pin_caller(bool on);
 
 }  // namespace moecc::pool

@@ -26,7 +26,7 @@ def test_settings_parse_into_knob_values():
     parse = _module().parse_setting
     assert parse("one-pass:amx=0,64,0,1024/group=32") == ("one-pass", {"amx": [0, 64, 0, 1024], "group": [32]})
     assert parse("wide:task=16,256,1024,0") == ("wide", {"task": [16, 256, 1024, 0]})
-    assert parse("apart:fuse=0/pin=0") == ("apart", {"fuse": [0], "pin": [0]})
+    assert parse("apart:fuse=0") == ("apart", {"fuse": [0]})
     for bad, message in (("nocolon", "expected NAME"), ("x:speed=1", "unknown knob"), ("x:group=1,2", "1 values"),
                          ("x:task=a,b,c,d", "integers"), (":group=1", "expected NAME")):
         with pytest.raises(ValueError, match=message):
