@@ -10,7 +10,6 @@ A setting is NAME:KNOB=VALUES[/KNOB=VALUES...], the knobs being the extension's 
   amx=K_BLOCK,PREFETCH_A,PREFETCH_B,K_BLOCK_GRAD   (moecc._C.set_amx_tuning; AMX only)
   group=ROWS                                     (moecc._C.set_amx_token_group; AMX only)
   task=PANELS,GRAD_COLUMNS,ROWS,BLOCK_ROWS       (moecc._C.set_task_shape)
-  fuse=0|1                                       (moecc._C.set_fused_activation)
 Knobs a setting leaves out keep their built-in values.
 
     python benchmarks/sweep_cpu_experts.py --setting passes256:amx=256,64,0,1024/group=0 \\
@@ -33,7 +32,7 @@ from tqdm import tqdm  # noqa: E402
 from moecc import _C, _ops  # noqa: E402
 from moecc.native_experts import NativeExperts  # noqa: E402
 
-KNOBS = {"amx": 4, "group": 1, "task": 4, "fuse": 1}  # knob -> how many values it takes
+KNOBS = {"amx": 4, "group": 1, "task": 4}  # knob -> how many values it takes
 
 
 def parse_setting(text: str) -> tuple[str, dict[str, list[int]]]:
@@ -59,7 +58,7 @@ def parse_setting(text: str) -> tuple[str, dict[str, list[int]]]:
 def built_in() -> dict[str, list[int]]:
     """The knobs' current values (setting each to itself: the setters return what they replace)."""
     current = {"amx": list(_C.set_amx_tuning(0, 0, 0, 0)), "task": list(_C.set_task_shape(1, 16, 1, 0)),
-               "group": [_C.set_amx_token_group(0)], "fuse": [int(_C.set_fused_activation(True))]}
+               "group": [_C.set_amx_token_group(0)]}
     apply(current)
     return current
 
@@ -68,7 +67,6 @@ def apply(knobs: dict[str, list[int]]) -> None:
     _C.set_amx_tuning(*knobs["amx"])
     _C.set_task_shape(*knobs["task"])
     _C.set_amx_token_group(*knobs["group"])
-    _C.set_fused_activation(bool(knobs["fuse"][0]))
 
 
 def score(best: dict, name: str, tokens: list[int]) -> float:

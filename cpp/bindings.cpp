@@ -199,9 +199,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_task_shape", &moecc::kernels::set_task_shape, py::arg("panels_per_task"),
         py::arg("grad_columns_per_task"), py::arg("rows") = -1, py::arg("block_rows") = -1,
         "Shape of the expert product tasks (expert_ffn.h); returns the previous four. For benchmarks and tests.");
-  m.def("set_fused_activation", &moecc::kernels::set_fused_activation, py::arg("on"),
-        "Whether the forward's gate/up tasks finish the SwiGLU themselves (expert_ffn.h); returns the previous "
-        "setting. For benchmarks and tests.");
   m.def("last_phase_times", &moecc::kernels::last_phase_times, py::arg("backward"),
         "[(phase, seconds)] of the latest expert_ffn_forward (backward=False) or expert_ffn_backward call.");
 

@@ -106,49 +106,6 @@ def test_native_matches_reference_at_other_task_widths(isa, shape, task_shape):
     test_native_matches_reference(isa, (130, 5, 100, 40, 2, 4, True))
 
 
-@pytest.fixture
-def fused_activation():
-    """Sets whether the gate/up tasks finish the SwiGLU for one test, then the default again."""
-    from moecc import _C
-
-    default = _C.set_fused_activation(False)
-    yield _C.set_fused_activation
-    _C.set_fused_activation(default)
-
-
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("prepack", [False, True])
-# 3 gate panels (I = 48) in tasks of 1, 2 (a short last one) and more than all of them; rank 0 and 4; row blocks
-@pytest.mark.parametrize("shape", [(2, 256), (4, 256), (16, 256), (4, 256, 40, 7)])
-@pytest.mark.parametrize("rank", [0, 4])
-def test_fused_activation_equals_the_separate_pass(isa, prepack, shape, rank, task_shape, fused_activation):
-    """Gate/up tasks that finish the SwiGLU compute the same gate/up outputs (saved for backward) bit for bit,
-    and the same layer output (bit for bit without LoRA; with it the down LoRA's act A sums per chunk, so to
-    float rounding); the backward from either state agrees the same way."""
-    import types
-
-    task_shape(*shape)
-    weights, x, index, w, gate_up, down = _problem(130, 5, 96, 48, 2, rank, seed=11, skew=True)
-    weights.cache_owner = types.SimpleNamespace()
-    grad_out = torch.randn(130, 96, generator=torch.Generator().manual_seed(5)).bfloat16()
-    results = []
-    for fused in (False, True):
-        fused_activation(fused)
-        native = NativeExperts(isa, prepack=prepack)
-        out, saved = native.forward(weights, x, index, w, gate_up, down)
-        gate_up_out = saved.gate_up_out.clone()
-        results.append((out.clone(), gate_up_out, native.backward(weights, saved, grad_out, gate_up, down)))
-    (out0, gu0, grads0), (out1, gu1, grads1) = results
-    assert torch.equal(gu1, gu0)
-    if rank == 0:
-        assert torch.equal(out1, out0) and torch.equal(grads1[0], grads0[0])
-    else:
-        assert rel_err(out1, out0) <= 1e-2 and rel_err(grads1[0], grads0[0]) <= 1e-2
-        for got, want in zip(vars(grads1[2]).values(), vars(grads0[2]).values()):
-            assert rel_err(got, want) <= 1e-3
-    assert rel_err(out1, experts_autograd(weights, x.float(), index, w, gate_up, down)) <= 2e-2
-
-
 def test_bad_task_width_is_refused(task_shape):
     for shape in ((0, 256), (4, 0), (4, 100), (4, 256, 0), (4, 256, -2), (4, 256, 1 << 31), (4, 256, 64, -2),
                   (4, 256, 64, 1 << 31)):
@@ -523,8 +480,6 @@ def test_knob_setters_hand_back_what_they_replace():
     assert tuple(_C.set_amx_tuning(*amx)) == (128, 0, 0, 128)
     assert _C.set_amx_token_group(64) == 32  # panel_gemm.h: groups of 32 tokens
     assert _C.set_amx_token_group(32) == 64
-    assert _C.set_fused_activation(True) is False  # expert_ffn.h: off
-    assert _C.set_fused_activation(False) is True
     with pytest.raises(ValueError, match="token group"):
         _C.set_amx_token_group(-1)
 

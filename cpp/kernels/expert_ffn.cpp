@@ -40,9 +40,6 @@ std::atomic<int64_t> product_rows{1024};
 // Off: on the AMX host blocks of 64, 128 and 256 rows scored 0.99, 1.02 and 0.99 of whole tasks (interleaved,
 // 1024-8192 tokens), within the spread.
 std::atomic<int64_t> product_block_rows{0};
-// See set_fused_activation. Off: locally (2 cores, AVX512-BF16, 1024 tokens) the SwiGLU inside the tasks cost
-// 8-14 ms where the separate pass took 2.5, so gate/up + activate went from 78 to 90 ms.
-std::atomic<bool> fused_activation{false};
 
 struct Task {
   int64_t expert, begin, end, col0, col1;
@@ -354,7 +351,7 @@ namespace {
 struct Scratch {
   std::mutex mutex;
   AlignedBuffer<uint16_t> xg, act, dy_bf16, grad_gu_bf16, per_pair;
-  AlignedBuffer<float> inner_gu, inner_down, inner_down_parts, grad_inner_gu, grad_inner_down, routing_parts, inner_gu_parts,
+  AlignedBuffer<float> inner_gu, inner_down, grad_inner_gu, grad_inner_down, routing_parts, inner_gu_parts,
       row_weight, b_gu, b_down, grad_b_gu, grad_b_down;
 };
 
@@ -393,62 +390,6 @@ void forward_product(const PanelGemm& gemm, const Task& task, int64_t block_rows
     add_lora_block(lora, task.expert, n, inner, rows_block, col0, col1, tile, width);
     for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
       to_bf16(tile + (g - rows_block.begin) * width, out_row(g) + col0, col1 - col0);
-    }
-  });
-}
-
-// A gate/up task that finishes the SwiGLU: output panels [task.col0, task.col1) of gate and the same of up (W
-// [2I, k] with 16 | I, panel p of up being panel I/16 + p), so each row block's tile holds matching gate and up
-// columns. Per row: LoRA terms, bf16 gate/up into gate_up_out (kept for backward), act into `act` (zero padding
-// by the task with the last panel), and with down LoRA this chunk's part of act A_down into
-// parts[g][chunk][r] (chunk = task.col0 / the task width; the rows' sums add the parts in chunk order). This
-// saves a pass that read every gate/up row back (201 MB at 8192 tokens) after the product had written it.
-void gate_up_activate(const PanelGemm& gemm, const Dims& d, const Task& task, int64_t block_rows, const uint16_t* x,
-                      const uint16_t* w, const uint16_t* packed, const LoraFactors& gate_up_lora, const float* inner_gu,
-                      const LoraFactors& down_lora, int64_t chunk, int64_t chunks, uint16_t* gate_up_out,
-                      uint16_t* act, float* parts) {
-  thread_local AlignedBuffer<float> block;
-  thread_local AlignedBuffer<uint16_t> slices;
-  const int64_t n = 2 * d.I, gate_panels = d.I / kPanelRows, k_padded = padded_k(d.H);
-  const int64_t panels = task.col1 - task.col0, cols = panels * kPanelRows, width = 2 * cols;
-  const int64_t c0 = task.col0 * kPanelRows, slice_elements = panels * kPanelRows * k_padded;
-  const bool last = task.col1 == gate_panels;
-  const uint16_t *gate, *up;
-  if (packed) {
-    gate = packed + task.expert * packed_elements(n, d.H) + task.col0 * kPanelRows * k_padded;
-    up = gate + gate_panels * kPanelRows * k_padded;
-  } else {  // both halves packed next to each other: one product call covers them
-    uint16_t* const slice = slices.get(2 * slice_elements);
-    gemm.pack_rows(w, n, d.H, task.col0, task.col1, slice);
-    gemm.pack_rows(w, n, d.H, task.col0 + gate_panels, task.col1 + gate_panels, slice + slice_elements);
-    gate = slice;
-    up = slice + slice_elements;
-  }
-  const float* const a_down = down_lora.a ? down_lora.a + task.expert * down_lora.rank * d.I + c0 : nullptr;
-  for_row_blocks(task, block_rows, [&](const Task& rows_block) {
-    const int64_t rows = rows_block.end - rows_block.begin;
-    float* const tile = block.get(rows * width);
-    const uint16_t* const xb = x + rows_block.begin * d.ld_x;
-    if (packed) {
-      gemm.forward(xb, d.ld_x, rows, gate, k_padded, 0, panels, tile, width);
-      gemm.forward(xb, d.ld_x, rows, up, k_padded, 0, panels, tile + cols, width);
-    } else {
-      gemm.forward(xb, d.ld_x, rows, gate, k_padded, 0, 2 * panels, tile, width);
-    }
-    add_lora_block(gate_up_lora, task.expert, n, inner_gu, rows_block, c0, c0 + cols, tile, width);
-    add_lora_block(gate_up_lora, task.expert, n, inner_gu, rows_block, d.I + c0, d.I + c0 + cols, tile + cols, width);
-    for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
-      const float* const row = tile + (g - rows_block.begin) * width;
-      uint16_t* const gate_row = gate_up_out + g * n + c0;
-      uint16_t* const up_row = gate_row + d.I;
-      uint16_t* const act_row = act + g * d.ld_act;
-      to_bf16(row, gate_row, cols);
-      to_bf16(row + cols, up_row, cols);
-      swiglu_row(gate_row, up_row, act_row + c0, cols);
-      if (last) std::fill(act_row + d.I, act_row + d.ld_act, uint16_t{0});
-      if (a_down) {
-        rank_dots(act_row + c0, a_down, d.I, down_lora.rank, cols, 1.0f, parts + (g * chunks + chunk) * down_lora.rank);
-      }
     }
   });
 }
@@ -497,40 +438,16 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool, io.hidden_copy);
   clock.mark("gather");
 
-  if (fused_activation.load() && d.I % kPanelRows == 0) {
-    const int64_t gate_panels = d.I / kPanelRows;
-    const int64_t step = std::max<int64_t>(1, panels_per_task.load() / 2);  // as wide as an unfused task
-    const int64_t chunks = (gate_panels + step - 1) / step;
-    float* const parts = down_lora.a ? scratch.inner_down_parts.get(d.pairs * chunks * down_lora.rank) : nullptr;
-    run_tasks(pool, make_tasks(routing.offsets, d.E, gate_panels, step, task_rows), [&](const Task& task) {
-      gate_up_activate(gemm, d, task, block_rows, xg, weights.gate_up + task.expert * d.gu_size,
-                       weights.packed_gate_up, gate_up_lora, inner_gu, down_lora, task.col0 / step, chunks,
-                       io.gate_up_out, act, parts);
-    });
-    clock.mark("gate_up");
-    if (parts) {  // act A_down from its chunk parts, in chunk order
-      const int64_t rank = down_lora.rank;
-      run_tasks(pool, rows, [&](const Task& task) {
-        for (int64_t g = task.begin; g < task.end; ++g) {
-          for (int64_t r = 0; r < rank; ++r) {
-            float sum = 0.0f;
-            for (int64_t c = 0; c < chunks; ++c) sum += parts[(g * chunks + c) * rank + r];
-            inner_down[g * rank + r] = sum;
-          }
-        }
-      });
-    }
-  } else {
-    const int64_t gu_panels = padded_rows(2 * d.I) / kPanelRows;
-    const std::vector<Task> gu_tasks = make_tasks(routing.offsets, d.E, gu_panels, panels_per_task.load(), task_rows);
-    run_tasks(pool, gu_tasks, [&](const Task& task) {
-      forward_product(gemm, task, block_rows, xg, d.ld_x, weights.gate_up + task.expert * d.gu_size,
-                      weights.packed_gate_up, 2 * d.I, d.H, gate_up_lora, inner_gu,
-                      [&](int64_t g) { return io.gate_up_out + g * 2 * d.I; });
-    });
-    clock.mark("gate_up");
-    activate(d, io.gate_up_out, down_lora, rows, act, inner_down, pool);
-  }
+  const int64_t gu_panels = padded_rows(2 * d.I) / kPanelRows;
+  const std::vector<Task> gu_tasks = make_tasks(routing.offsets, d.E, gu_panels, panels_per_task.load(), task_rows);
+  run_tasks(pool, gu_tasks, [&](const Task& task) {
+    forward_product(gemm, task, block_rows, xg, d.ld_x, weights.gate_up + task.expert * d.gu_size,
+                    weights.packed_gate_up, 2 * d.I, d.H, gate_up_lora, inner_gu,
+                    [&](int64_t g) { return io.gate_up_out + g * 2 * d.I; });
+  });
+
+  clock.mark("gate_up");
+  activate(d, io.gate_up_out, down_lora, rows, act, inner_down, pool);
   clock.mark("activate");
 
   const int64_t down_panels = padded_rows(d.H) / kPanelRows;
@@ -791,8 +708,6 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   sum_slots(d, per_pair, nullptr, io.grad_hidden, io.grad_hidden_bf16, pool);
   clock.mark("sum_slots");
 }
-
-bool set_fused_activation(bool on) { return fused_activation.exchange(on); }
 
 std::array<int64_t, 4> set_task_shape(int64_t panels, int64_t grad_columns, int64_t rows, int64_t block_rows) {
   constexpr int64_t kMax = int64_t{1} << 30;

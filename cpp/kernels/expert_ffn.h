@@ -103,10 +103,5 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
 // 256, 1024 and 0; for benchmarks and tests (throws std::invalid_argument on bad values). Returns the previous four.
 std::array<int64_t, 4> set_task_shape(int64_t panels_per_task, int64_t grad_columns_per_task, int64_t rows = -1,
                                       int64_t block_rows = -1);
-// Whether the forward's gate/up tasks finish the SwiGLU themselves (when 16 divides I: each task then takes half
-// its panels from gate and half from up, the same outputs of each) instead of a separate pass over the rows. It
-// moves the down LoRA inner product (act A, summed per task chunk) in its last bits. Default off; for benchmarks
-// and tests. Returns the previous setting.
-bool set_fused_activation(bool on);
 
 }  // namespace moecc::kernels

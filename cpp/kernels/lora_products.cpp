@@ -198,10 +198,6 @@ void rank_dots(const float* row, const float* factors, int64_t factor_ld, int64_
                float* out) {
   dots_f32(row, factors, factor_ld, rank, n, scale, out);
 }
-void rank_dots(const uint16_t* row, const float* factors, int64_t factor_ld, int64_t rank, int64_t n, float scale,
-               float* out) {
-  dots_bf16(row, factors, factor_ld, rank, n, scale, out);
-}
 void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const uint16_t* rows, int64_t ld,
                            int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld) {
   outer_bf16(coef, row_scale, scale, rows, ld, count, rank, c0, c1, out, out_ld);

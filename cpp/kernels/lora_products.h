@@ -14,8 +14,6 @@ void rank_dots(const float* row, const float* factors, int64_t rank, int64_t n, 
 // The same over n columns of factors whose rows are factor_ld apart (a column range of wider factors).
 void rank_dots(const float* row, const float* factors, int64_t factor_ld, int64_t rank, int64_t n, float scale,
                float* out);
-void rank_dots(const uint16_t* row, const float* factors, int64_t factor_ld, int64_t rank, int64_t n, float scale,
-               float* out);
 
 // out[j * out_ld + c] += scale * sum_{g < count} coef[g * rank + j] * row_scale[g] * rows[g * ld + c] for
 // j < rank and c0 <= c < c1; row_scale may be null (all 1). rows: bf16 bits (every factor gradient reads the

@@ -26,7 +26,6 @@ def test_settings_parse_into_knob_values():
     parse = _module().parse_setting
     assert parse("one-pass:amx=0,64,0,1024/group=32") == ("one-pass", {"amx": [0, 64, 0, 1024], "group": [32]})
     assert parse("wide:task=16,256,1024,0") == ("wide", {"task": [16, 256, 1024, 0]})
-    assert parse("apart:fuse=0") == ("apart", {"fuse": [0]})
     for bad, message in (("nocolon", "expected NAME"), ("x:speed=1", "unknown knob"), ("x:group=1,2", "1 values"),
                          ("x:task=a,b,c,d", "integers"), (":group=1", "expected NAME")):
         with pytest.raises(ValueError, match=message):
@@ -35,7 +34,7 @@ def test_settings_parse_into_knob_values():
 
 def test_sweep_times_every_setting_and_writes_its_table(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--tokens", "16,32", "--reps", "2", "--setting",
-                           "narrow:task=2,32,64,16/fuse=1", "--out", str(tmp_path)],
+                           "narrow:task=2,32,64,16", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     table = next(tmp_path.glob("cpu_experts_sweep_*.md")).read_text().splitlines()
