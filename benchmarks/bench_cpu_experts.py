@@ -87,6 +87,34 @@ def measure_peaks() -> dict[str, float]:
     return peaks
 
 
+def per_cpu_peaks(isa: str) -> dict[int, float]:
+    """Single-thread register-only bf16 FLOP/s of ``isa``'s matrix unit ('amx' or 'avx512_bf16') on each CPU this
+    process may use, one at a time, the others idle. A CPU whose core something else shares (a VM's vCPU on a busy
+    host) shows at a fraction of the rest, and every all-thread phase then waits on it (the AMX host had two of
+    its 16 at 0.96 TFLOP/s against 2.2, 2026-11-29)."""
+    from moecc import _C
+
+    mask = os.sched_getaffinity(0)
+    rates = {}
+    try:
+        for cpu in sorted(mask):
+            os.sched_setaffinity(0, {cpu})  # this thread only
+            rates[cpu] = _C.peak_flops(isa, 100_000 if isa == "amx" else 1_000_000)
+    finally:
+        os.sched_setaffinity(0, mask)
+    return rates
+
+
+def describe_cpu_peaks(isa: str, rates: dict[int, float]) -> str:
+    """One line: the per-CPU peaks' range and the CPUs below 0.8 of their median."""
+    median = statistics.median(rates.values())
+    slow = [cpu for cpu, rate in rates.items() if rate < 0.8 * median]
+    slowest = min(rates, key=rates.get)
+    return (f"Single-thread {isa} peak per CPU (each alone): min {rates[slowest] / 1e12:.2f} TFLOP/s (CPU {slowest}), "
+            f"median {median / 1e12:.2f}, max {max(rates.values()) / 1e12:.2f}; below 0.8 of the median: "
+            + (", ".join(f"CPU {cpu} ({rates[cpu] / 1e12:.2f})" for cpu in slow) or "none") + ".")
+
+
 def median_time(fn, reps: int, setup=None) -> float:
     """Median seconds of ``fn()`` over ``reps`` runs after a warm-up; ``setup()`` runs untimed before each."""
     if setup:
@@ -260,6 +288,9 @@ def main() -> None:
     baseline = None if args.no_baseline else loop_baseline(args)
     peaks = measure_peaks()
     print("register-only bf16 peaks, TFLOP/s:", {k: round(v / 1e12, 3) for k, v in peaks.items()})
+    unit = "amx" if isa == "amx" else "avx512_bf16" if isa == "avx512_bf16" else None
+    cpu_text = describe_cpu_peaks(unit, per_cpu_peaks(unit)) if unit else ""
+    print(cpu_text)
     rows = []
     for shape, tokens, kind in cases:
         row = run_case(shape, tokens, kind, args.rank, args.reps, native, baseline)
@@ -288,11 +319,15 @@ def main() -> None:
                     (("amx_tuning", args.amx_tuning), ("task_shape", args.task_shape),
                      ("amx_token_group", args.amx_token_group)) if value is not None)
     knobs += " --prepack" if args.prepack else ""
+    knobs += "".join(f" --{name.replace('_', '-')} {getattr(args, name)}" for name in ("routing", "rank", "reps")
+                     if getattr(args, name) != parser.get_default(name))
+    knobs += " --no-baseline" if args.no_baseline else ""
     lines = [f"`python benchmarks/bench_cpu_experts.py --shapes {args.shapes} --tokens {args.tokens} "
              f"--isa {args.isa}{knobs}` ({isa}, {_ops.num_threads()} threads; kernels under "
              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, the loop under "
              f"{_STARTED_WITH_OMP_POLICY or 'the OpenMP default'})", "",
              f"Register-only bf16 peaks: {peak_text}. efficiency = best pass TFLOP/s / the {isa} all-thread peak.",
+             *([cpu_text] if cpu_text else []),
              "weights_gb: the layer's expert weights, read in place (no packed or transposed copy"
              + ("; with --prepack a packed copy of the same size besides, not in scratch_gb" if args.prepack else "")
              + "); scratch_gb: resident memory the kernels added (scratch per routed pair, shared by all layers, "

@@ -1,0 +1,39 @@
+"""benchmarks/bench_cpu_experts.py end to end on one small case: its table, and the per-CPU peaks it reports."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_cpu_experts.py"
+
+
+def test_bench_writes_its_table_with_the_command_and_each_cpus_peak(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--shapes", "qwen3-30b-a3b", "--tokens", "256", "--routing",
+                           "zipf", "--reps", "1", "--no-baseline", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = next(tmp_path.glob("cpu_experts_*.md")).read_text()
+    assert ("`python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 256 --isa auto --routing zipf "
+            "--reps 1 --no-baseline`") in table
+    rows = json.loads(next(tmp_path.glob("cpu_experts_*.json")).read_text())
+    assert [(r["tokens"], r["routing"]) for r in rows] == [(256, "zipf")]
+    assert rows[0]["forward_ms"] > 0 and rows[0]["backward_ms"] > 0
+    if rows[0]["isa"] != "portable":  # the matrix unit's peak, CPU by CPU
+        assert "peak per CPU (each alone): min " in table
+
+
+def test_cpu_peaks_line_names_the_slow_cpus():
+    spec = importlib.util.spec_from_file_location("bench_cpu_experts_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.argv, argv = [str(SCRIPT)], sys.argv  # the module reads sys.argv at import
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.argv = argv
+    line = module.describe_cpu_peaks("amx", {0: 2.2e12, 1: 2.1e12, 6: 0.96e12, 7: 2.2e12})
+    assert "min 0.96 TFLOP/s (CPU 6)" in line and "median 2.15" in line
+    assert line.endswith("below 0.8 of the median: CPU 6 (0.96).")
+    assert module.describe_cpu_peaks("amx", {0: 2.0e12, 1: 1.9e12}).endswith("below 0.8 of the median: none.")
