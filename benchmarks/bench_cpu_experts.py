@@ -286,11 +286,13 @@ def main() -> None:
     print(f"isa {isa}, {_ops.num_threads()} threads, cpu {_ops.cpu_features()['brand'].strip()}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} (loop: {_STARTED_WITH_OMP_POLICY or 'unset'})")
     baseline = None if args.no_baseline else loop_baseline(args)
-    peaks = measure_peaks()
-    print("register-only bf16 peaks, TFLOP/s:", {k: round(v / 1e12, 3) for k, v in peaks.items()})
+    # Each CPU alone first: right after an all-thread AMX job a core's single-thread rate read about half its own
+    # for a while (the host, 2026-11-29: 1.14 against 2.2 TFLOP/s), as if its clock had not come back up yet.
     unit = "amx" if isa == "amx" else "avx512_bf16" if isa == "avx512_bf16" else None
     cpu_text = describe_cpu_peaks(unit, per_cpu_peaks(unit)) if unit else ""
     print(cpu_text)
+    peaks = measure_peaks()
+    print("register-only bf16 peaks, TFLOP/s:", {k: round(v / 1e12, 3) for k, v in peaks.items()})
     rows = []
     for shape, tokens, kind in cases:
         row = run_case(shape, tokens, kind, args.rank, args.reps, native, baseline)
