@@ -1,13 +1,13 @@
 """benchmarks/bench_cpu_experts.py end to end on one small case: its table, and the per-CPU peaks it reports."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_cpu_experts.py"
+from .scripts import BENCHMARKS, load_benchmark
+
+SCRIPT = BENCHMARKS / "bench_cpu_experts.py"
 
 
 def test_bench_writes_its_table_with_the_command_and_each_cpus_peak(tmp_path):
@@ -26,13 +26,7 @@ def test_bench_writes_its_table_with_the_command_and_each_cpus_peak(tmp_path):
 
 
 def test_cpu_peaks_line_names_the_slow_cpus():
-    spec = importlib.util.spec_from_file_location("bench_cpu_experts_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.argv, argv = [str(SCRIPT)], sys.argv  # the module reads sys.argv at import
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.argv = argv
+    module = load_benchmark("bench_cpu_experts")
     line = module.describe_cpu_peaks("amx", {0: 2.2e12, 1: 2.1e12, 6: 0.96e12, 7: 2.2e12})
     assert "min 0.96 TFLOP/s (CPU 6)" in line and "median 2.15" in line
     assert line.endswith("below 0.8 of the median: CPU 6 (0.96).")

@@ -1,29 +1,18 @@
 """benchmarks/sweep_cpu_experts.py: its setting syntax, and one small interleaved sweep end to end."""
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sweep_cpu_experts.py"
+from .scripts import BENCHMARKS, load_benchmark
 
-
-def _module():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("sweep_cpu_experts", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+SCRIPT = BENCHMARKS / "sweep_cpu_experts.py"
 
 
 def test_settings_parse_into_knob_values():
-    parse = _module().parse_setting
+    parse = load_benchmark("sweep_cpu_experts").parse_setting
     assert parse("one-pass:amx=0,64,0,1024/group=32") == ("one-pass", {"amx": [0, 64, 0, 1024], "group": [32]})
     assert parse("wide:task=16,256,1024,0") == ("wide", {"task": [16, 256, 1024, 0]})
     for bad, message in (("nocolon", "expected NAME"), ("x:speed=1", "unknown knob"), ("x:group=1,2", "1 values"),
