@@ -72,16 +72,19 @@ def torch_loop(weights: ExpertWeights, x, index, w, gate_up: ExpertLora, down: E
     return out
 
 
+# Iterations of the register-only peak loops (moecc._C.peak_flops), per matrix unit.
+PEAK_ITERATIONS = {"avx512_bf16": 2_000_000, "amx": 200_000}
+
+
 def measure_peaks() -> dict[str, float]:
     """Per-core and all-thread bf16 FLOP/s of the matrix units this CPU has (register-only loops)."""
     from moecc import _C
 
     peaks = {}
-    for isa in ("avx512_bf16", "amx"):
+    for isa, iterations in PEAK_ITERATIONS.items():
         try:
-            peaks[f"{isa}_core"] = _C.peak_flops(isa, 2_000_000 if isa == "avx512_bf16" else 200_000)
-            peaks[f"{isa}_all"] = _C.peak_flops(isa, 2_000_000 if isa == "avx512_bf16" else 200_000,
-                                                _ops.num_threads())
+            peaks[f"{isa}_core"] = _C.peak_flops(isa, iterations)
+            peaks[f"{isa}_all"] = _C.peak_flops(isa, iterations, _ops.num_threads())
         except ValueError:
             continue
     return peaks
@@ -99,7 +102,7 @@ def per_cpu_peaks(isa: str) -> dict[int, float]:
     try:
         for cpu in sorted(mask):
             os.sched_setaffinity(0, {cpu})  # this thread only
-            rates[cpu] = _C.peak_flops(isa, 100_000 if isa == "amx" else 1_000_000)
+            rates[cpu] = _C.peak_flops(isa, PEAK_ITERATIONS[isa] // 2)  # one CPU after another: shorter runs
     finally:
         os.sched_setaffinity(0, mask)
     return rates
