@@ -133,6 +133,15 @@ def median_time(fn, reps: int, setup=None) -> float:
     return statistics.median(times)
 
 
+def product_parts(backward: bool) -> dict[str, dict[str, float]]:
+    """Thread-milliseconds of the latest call's product phases spent packing weights, in the panel products and in
+    their epilogues (summed over the pool's threads; the phase's wall time x threads, less these, is waiting)."""
+    from moecc import _C
+
+    return {phase: {"pack": round(pack * 1e3, 1), "gemm": round(gemm * 1e3, 1), "epilogue": round(epilogue * 1e3, 1)}
+            for phase, pack, gemm, epilogue in _C.last_product_parts(backward)}
+
+
 def resident_bytes() -> int:
     import os
 
@@ -217,10 +226,12 @@ def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: N
     resident_before_kernels = resident_bytes()
     forward_s = median_time(forward, reps, setup=release)
     forward_phases = {name: round(sec * 1e3, 2) for name, sec in _C.last_phase_times(False)}
+    forward_parts = product_parts(False)
     # A forward's saved state serves one backward (its buffers go back to the pool), so each backward gets a
     # fresh, untimed forward.
     backward_s = median_time(backward, reps, setup=forward)
     backward_phases = {name: round(sec * 1e3, 2) for name, sec in _C.last_phase_times(True)}
+    backward_parts = product_parts(True)
     # Host memory the kernels add while they run: the weights are read in place (no copy); this is their scratch
     # (per routed pair, shared by all layers of a model), this layer's saved activations and LoRA re-layouts.
     scratch_gb = (resident_bytes() - resident_before_kernels) / 1e9
@@ -233,6 +244,7 @@ def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: N
                backward_tflops=flops / backward_s / 1e12, forward_gbps=weight_bytes / forward_s / 1e9,
                dram_floor_ms=weight_bytes / DRAM_GBPS / 1e6, max_over_mean=float(counts.max() / counts.float().mean()),
                forward_phases_ms=forward_phases, backward_phases_ms=backward_phases,
+               forward_product_parts_thread_ms=forward_parts, backward_product_parts_thread_ms=backward_parts,
                weights_gb=(weights.gate_up.nbytes + weights.down.nbytes) / 1e9, scratch_gb=scratch_gb)
     if shape == "qwen3-30b-a3b" and tokens in PEER_MS:
         row["target_ms"] = 0.5 * sum(PEER_MS[tokens])

@@ -9,6 +9,8 @@ forward + backward against the built-in defaults (below 1: faster). Writes the t
 A setting is NAME:KNOB=VALUES[/KNOB=VALUES...], the knobs being the extension's setters:
   amx=K_BLOCK,PREFETCH_A,PREFETCH_B,K_BLOCK_GRAD   (moecc._C.set_amx_tuning; AMX only)
   group=ROWS                                     (moecc._C.set_amx_token_group; AMX only)
+  next=ON                                        (moecc._C.set_amx_prefetch_next; AMX only)
+  pack=ROWS_AHEAD,TO_L2                          (moecc._C.set_pack_prefetch; AVX512 and AMX)
   task=PANELS,GRAD_COLUMNS,ROWS,BLOCK_ROWS       (moecc._C.set_task_shape)
 Knobs a setting leaves out keep their built-in values.
 
@@ -32,7 +34,7 @@ from tqdm import tqdm  # noqa: E402
 from moecc import _C, _ops  # noqa: E402
 from moecc.native_experts import NativeExperts  # noqa: E402
 
-KNOBS = {"amx": 4, "group": 1, "task": 4}  # knob -> how many values it takes
+KNOBS = {"amx": 4, "group": 1, "task": 4, "next": 1, "pack": 2}  # knob -> how many values it takes
 
 
 def parse_setting(text: str) -> tuple[str, dict[str, list[int]]]:
@@ -58,7 +60,8 @@ def parse_setting(text: str) -> tuple[str, dict[str, list[int]]]:
 def built_in() -> dict[str, list[int]]:
     """The knobs' current values (setting each to itself: the setters return what they replace)."""
     current = {"amx": list(_C.set_amx_tuning(0, 0, 0, 0)), "task": list(_C.set_task_shape(1, 16, 1, 0)),
-               "group": [_C.set_amx_token_group(0)]}
+               "group": [_C.set_amx_token_group(0)], "next": [_C.set_amx_prefetch_next(0)],
+               "pack": list(_C.set_pack_prefetch(0, 0))}
     apply(current)
     return current
 
@@ -67,6 +70,8 @@ def apply(knobs: dict[str, list[int]]) -> None:
     _C.set_amx_tuning(*knobs["amx"])
     _C.set_task_shape(*knobs["task"])
     _C.set_amx_token_group(*knobs["group"])
+    _C.set_amx_prefetch_next(*knobs["next"])
+    _C.set_pack_prefetch(*knobs["pack"])
 
 
 def score(best: dict, name: str, tokens: list[int]) -> float:

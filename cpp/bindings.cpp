@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/cpu_features.h"
@@ -203,6 +204,19 @@ PYBIND11_MODULE(_C, m) {
         "[(phase, seconds)] of the latest expert_ffn_forward (backward=False) or expert_ffn_backward call.");
 
   m.def(
+      "last_product_parts",
+      [](bool backward) {
+        std::vector<std::tuple<std::string, double, double, double>> parts;
+        for (const auto& p : moecc::kernels::last_product_parts(backward)) {
+          parts.emplace_back(p.phase, p.pack, p.gemm, p.epilogue);
+        }
+        return parts;
+      },
+      py::arg("backward"),
+      "[(phase, pack, gemm, epilogue)] thread-seconds per product phase of the latest expert_ffn_forward "
+      "(backward=False) or expert_ffn_backward call, summed over the pool's threads.");
+
+  m.def(
       "peak_flops",
       [](const std::string& isa, int64_t iterations, int threads) {
         return rate(threads, [&]() {
@@ -231,6 +245,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_amx_token_group", &moecc::kernels::set_amx_token_group, py::arg("rows"),
         "AMX loop order (panel_gemm.h): 0, K passes over all of a task's tokens; > 0, groups of that many tokens "
         "over all of K first. Returns the previous value. For benchmarks and tests.");
+
+  m.def("set_amx_prefetch_next", &moecc::kernels::set_amx_prefetch_next, py::arg("on"),
+        "AMX next-block prefetch into L2 (panel_gemm.h): nonzero on. Returns the previous value. For benchmarks "
+        "and tests.");
+
+  m.def("set_pack_prefetch", &moecc::kernels::set_pack_prefetch, py::arg("rows_ahead"), py::arg("to_l2"),
+        "Prefetch of the input gradients' column packing (panel_gemm.h): rows ahead (0: none) and into L2 (else "
+        "L1). Returns the previous pair. For benchmarks and tests.");
 
   m.def("_pool_fill_test", &pool_fill_test, py::call_guard<py::gil_scoped_release>());
   m.def("_pool_raise_test", &pool_raise_test, py::call_guard<py::gil_scoped_release>());

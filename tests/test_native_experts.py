@@ -476,24 +476,30 @@ def test_knob_setters_hand_back_what_they_replace():
     assert tuple(defaults) == (8, 256, 1024, 0)  # the built-in shape (expert_ffn.h); rows unchanged by -1
     assert tuple(_C.set_task_shape(*defaults)) == (3, 48, 1024, 0)
     amx = _C.set_amx_tuning(128, 0, 0)
-    assert tuple(amx) == (0, 64, 0, 1024)  # panel_gemm.h; the input-gradient pass follows the forward's (-1)
+    assert tuple(amx) == (0, 0, 0, 1024)  # panel_gemm.h; the input-gradient pass follows the forward's (-1)
     assert tuple(_C.set_amx_tuning(*amx)) == (128, 0, 0, 128)
     assert _C.set_amx_token_group(64) == 32  # panel_gemm.h: groups of 32 tokens
     assert _C.set_amx_token_group(32) == 64
+    assert _C.set_amx_prefetch_next(0) == 1  # panel_gemm.h: on
+    assert _C.set_amx_prefetch_next(1) == 0
+    assert tuple(_C.set_pack_prefetch(4, 0)) == (8, 1)  # panel_gemm.h: 8 rows ahead, into L2
+    assert tuple(_C.set_pack_prefetch(8, 1)) == (4, 0)
     with pytest.raises(ValueError, match="token group"):
         _C.set_amx_token_group(-1)
+    with pytest.raises(ValueError, match="pack prefetch"):
+        _C.set_pack_prefetch(-1, 0)
 
 
-AMX_KNOBS = [(1024, 64, 0, 1024, 0), (128, 0, 128, 128, 32), (0, 64, 0, 0, 64), (96, 64, 0, 160, 50),
-             (256, 64, 0, 1024, 0)]
+AMX_KNOBS = [(1024, 64, 0, 1024, 0, 0), (128, 0, 128, 128, 32, 0), (0, 64, 0, 0, 64, 0), (96, 64, 0, 160, 50, 1),
+             (256, 64, 0, 1024, 0, 1), (0, 0, 0, 1024, 32, 1)]
 
 
 @pytest.mark.amx
 @pytest.mark.parametrize("knobs", AMX_KNOBS, ids=[",".join(map(str, k)) for k in AMX_KNOBS])
 def test_amx_matches_reference_under_every_k_pass_setting(knobs):
     """The K passes (forward and input gradients) split K unevenly here (H = 300, 2I = 400: last passes short
-    of the pass length), in either loop order (token groups of 32, 64 and a ragged 50 -> 64), and still agree
-    with the reference; the setting is restored after."""
+    of the pass length), in either loop order (token groups of 32, 64 and a ragged 50 -> 64), with and without the
+    next-block prefetch, and still agree with the reference; the setting is restored after."""
     if "amx" not in ISAS:
         pytest.skip("needs a CPU with AMX (and the kernel's permission to use its tile data)")
     from moecc import _C
@@ -501,6 +507,7 @@ def test_amx_matches_reference_under_every_k_pass_setting(knobs):
     weights, x, index, w, gate_up, down = _problem(200, 6, 300, 200, 2, 4, seed=9, skew=True)
     defaults = _C.set_amx_tuning(*knobs[:4])
     default_group = _C.set_amx_token_group(knobs[4])
+    default_next = _C.set_amx_prefetch_next(knobs[5])
     try:
         native = NativeExperts("amx")
         out, saved = native.forward(weights, x, index, w, gate_up, down)
@@ -509,6 +516,7 @@ def test_amx_matches_reference_under_every_k_pass_setting(knobs):
     finally:
         _C.set_amx_tuning(*defaults)
         _C.set_amx_token_group(default_group)
+        _C.set_amx_prefetch_next(default_next)
     assert rel_err(out, experts_autograd(weights, x.float(), index, w, gate_up, down)) <= 2e-2
     _, ref_saved = experts_forward(weights, x, index, w, gate_up, down)
     ref_grads = experts_backward(weights, ref_saved, grad_out, gate_up, down)

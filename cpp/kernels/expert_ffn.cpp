@@ -81,18 +81,6 @@ inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
 // baseline copy of each and picks one at load time from the running CPU, so no code here assumes AVX512.
 #define MOECC_VECTOR_CLONES __attribute__((target_clones("avx512f", "default")))
 
-MOECC_VECTOR_CLONES float dot_bf16(const uint16_t* a, const float* b, int64_t n) {
-  float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += bf16_to_float(a[i]) * b[i];
-  return acc;
-}
-
-MOECC_VECTOR_CLONES void axpy(float coef, const float* x, float* y, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += coef * x[i];
-}
-
 // y += bf16(x) * coef, the product rounded to float32 before the sum, as when the forward applied the routing
 // weight per pair: GCC contracts C++ into FMAs by default (it did in the scalar tail), so contraction is off here.
 __attribute__((optimize("fp-contract=off"))) MOECC_VECTOR_CLONES void axpy_bf16(float coef, const uint16_t* x,
@@ -147,16 +135,44 @@ MOECC_VECTOR_CLONES void swiglu_row(const uint16_t* gate, const uint16_t* up, ui
   }
 }
 
-// d gate, d up of act = silu(gate) * up, for the weighted act gradient w * grad_act.
-MOECC_VECTOR_CLONES void swiglu_grad_row(const uint16_t* gate, const uint16_t* up, const float* grad_act, float w,
-                                         float* grad_gate, float* grad_up, int64_t n) {
+// The SwiGLU backward of one row chunk for the weighted act gradient w * grad_act: act = round(round(silu(gate)) *
+// up) again (as the forward rounded it) into `act` when write_act, else read from it; d gate and d up into dg, du
+// (float32) and their bf16 copies; returns act . grad_act (unweighted). One exp per element serves silu and its
+// derivative (computed separately, it was two), and the chunk stays in L1 across the loops.
+MOECC_VECTOR_CLONES float swiglu_backward_row(const uint16_t* gate, const uint16_t* up, const float* grad_act, float w,
+                                              bool write_act, uint16_t* act, float* dg, float* du, uint16_t* dg_bf16,
+                                              uint16_t* du_bf16, int64_t n) {
+  constexpr int64_t kChunk = 256;
+  float sig[kChunk], silu[kChunk];
+  float dot = 0.0f;
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+    const int64_t len = n - c0 < kChunk ? n - c0 : kChunk;
+    const uint16_t *g_in = gate + c0, *u_in = up + c0;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = bf16_to_float(gate[i]), u = bf16_to_float(up[i]), ga = grad_act[i] * w;
-    const float sig = 1.0f / (1.0f + vector_exp(-g));
-    grad_gate[i] = ga * u * sig * (1.0f + g * (1.0f - sig));
-    grad_up[i] = ga * g * sig;
+    for (int64_t i = 0; i < len; ++i) {
+      const float g = bf16_to_float(g_in[i]);
+      const float den = 1.0f + vector_exp(-g);
+      silu[i] = g / den;
+      sig[i] = 1.0f / den;
+    }
+    if (write_act) {
+#pragma omp simd
+      for (int64_t i = 0; i < len; ++i) act[c0 + i] = float_to_bf16(round_bf16(silu[i]) * bf16_to_float(u_in[i]));
+    }
+#pragma omp simd reduction(+ : dot)
+    for (int64_t i = 0; i < len; ++i) dot += bf16_to_float(act[c0 + i]) * grad_act[c0 + i];
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) {
+      const float g = bf16_to_float(g_in[i]), u = bf16_to_float(u_in[i]), ga = grad_act[c0 + i] * w, sg = sig[i];
+      dg[c0 + i] = ga * u * sg * (1.0f + g * (1.0f - sg));
+      du[c0 + i] = ga * g * sg;
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) dg_bf16[c0 + i] = float_to_bf16(dg[c0 + i]);
+#pragma omp simd
+    for (int64_t i = 0; i < len; ++i) du_bf16[c0 + i] = float_to_bf16(du[c0 + i]);
   }
+  return dot;
 }
 
 // inner[g][r] = sum_c row_of(g)[c] * a[r][c] for the task's grouped rows g (bf16 rows).
@@ -172,19 +188,6 @@ void lora_inner(const LoraFactors& lora, int64_t expert, int64_t in_features, co
 void lora_inner(const LoraFactors& lora, int64_t expert, int64_t in_features, const Task& task, const uint16_t* rows,
                 int64_t ld, float* inner) {
   lora_inner(lora, expert, in_features, task, [=](int64_t g) { return rows + g * ld; }, inner);
-}
-
-// block[g][col - col0] += s * sum_r inner[g][r] * B^T[r][col] for the task's rows and columns [col0, col1).
-void add_lora_block(const LoraFactors& lora, int64_t expert, int64_t out_features, const float* inner,
-                    const Task& task, int64_t col0, int64_t col1, float* block, int64_t width) {
-  if (lora.a == nullptr) return;
-  const float* b_t = lora.b + expert * lora.rank * out_features;
-  for (int64_t g = task.begin; g < task.end; ++g) {
-    float* row = block + (g - task.begin) * width;
-    for (int64_t r = 0; r < lora.rank; ++r) {
-      axpy(lora.scaling * inner[g * lora.rank + r], b_t + r * out_features + col0, row, col1 - col0);
-    }
-  }
 }
 
 // Row strides of the grouped activation buffers are padded K plus one cache line: rows a multiple of 4 KB apart
@@ -335,12 +338,32 @@ class PhaseClock {
 };
 
 PhaseTimes forward_times, backward_times;
+std::vector<ProductParts> forward_parts, backward_parts;
+
+// Nanoseconds the threads of one product phase spent in each part of its tasks.
+struct PartClocks {
+  std::atomic<int64_t> pack{0}, gemm{0}, epilogue{0};
+};
+
+int64_t nanoseconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+}
+
+void record_parts(std::vector<ProductParts>& list, const char* phase, const PartClocks& clocks) {
+  std::lock_guard<std::mutex> lock(phase_times_mutex);
+  list.push_back({phase, clocks.pack.load() * 1e-9, clocks.gemm.load() * 1e-9, clocks.epilogue.load() * 1e-9});
+}
 
 }  // namespace
 
 PhaseTimes last_phase_times(bool backward) {
   std::lock_guard<std::mutex> lock(phase_times_mutex);
   return backward ? backward_times : forward_times;
+}
+
+std::vector<ProductParts> last_product_parts(bool backward) {
+  std::lock_guard<std::mutex> lock(phase_times_mutex);
+  return backward ? backward_parts : forward_parts;
 }
 
 namespace {
@@ -377,20 +400,32 @@ const uint16_t* weight_slice(const PanelGemm& gemm, const uint16_t* w, const uin
 template <typename OutRow>
 void forward_product(const PanelGemm& gemm, const Task& task, int64_t block_rows, const uint16_t* x, int64_t ld_x,
                      const uint16_t* w, const uint16_t* packed, int64_t n, int64_t k, const LoraFactors& lora,
-                     const float* inner, OutRow out_row) {
+                     const float* inner, PartClocks& clocks, OutRow out_row) {
   thread_local AlignedBuffer<float> block;
   thread_local AlignedBuffer<uint16_t> panels;
   const int64_t width = (task.col1 - task.col0) * kPanelRows;
   const int64_t col0 = task.col0 * kPanelRows, col1 = std::min(n, task.col1 * kPanelRows);
+  auto start = std::chrono::steady_clock::now();
   const uint16_t* const slice = weight_slice(gemm, w, packed, task, n, k, panels);
+  clocks.pack += nanoseconds_since(start);
   for_row_blocks(task, block_rows, [&](const Task& rows_block) {
     const int64_t rows = rows_block.end - rows_block.begin;
     float* const tile = block.get(rows * width);
+    start = std::chrono::steady_clock::now();
     gemm.forward(x + rows_block.begin * ld_x, ld_x, rows, slice, padded_k(k), 0, task.col1 - task.col0, tile, width);
-    add_lora_block(lora, task.expert, n, inner, rows_block, col0, col1, tile, width);
+    clocks.gemm += nanoseconds_since(start);
+    start = std::chrono::steady_clock::now();
+    // The LoRA term s (x A) B^T and the bf16 rounding in one pass over each row.
+    const float* const b_t = lora.a ? lora.b + task.expert * lora.rank * n + col0 : nullptr;
     for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
-      to_bf16(tile + (g - rows_block.begin) * width, out_row(g) + col0, col1 - col0);
+      const float* row = tile + (g - rows_block.begin) * width;
+      if (b_t) {
+        rank_combine_bf16(inner + g * lora.rank, lora.scaling, b_t, n, lora.rank, col1 - col0, row, out_row(g) + col0);
+      } else {
+        to_bf16(row, out_row(g) + col0, col1 - col0);
+      }
     }
+    clocks.epilogue += nanoseconds_since(start);
   });
 }
 
@@ -399,17 +434,24 @@ void forward_product(const PanelGemm& gemm, const Task& task, int64_t block_rows
 // to epilogue(rows_block, tile, ld).
 template <typename Epilogue>
 void input_grad_product(const PanelGemm& gemm, const Task& task, int64_t block_rows, const uint16_t* dy,
-                        int64_t ld_dy, const uint16_t* w, int64_t n, int64_t k, Epilogue&& epilogue) {
+                        int64_t ld_dy, const uint16_t* w, int64_t n, int64_t k, PartClocks& clocks,
+                        Epilogue&& epilogue) {
   thread_local AlignedBuffer<float> block;
   thread_local AlignedBuffer<uint16_t> columns;
   const int64_t chunks = column_chunks(task.col0, task.col1), ld = chunks * kPanelRows;
   uint16_t* const packed = columns.get(column_panel_elements(n, task.col0, task.col1));
+  auto start = std::chrono::steady_clock::now();
   gemm.pack_columns(w, n, k, task.col0, task.col1, packed);
+  clocks.pack += nanoseconds_since(start);
   for_row_blocks(task, block_rows, [&](const Task& rows_block) {
     const int64_t rows = rows_block.end - rows_block.begin;
     float* const tile = block.get(rows * ld);
+    start = std::chrono::steady_clock::now();
     gemm.input_grad(dy + rows_block.begin * ld_dy, ld_dy, rows, packed, n, chunks, tile, ld);
+    clocks.gemm += nanoseconds_since(start);
+    start = std::chrono::steady_clock::now();
     epilogue(rows_block, tile, ld);
+    clocks.epilogue += nanoseconds_since(start);
   });
 }
 
@@ -438,13 +480,19 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool, io.hidden_copy);
   clock.mark("gather");
 
+  {
+    std::lock_guard<std::mutex> lock(phase_times_mutex);
+    forward_parts.clear();
+  }
   const int64_t gu_panels = padded_rows(2 * d.I) / kPanelRows;
   const std::vector<Task> gu_tasks = make_tasks(routing.offsets, d.E, gu_panels, panels_per_task.load(), task_rows);
+  PartClocks gu_clocks;
   run_tasks(pool, gu_tasks, [&](const Task& task) {
     forward_product(gemm, task, block_rows, xg, d.ld_x, weights.gate_up + task.expert * d.gu_size,
-                    weights.packed_gate_up, 2 * d.I, d.H, gate_up_lora, inner_gu,
+                    weights.packed_gate_up, 2 * d.I, d.H, gate_up_lora, inner_gu, gu_clocks,
                     [&](int64_t g) { return io.gate_up_out + g * 2 * d.I; });
   });
+  record_parts(forward_parts, "gate_up", gu_clocks);
 
   clock.mark("gate_up");
   activate(d, io.gate_up_out, down_lora, rows, act, inner_down, pool);
@@ -453,11 +501,13 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   const int64_t down_panels = padded_rows(d.H) / kPanelRows;
   const std::vector<Task> down_tasks =
       make_tasks(routing.offsets, d.E, down_panels, panels_per_task.load(), task_rows);
+  PartClocks down_clocks;
   run_tasks(pool, down_tasks, [&](const Task& task) {
     forward_product(gemm, task, block_rows, act, d.ld_act, weights.down + task.expert * d.down_size,
-                    weights.packed_down, d.H, d.I, down_lora, inner_down,
+                    weights.packed_down, d.H, d.I, down_lora, inner_down, down_clocks,
                     [&](int64_t g) { return per_pair + routing.order[g] * d.H; });
   });
+  record_parts(forward_parts, "down", down_clocks);
 
   clock.mark("down");
   sum_slots(d, per_pair, routing.weights, io.out, io.out_bf16, pool);
@@ -614,6 +664,11 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   float* const routing_parts = scratch.routing_parts.get(d.pairs * chunks);
   float* const inner_gu_parts =  // gate, up halves
       gate_up_lora.a ? scratch.inner_gu_parts.get(d.pairs * chunks * 2 * gate_up_lora.rank) : nullptr;
+  {
+    std::lock_guard<std::mutex> lock(phase_times_mutex);
+    backward_parts.clear();
+  }
+  PartClocks down_grad_clocks;
   run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, chunk_columns, task_rows), [&](const Task& task) {
     thread_local AlignedBuffer<float> dg_pair;
     const int64_t width = task.col1 - task.col0, chunk = task.col0 / chunk_columns;
@@ -622,26 +677,20 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
     const float* a = down_lora.a ? down_lora.a + task.expert * down_lora.rank * d.I + task.col0 : nullptr;
     const float* b_t = gate_up_lora.a ? gate_up_lora.b + task.expert * gate_up_lora.rank * 2 * d.I : nullptr;
     input_grad_product(gemm, task, block_rows, dy_bf16, d.ld_dy, weights.down + task.expert * d.down_size, d.H, d.I,
-                       [&](const Task& rows_block, float* tile, int64_t ld) {
+                       down_grad_clocks, [&](const Task& rows_block, float* tile, int64_t ld) {
       for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
         float* const grad_act = tile + (g - rows_block.begin) * ld;
-        if (a) {
-          for (int64_t r = 0; r < down_lora.rank; ++r) {
-            axpy(grad_inner_down[g * down_lora.rank + r], a + r * d.I, grad_act, width);
-          }
-        }
+        if (a) rank_combine(grad_inner_down + g * down_lora.rank, 1.0f, a, d.I, down_lora.rank, width, grad_act);
         const uint16_t* gate = io.gate_up_out + g * 2 * d.I + task.col0;
         const uint16_t* up = gate + d.I;
         uint16_t* const act_row = act + g * d.ld_act;
-        if (!recompute_down) {  // else activate wrote the whole rows
-          swiglu_row(gate, up, act_row + task.col0, width);
-          if (last) std::fill(act_row + d.I, act_row + d.ld_act, uint16_t{0});
-        }
-        routing_parts[g * chunks + chunk] = dot_bf16(act_row + task.col0, grad_act, width);
-        swiglu_grad_row(gate, up, grad_act, routing.weights[routing.order[g]], dg, dg + width, width);
         uint16_t* const dg_row = grad_gu_bf16 + g * d.ld_dgu;
-        to_bf16(dg, dg_row + task.col0, width);
-        to_bf16(dg + width, dg_row + d.I + task.col0, width);
+        // act is written here unless activate wrote the whole rows
+        routing_parts[g * chunks + chunk] =
+            swiglu_backward_row(gate, up, grad_act, routing.weights[routing.order[g]], !recompute_down,
+                                act_row + task.col0, dg, dg + width, dg_row + task.col0, dg_row + d.I + task.col0,
+                                width);
+        if (last && !recompute_down) std::fill(act_row + d.I, act_row + d.ld_act, uint16_t{0});
         if (last) std::fill(dg_row + 2 * d.I, dg_row + d.ld_dgu, uint16_t{0});
         if (b_t) {
           const int64_t rank = gate_up_lora.rank;
@@ -653,6 +702,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
     });
   });
 
+  record_parts(backward_parts, "down_input_grad", down_grad_clocks);
   clock.mark("down_input_grad");
   // The row sums from their chunk parts, in chunk order (gate half before up half).
   run_tasks(pool, rows, [&](const Task& task) {
@@ -675,23 +725,26 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   // d hidden per pair = dG W_gate_up + (s dG B) A.
   const std::vector<Task> hidden_tasks =
       make_tasks(routing.offsets, d.E, d.H, grad_columns_per_task.load(), task_rows);
+  PartClocks hidden_clocks;
   run_tasks(pool, hidden_tasks, [&](const Task& task) {
     const int64_t width = task.col1 - task.col0;
     const float* a = gate_up_lora.a ? gate_up_lora.a + task.expert * gate_up_lora.rank * d.H : nullptr;
     input_grad_product(gemm, task, block_rows, grad_gu_bf16, d.ld_dgu, weights.gate_up + task.expert * d.gu_size,
-                       2 * d.I, d.H, [&](const Task& rows_block, float* tile, int64_t ld) {
+                       2 * d.I, d.H, hidden_clocks, [&](const Task& rows_block, float* tile, int64_t ld) {
       for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
         float* row = tile + (g - rows_block.begin) * ld;
+        uint16_t* const out = per_pair + routing.order[g] * d.H + task.col0;
         if (a) {
-          for (int64_t r = 0; r < gate_up_lora.rank; ++r) {
-            axpy(grad_inner_gu[g * gate_up_lora.rank + r], a + r * d.H + task.col0, row, width);
-          }
+          rank_combine_bf16(grad_inner_gu + g * gate_up_lora.rank, 1.0f, a + task.col0, d.H, gate_up_lora.rank, width,
+                            row, out);
+        } else {
+          to_bf16(row, out, width);
         }
-        to_bf16(row, per_pair + routing.order[g] * d.H + task.col0, width);
       }
     });
   });
 
+  record_parts(backward_parts, "gate_up_input_grad", hidden_clocks);
   clock.mark("gate_up_input_grad");
   if (gate_up_lora.a || down_lora.a) {
     lora_factor_grads(d, gate_up_lora, down_lora, routing,

@@ -88,6 +88,14 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
 // (phase, seconds) of the latest forward or backward call, in order.
 using PhaseTimes = std::vector<std::pair<std::string, double>>;
 PhaseTimes last_phase_times(bool backward);
+// Per product phase of the latest forward or backward call: thread-seconds summed over the pool's threads spent
+// packing weights, in the panel products, and in the epilogues (LoRA terms, rounding, SwiGLU backward). With the
+// phase's wall time x threads they say how much of it the threads spent waiting.
+struct ProductParts {
+  std::string phase;
+  double pack, gemm, epilogue;
+};
+std::vector<ProductParts> last_product_parts(bool backward);
 
 void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatrices& weights,
                          const LoraFactors& gate_up_lora, const LoraFactors& down_lora, const Routing& routing,

@@ -35,6 +35,23 @@ MOECC_INLINE vf load16(const uint16_t* p) {  // bf16 -> float: the bits are the 
   return v;
 }
 MOECC_INLINE void store16(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+MOECC_INLINE void store16(uint16_t* p, vf v) {  // float -> bf16, round to nearest even, NaN kept quiet
+  vu bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const vu rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const vu quiet_nan = (bits >> 16) | 0x40u;
+  const vu narrowed = (bits & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded;
+  const vh h = __builtin_convertvector(narrowed, vh);
+  std::memcpy(p, &h, sizeof(h));
+}
+MOECC_INLINE uint16_t narrow(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? (bits >> 16) | 0x40u : rounded);
+}
+MOECC_INLINE void put(float* p, float v) { *p = v; }
+MOECC_INLINE void put(uint16_t* p, float v) { *p = narrow(v); }
 MOECC_INLINE float widen(float v) { return v; }
 MOECC_INLINE float widen(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -164,6 +181,32 @@ MOECC_INLINE void outer(const float* coef, const float* row_scale, float scale, 
   }
 }
 
+// out[c] = row[c] + sum_j (scale * coef[j]) * factors[j * ld + c]; Out float (out may be row) or bf16 bits.
+template <typename Out>
+MOECC_INLINE void combine(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
+                          const float* row, Out* out) {
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) {
+    vf acc = load16(row + c);
+    for (int64_t j = 0; j < rank; ++j) acc += (scale * coef[j]) * load16(factors + j * ld + c);
+    store16(out + c, acc);
+  }
+  for (; c < n; ++c) {
+    float acc = row[c];
+    for (int64_t j = 0; j < rank; ++j) acc += (scale * coef[j]) * factors[j * ld + c];
+    put(out + c, acc);
+  }
+}
+
+MOECC_VECTOR_CLONES void combine_f32(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank,
+                                     int64_t n, float* row) {
+  combine(coef, scale, factors, ld, rank, n, row, row);
+}
+MOECC_VECTOR_CLONES void combine_bf16(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank,
+                                      int64_t n, const float* row, uint16_t* out) {
+  combine(coef, scale, factors, ld, rank, n, row, out);
+}
+
 MOECC_VECTOR_CLONES void dots_bf16(const uint16_t* row, const float* factors, int64_t ld, int64_t rank, int64_t n,
                                    float scale, float* out) {
   dots(row, factors, ld, rank, n, scale, out);
@@ -197,6 +240,14 @@ void rank_dots(const float* row, const float* factors, int64_t rank, int64_t n, 
 void rank_dots(const float* row, const float* factors, int64_t factor_ld, int64_t rank, int64_t n, float scale,
                float* out) {
   dots_f32(row, factors, factor_ld, rank, n, scale, out);
+}
+void rank_combine(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
+                  float* row) {
+  combine_f32(coef, scale, factors, ld, rank, n, row);
+}
+void rank_combine_bf16(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
+                       const float* row, uint16_t* out) {
+  combine_bf16(coef, scale, factors, ld, rank, n, row, out);
 }
 void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const uint16_t* rows, int64_t ld,
                            int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld) {

@@ -15,6 +15,15 @@ void rank_dots(const float* row, const float* factors, int64_t rank, int64_t n, 
 void rank_dots(const float* row, const float* factors, int64_t factor_ld, int64_t rank, int64_t n, float scale,
                float* out);
 
+// row[c] += sum_{j < rank} (scale * coef[j]) * factors[j * ld + c] for c < n, in one pass over the row (the LoRA
+// term of a product's output row, rank-major factors), each term added in j order as r separate passes did.
+void rank_combine(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
+                  float* row);
+// The same into bf16: out[c] = bf16(row[c] + sum_j ...), rounded to nearest even (NaN kept quiet); row is not
+// written. The products' epilogues: one pass instead of r passes and a rounding pass.
+void rank_combine_bf16(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
+                       const float* row, uint16_t* out);
+
 // out[j * out_ld + c] += scale * sum_{g < count} coef[g * rank + j] * row_scale[g] * rows[g * ld + c] for
 // j < rank and c0 <= c < c1; row_scale may be null (all 1). rows: bf16 bits (every factor gradient reads the
 // bf16 rows the matrix products use).

@@ -42,7 +42,7 @@ const PanelGemm& panel_gemm_avx512bf16();
 const PanelGemm& panel_gemm_amx();
 // AMX blocking knobs (panel_gemm_amx.cpp): K values per pass of the forward products (0: all of K in one pass),
 // A-row and weight-tile prefetch distances in K values (0: off), K values per pass of the input gradients (< 0:
-// as the forward). Built-in defaults: 0, 64, 0, 1024. Returns the previous four. Not thread-safe against running
+// as the forward). Built-in defaults: 0, 0, 0, 1024. Returns the previous four. Not thread-safe against running
 // kernels; for benchmarks and tests.
 std::array<int64_t, 4> set_amx_tuning(int64_t k_block, int64_t prefetch_ahead, int64_t prefetch_b_ahead,
                                       int64_t k_block_input_grad);
@@ -50,6 +50,9 @@ std::array<int64_t, 4> set_amx_tuning(int64_t k_block, int64_t prefetch_ahead, i
 // that many tokens (rounded up to 32) over all of K first (built-in: 32). Returns the previous value;
 // std::invalid_argument below 0. Same caveats as set_amx_tuning.
 int64_t set_amx_token_group(int64_t rows);
+// AMX next-block prefetch (panel_gemm_amx.cpp): nonzero prefetches the next 32 rows' A operand into L2 while the
+// current rows' products run (built-in: 1). Returns the previous value. Same caveats as set_amx_tuning.
+int64_t set_amx_prefetch_next(int64_t on);
 
 // The AVX512 packing routines, shared with the AMX variant (every AMX CPU has AVX512-BF16):
 // pack_rows_avx512 is PanelGemm::pack_rows; pack_columns_avx512 lays columns [k0, k0 + 16*chunks) of a
@@ -59,6 +62,11 @@ int64_t set_amx_token_group(int64_t rows);
 void pack_rows_avx512(const uint16_t* w, int64_t n, int64_t k, int64_t p0, int64_t p1, uint16_t* dst);
 void pack_columns_avx512(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t chunks, int64_t n_tiles,
                          uint16_t* dst);
+
+// Prefetch of pack_columns_avx512 (which every AVX512 and AMX input gradient packs with): rows ahead of the one
+// being packed (0: none) and whether into L2 (else L1). Built-in: 8, 1. Returns the previous pair;
+// std::invalid_argument outside [0, 4096]. For benchmarks and tests.
+std::array<int64_t, 2> set_pack_prefetch(int64_t rows_ahead, int64_t to_l2);
 
 // The 16-column chunks (panels) pack_columns lays out for columns [k0, k1), and the elements it writes for a
 // matrix with n rows.

@@ -55,19 +55,32 @@ MOECC_AMX void configure(int rows0, int rows1) {
 int64_t k_block = 0;
 int64_t k_block_input_grad = 1024;
 int64_t token_group = 32;
-// prefetch: K values ahead at which each A row is prefetched (0: none): the 32 rows of a step are 32 separate
-// streams, more than the hardware prefetchers follow.
-int64_t prefetch_ahead = 64;
+// prefetch: K values ahead at which each A row is prefetched into L1 (0: none): the 32 rows of a step are 32
+// separate streams, more than the hardware prefetchers follow. Off since prefetch_next keeps the rows in L2 (below):
+// in the host's interleaved sweeps 64 with the next-block prefetch scored 1.029 of none (0.981 vs 0.952; with
+// neither, 0 vs 64 had scored 1.053).
+int64_t prefetch_ahead = 0;
 // prefetch_b: K values ahead at which the weight tiles are prefetched (0: none). When few tokens reach an expert
 // the products are bound by streaming weights from DRAM, and more requests in flight per core may help; it is a
 // knob until the host has measured it.
 int64_t prefetch_b_ahead = 0;
+// prefetch_next: nonzero brings the next token block's A rows into L2 while the current block's products run,
+// spread over its panel pairs (8 lines per K step of a 4-pair task). In one thread on an L2-resident problem
+// the products reached 70% of the register-only peak with no A prefetch and 57% with it at 64 (host,
+// 2026-11-29, a standalone micro-benchmark), so prefetching into L1 what L2 already holds costs; what it buys in
+// the layer is the first pass over rows that come from L3 or DRAM, which the next-block prefetch covers instead.
+// In the layer at 8192 tokens (16 threads) the products' rate per thread went from 0.38-0.41 to 0.41-0.49
+// TFLOP/s (last_product_parts), and the interleaved sweep scored it with no L1 prefetch 0.952 of the old setting.
+int64_t prefetch_next = 1;
 
 // out[t][j] (+)= x[t][k0:k1] . W[j][k0:k1] for TWO_A ? 32 : rows0 tokens and TWO_B ? 32 : 16 outputs; `rows`
 // (the block's real token count) bounds the A prefetches, so none points past the activations.
+// When `next` is set, rows stripe, stripe + stripes, ... (below next_rows) of the next block (leading dimension ldx)
+// are prefetched into L2 over [k0, k1), one line per row per K step.
 template <bool TWO_A, bool TWO_B>
 MOECC_AMX void block(const uint16_t* x, int64_t ldx, int rows, const uint16_t* panel0, int64_t k_padded, int64_t k0,
-                     int64_t k1, bool accumulate, float* out, int64_t ldo) {
+                     int64_t k1, bool accumulate, float* out, int64_t ldo, const uint16_t* next, int next_rows,
+                     int stripe, int stripes) {
   const int64_t x_stride = ldx * static_cast<int64_t>(sizeof(uint16_t));
   const int64_t out_stride = ldo * static_cast<int64_t>(sizeof(float));
   const uint16_t* panel1 = panel0 + kPanelRows * k_padded;
@@ -96,6 +109,11 @@ MOECC_AMX void block(const uint16_t* x, int64_t ldx, int rows, const uint16_t* p
         for (int line = 0; line < 16; ++line) _mm_prefetch(next + line * 64, _MM_HINT_T0);
       }
     }
+    if (next != nullptr) {
+      for (int r = stripe; r < next_rows; r += stripes) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + r * ldx + k), _MM_HINT_T1);
+      }
+    }
     const int64_t b_offset = k * kPanelRows;  // 16 pair rows of 32 bf16 per 32 values of K
     _tile_loadd(4, x + k, x_stride);
     _tile_loadd(6, panel0 + b_offset, 64);
@@ -116,19 +134,27 @@ MOECC_AMX void block(const uint16_t* x, int64_t ldx, int rows, const uint16_t* p
   if (TWO_A && TWO_B) _tile_stored(3, out + 16 * ldo + kPanelRows, out_stride);
 }
 
-// One token block (TWO_A: 32 rows, else rows0) against panels [p0, p1), K in [k0, k1).
+// One token block (TWO_A: 32 rows, else rows0) against panels [p0, p1), K in [k0, k1); `next` (or null): the
+// next block's first row and its row count, its rows striped over the panel pairs for prefetch_next.
 MOECC_AMX void block_row(const uint16_t* xt, int64_t ldx, int rows0, int rows1, const uint16_t* packed,
-                         int64_t k_padded, int64_t p0, int64_t p1, int64_t k0, int64_t k1, float* out, int64_t ldo) {
+                         int64_t k_padded, int64_t p0, int64_t p1, int64_t k0, int64_t k1, float* out, int64_t ldo,
+                         const uint16_t* next, int next_rows) {
+  const int stripes = static_cast<int>((p1 - p0 + 1) / 2);
   for (int64_t p = p0; p < p1; p += 2) {
     const uint16_t* panel = packed + p * kPanelRows * k_padded;
     float* dst = out + (p - p0) * kPanelRows;
     const bool two_b = p + 1 < p1, acc = k0 > 0;
+    const int stripe = static_cast<int>((p - p0) / 2);
     if (rows1 > 0) {
-      two_b ? block<true, true>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo)
-            : block<true, false>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo);
+      two_b ? block<true, true>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo, next, next_rows,
+                                stripe, stripes)
+            : block<true, false>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo, next, next_rows,
+                                 stripe, stripes);
     } else {
-      two_b ? block<false, true>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo)
-            : block<false, false>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo);
+      two_b ? block<false, true>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo, next, next_rows,
+                                 stripe, stripes)
+            : block<false, false>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo, next, next_rows,
+                                  stripe, stripes);
     }
   }
 }
@@ -168,7 +194,12 @@ MOECC_AMX void forward_in_passes(const uint16_t* x, int64_t ldx, int64_t tokens,
         int rows0, rows1;
         block_rows(tokens, t0, rows0, rows1);
         configure_for(rows0, rows1);
-        block_row(x + t0 * ldx, ldx, rows0, rows1, packed, k_padded, p0, p1, k0, k1, out + t0 * ldo, ldo);
+        // The rows after this block's are the next block in loop order (the next group's, with groups of 32).
+        const int64_t n0 = t0 + 32;
+        const bool fetch = prefetch_next != 0 && n0 < tokens;
+        const int next_rows = fetch ? static_cast<int>(tokens - n0 < 32 ? tokens - n0 : 32) : 0;
+        block_row(x + t0 * ldx, ldx, rows0, rows1, packed, k_padded, p0, p1, k0, k1, out + t0 * ldo, ldo,
+                  fetch ? x + n0 * ldx : nullptr, next_rows);
       }
     }
   }
@@ -206,6 +237,12 @@ std::array<int64_t, 4> set_amx_tuning(int64_t k_block_values, int64_t prefetch_v
   k_block_input_grad = k_block_input_grad_values < 0 ? k_block_values : k_block_input_grad_values;
   prefetch_ahead = prefetch_values;
   prefetch_b_ahead = prefetch_b_values;
+  return previous;
+}
+
+int64_t set_amx_prefetch_next(int64_t on) {
+  const int64_t previous = prefetch_next;
+  prefetch_next = on;
   return previous;
 }
 
