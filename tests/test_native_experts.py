@@ -473,10 +473,10 @@ def test_knob_setters_hand_back_what_they_replace():
     from moecc import _C
 
     defaults = _C.set_task_shape(3, 48)
-    assert tuple(defaults) == (8, 256, 1024, 0)  # the built-in shape (expert_ffn.h); rows unchanged by -1
+    assert tuple(defaults) == (16, 256, 1024, 0)  # the built-in shape (expert_ffn.h); rows unchanged by -1
     assert tuple(_C.set_task_shape(*defaults)) == (3, 48, 1024, 0)
     amx = _C.set_amx_tuning(128, 0, 0)
-    assert tuple(amx) == (0, 0, 0, 1024)  # panel_gemm.h; the input-gradient pass follows the forward's (-1)
+    assert tuple(amx) == (0, 0, 0, 0)  # panel_gemm.h; the input-gradient pass follows the forward's (-1)
     assert tuple(_C.set_amx_tuning(*amx)) == (128, 0, 0, 128)
     assert _C.set_amx_token_group(64) == 32  # panel_gemm.h: groups of 32 tokens
     assert _C.set_amx_token_group(32) == 64

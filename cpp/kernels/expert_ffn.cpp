@@ -25,14 +25,16 @@ namespace {
 
 constexpr int64_t kTokenBlock = 64;       // rows per elementwise task
 // Task shape (see set_task_shape): output panels per forward product task, columns per input-gradient task, and
-// rows per product task. A task's weight slice (128 columns x K, <= 512 KB; input gradients re-lay theirs, 256
+// rows per product task. A task's weight slice (256 columns x K, <= 1 MB; input gradients re-lay theirs, 256
 // columns x N) stays in L2 while up to 1024 rows stream past it, so weights cross the memory bus once per 1024
 // rows of an expert. With 256 rows, at 8192 tokens (Qwen3-30B-A3B) the gate/up weights crossed it about 356 times
 // per layer call, 2.2 GB: a quarter of the product's time at the AMX host's DRAM rate. Locally (2 cores,
 // AVX512-BF16, interleaved) 1024 rows took forward + backward from 970 to 894-944 ms at 4096 tokens and changed
 // nothing at 1024. On the AMX host (2026-11-29) 512 and 2048 rows were within that day's spread of 1024, as were
-// 16 panels and 128 gradient columns.
-std::atomic<int64_t> panels_per_task{8};
+// 128 gradient columns. 16 panels rather than 8 (each row block of A read by half as many tasks) scored 0.979 there
+// before the AMX next-block prefetch, and with it 0.933 and 0.975 in two interleaved sweeps (0.926 with the
+// input gradients in one K pass; later that day, Zipf, 256-8192 tokens).
+std::atomic<int64_t> panels_per_task{16};
 std::atomic<int64_t> grad_columns_per_task{256};
 std::atomic<int64_t> product_rows{1024};
 // Rows per product call inside a task (0: all of them): the task's output tile is this many rows, so its epilogue

@@ -107,7 +107,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
 // term and the bf16 rounding, runs on each block while the block is in cache; 0: the whole task at once). rows
 // and block_rows take -1 for unchanged.
 // Wider tasks re-read each block of rows fewer times but hold a larger weight slice in L2 and make fewer tasks;
-// taller ones read each weight slice once per more rows but split a hot expert over fewer threads. Defaults 8,
+// taller ones read each weight slice once per more rows but split a hot expert over fewer threads. Defaults 16,
 // 256, 1024 and 0; for benchmarks and tests (throws std::invalid_argument on bad values). Returns the previous four.
 std::array<int64_t, 4> set_task_shape(int64_t panels_per_task, int64_t grad_columns_per_task, int64_t rows = -1,
                                       int64_t block_rows = -1);

@@ -42,7 +42,7 @@ const PanelGemm& panel_gemm_avx512bf16();
 const PanelGemm& panel_gemm_amx();
 // AMX blocking knobs (panel_gemm_amx.cpp): K values per pass of the forward products (0: all of K in one pass),
 // A-row and weight-tile prefetch distances in K values (0: off), K values per pass of the input gradients (< 0:
-// as the forward). Built-in defaults: 0, 0, 0, 1024. Returns the previous four. Not thread-safe against running
+// as the forward). Built-in defaults: 0, 0, 0, 0. Returns the previous four. Not thread-safe against running
 // kernels; for benchmarks and tests.
 std::array<int64_t, 4> set_amx_tuning(int64_t k_block, int64_t prefetch_ahead, int64_t prefetch_b_ahead,
                                       int64_t k_block_input_grad);

@@ -48,12 +48,14 @@ MOECC_AMX void configure(int rows0, int rows1) {
 // of 6; 2026-11-29) one pass with token groups of 32 against passes of 256 over all tokens: forward + backward
 // 78.1 vs 83.7 ms at 1024 tokens, 199 vs 225 at 4096, 370 vs 404 at 8192 (a second sweep: 77 vs 76, 191 vs
 // 199, 347 vs 389). Earlier, passes of 256 had beaten 1024 (8192-token forward 131 vs 145 ms).
-// k_block_input_grad: the same for the input gradients (K = the product's output width; 1536 for gate/up).
+// k_block_input_grad: the same for the input gradients (K = the product's output width; 1536 for gate/up). One
+// pass since the next-block prefetch (prefetch_next) keeps the next rows in L2: against passes of 1024 it scored
+// 0.956 and 0.950 in two interleaved sweeps on the host (2026-11-29, Zipf, 256-8192 tokens).
 // token_group: tokens finished over all of K before the next start (0: each pass walks all of a task's tokens).
 // With passes, groups of 32 keep a block's C rows in L1 between passes (32 x 128 floats, 16 KB, for an 8-panel
 // forward task; 32 x 256, 32 KB, for a 256-column input-gradient task); with one pass it changes nothing.
 int64_t k_block = 0;
-int64_t k_block_input_grad = 1024;
+int64_t k_block_input_grad = 0;
 int64_t token_group = 32;
 // prefetch: K values ahead at which each A row is prefetched into L1 (0: none): the 32 rows of a step are 32
 // separate streams, more than the hardware prefetchers follow. Off since prefetch_next keeps the rows in L2 (below):
