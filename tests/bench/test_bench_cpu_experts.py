@@ -21,6 +21,8 @@ def test_bench_writes_its_table_with_the_command_and_each_cpus_peak(tmp_path):
     rows = json.loads(next(tmp_path.glob("cpu_experts_*.json")).read_text())
     assert [(r["tokens"], r["routing"]) for r in rows] == [(256, "zipf")]
     assert rows[0]["forward_ms"] > 0 and rows[0]["backward_ms"] > 0
+    assert 0 < rows[0]["best_ms"] <= rows[0]["forward_ms"] + rows[0]["backward_ms"]  # best reps vs medians
+    assert "| best_ms |" in table
     # thread time of each product phase, by part: every phase packs weights and runs its products
     parts = rows[0]["forward_product_parts_thread_ms"] | rows[0]["backward_product_parts_thread_ms"]
     assert sorted(parts) == ["down", "down_input_grad", "gate_up", "gate_up_input_grad"]
