@@ -247,8 +247,9 @@ def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: N
     weight_bytes = active * 3 * hidden * inter * 2
     flops = 6 * tokens * top_k * hidden * inter  # per pass; backward does the same input-side products
     # The best rep beside the median: on a shared host the spread between reps (and calls) is mostly the host's.
+    best_s = min(forward_reps) + min(backward_reps)
     row = dict(shape=shape, tokens=tokens, routing=kind, isa=native.isa, forward_ms=forward_s * 1e3,
-               backward_ms=backward_s * 1e3, best_ms=(min(forward_reps) + min(backward_reps)) * 1e3, forward_tflops=flops / forward_s / 1e12,
+               backward_ms=backward_s * 1e3, best_ms=best_s * 1e3, forward_tflops=flops / forward_s / 1e12,
                backward_tflops=flops / backward_s / 1e12, forward_gbps=weight_bytes / forward_s / 1e9,
                dram_floor_ms=weight_bytes / DRAM_GBPS / 1e6, max_over_mean=float(counts.max() / counts.float().mean()),
                forward_phases_ms=forward_phases, backward_phases_ms=backward_phases,
