@@ -277,11 +277,11 @@ def main() -> None:
     parser.add_argument("--amx-tuning", default=None, metavar="K_BLOCK,PREFETCH_A[,PREFETCH_B[,K_BLOCK_GRAD]]",
                         help="AMX kernel knobs (K values per pass of the forward products, A-row and weight-tile "
                              "prefetch distances in K values, 0 = off; K values per pass of the input gradients, "
-                             "default as the forward); default: built-in (0,64,0,1024)")
+                             "default as the forward); default: built-in (0,0,0,0)")
     parser.add_argument("--task-shape", default=None, metavar="PANELS,GRAD_COLUMNS[,ROWS[,BLOCK_ROWS]]",
                         help="shape of the product tasks: forward output panels of 16 columns per task, input-"
                              "gradient columns per task (multiple of 16), rows per task, rows per product call "
-                             "inside a task (0: all); default: built-in (8,256,1024,0)")
+                             "inside a task (0: all); default: built-in (16,256,1024,0)")
     parser.add_argument("--amx-token-group", type=int, default=None, metavar="ROWS",
                         help="AMX loop order: 0 walks each K pass over all of a task's tokens, > 0 finishes groups "
                              "of that many tokens over all of K first; default: built-in (32)")

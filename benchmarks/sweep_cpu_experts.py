@@ -15,7 +15,7 @@ A setting is NAME:KNOB=VALUES[/KNOB=VALUES...], the knobs being the extension's 
 Knobs a setting leaves out keep their built-in values.
 
     python benchmarks/sweep_cpu_experts.py --setting passes256:amx=256,64,0,1024/group=0 \\
-        --setting wide:task=16,256,1024,0
+        --setting narrow:task=8,256,1024,0
 """
 from __future__ import annotations
 
@@ -120,7 +120,8 @@ def main() -> None:
     best = {key: (min(f for f, _ in runs) * 1e3, min(b for _, b in runs) * 1e3) for key, runs in times.items()}
     lines = [f"`python benchmarks/sweep_cpu_experts.py {' '.join(sys.argv[1:])}` ({native.isa}, "
              f"{_ops.num_threads()} threads, {args.shape}, {args.routing} routing, best of {args.reps} interleaved "
-             f"reps; default = amx {defaults['amx']}, task {defaults['task']}, group {defaults['group'][0]})", "",
+             f"reps; default = amx {defaults['amx']}, task {defaults['task']}, group {defaults['group'][0]}, "
+             f"next {defaults['next'][0]}, pack {defaults['pack']})", "",
              "| setting | tokens | forward ms | backward ms | sum | median sum | score |",
              "|---|---|---|---|---|---|---|"]
     for name in settings:

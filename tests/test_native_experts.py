@@ -565,3 +565,58 @@ def test_a_result_released_again_after_it_was_lent_again_is_ignored():
     native.release_result(a)  # stale: b holds these pages now
     c, _ = native.forward(weights, x, index, w, gate_up, down)
     assert c.data_ptr() != b.data_ptr()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("columns", [256, 512])
+def test_swiglu_backward_over_several_column_pieces(isa, columns, task_shape):
+    """I = 300: more than one 256-column piece of the fused SwiGLU backward and not a multiple of 16, in gradient
+    tasks of 256 and 512 columns. It matches the reference, and the act rows it writes itself (the forward's LoRA
+    inner products kept) give bit for bit what the rows of the separate activation pass give (dropped)."""
+    task_shape(16, columns)
+    test_native_matches_reference(isa, (130, 4, 64, 300, 2, 4, True))
+    weights, x, index, w, gate_up, down = _problem(130, 4, 64, 300, 2, 4, seed=5, skew=True)
+    grad_out = torch.randn(130, 64, generator=torch.Generator().manual_seed(6)).bfloat16()
+    native = NativeExperts(isa)
+    results = []
+    for keep in (True, False):
+        _, saved = native.forward(weights, x, index, w, gate_up, down)
+        if not keep:
+            saved.lora_inner = None
+        grad_hidden, grad_weights, grads = native.backward(weights, saved, grad_out, gate_up, down)
+        results.append([grad_hidden, grad_weights, *vars(grads).values()])
+    for kept, recomputed in zip(*results):
+        assert torch.equal(kept, recomputed)
+
+
+@pytest.mark.parametrize("isa", [isa for isa in ISAS if isa != "portable"])
+@pytest.mark.parametrize("prefetch", [(0, 0), (16, 0), (4096, 1)], ids=["none", "16-into-L1", "past-the-matrix"])
+def test_column_packing_prefetch_settings_keep_the_results(isa, prefetch):
+    """The input gradients' column packing (AVX512 and AMX) with no prefetch, 16 rows ahead into L1, and more rows
+    ahead than the matrix has (every request skipped) agrees with the reference; the setting is restored after."""
+    from moecc import _C
+
+    defaults = _C.set_pack_prefetch(*prefetch)
+    try:
+        test_native_matches_reference(isa, (130, 5, 100, 40, 2, 4, True))
+    finally:
+        _C.set_pack_prefetch(*defaults)
+
+
+def test_product_parts_name_every_product_phase_of_the_latest_call():
+    from moecc import _C
+
+    weights, x, index, w, gate_up, down = _problem(64, 4, 64, 48, 2, 4, seed=7)
+    native = NativeExperts(_ops.best_isa())
+    out, saved = native.forward(weights, x, index, w, gate_up, down)
+    forward = _C.last_product_parts(False)
+    assert [p[0] for p in forward] == ["gate_up", "down"]
+    assert all(pack > 0 and gemm > 0 and epilogue > 0 for _, pack, gemm, epilogue in forward)
+    native.backward(weights, saved, torch.randn(64, 64), gate_up, down)
+    backward = _C.last_product_parts(True)
+    assert [p[0] for p in backward] == ["down_input_grad", "gate_up_input_grad"]
+    assert all(pack > 0 and gemm > 0 and epilogue > 0 for _, pack, gemm, epilogue in backward)
+    assert _C.last_product_parts(False) == forward  # each list is the latest call of its own kind
+    weights, x, index, w, gate_up, down = _problem(0, 4, 64, 48, 2, 4, seed=7)  # no tokens: no tasks, no time
+    native.forward(weights, x, index, w, gate_up, down)
+    assert [parts[1:] for parts in _C.last_product_parts(False)] == [(0.0, 0.0, 0.0), (0.0, 0.0, 0.0)]

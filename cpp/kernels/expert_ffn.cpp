@@ -323,9 +323,13 @@ std::mutex phase_times_mutex;
 
 class PhaseClock {
  public:
-  explicit PhaseClock(PhaseTimes& times) : times_(times), last_(std::chrono::steady_clock::now()) {
+  // Clears `times` and `parts` (the product phases' per-part thread times) together, so a reader never sees one
+  // call's phases beside another's parts.
+  PhaseClock(PhaseTimes& times, std::vector<ProductParts>& parts)
+      : times_(times), last_(std::chrono::steady_clock::now()) {
     std::lock_guard<std::mutex> lock(phase_times_mutex);
     times_.clear();
+    parts.clear();
   }
   void mark(const char* phase) {
     const auto now = std::chrono::steady_clock::now();
@@ -464,7 +468,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
                         const ForwardIo& io, moecc::pool::ThreadPool& pool) {
   Scratch& scratch = shared_scratch();
   std::lock_guard<std::mutex> lock(scratch.mutex);
-  PhaseClock clock(forward_times);
+  PhaseClock clock(forward_times, forward_parts);
   const PanelGemm& gemm = panel_gemm(isa);
   const Dims d(shapes);
   const int64_t task_rows = product_rows.load(), block_rows = product_block_rows.load();  // one shape a call
@@ -482,10 +486,6 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool, io.hidden_copy);
   clock.mark("gather");
 
-  {
-    std::lock_guard<std::mutex> lock(phase_times_mutex);
-    forward_parts.clear();
-  }
   const int64_t gu_panels = padded_rows(2 * d.I) / kPanelRows;
   const std::vector<Task> gu_tasks = make_tasks(routing.offsets, d.E, gu_panels, panels_per_task.load(), task_rows);
   PartClocks gu_clocks;
@@ -590,7 +590,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
                          const BackwardIo& io_peft, moecc::pool::ThreadPool& pool) {
   Scratch& scratch = shared_scratch();
   std::lock_guard<std::mutex> lock(scratch.mutex);
-  PhaseClock clock(backward_times);
+  PhaseClock clock(backward_times, backward_parts);
   const PanelGemm& gemm = panel_gemm(isa);
   const Dims d(shapes);
   const int64_t task_rows = product_rows.load(), block_rows = product_block_rows.load();  // one shape a call
@@ -666,10 +666,6 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   float* const routing_parts = scratch.routing_parts.get(d.pairs * chunks);
   float* const inner_gu_parts =  // gate, up halves
       gate_up_lora.a ? scratch.inner_gu_parts.get(d.pairs * chunks * 2 * gate_up_lora.rank) : nullptr;
-  {
-    std::lock_guard<std::mutex> lock(phase_times_mutex);
-    backward_parts.clear();
-  }
   PartClocks down_grad_clocks;
   run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, chunk_columns, task_rows), [&](const Task& task) {
     thread_local AlignedBuffer<float> dg_pair;

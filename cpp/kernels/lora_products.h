@@ -16,7 +16,8 @@ void rank_dots(const float* row, const float* factors, int64_t factor_ld, int64_
                float* out);
 
 // row[c] += sum_{j < rank} (scale * coef[j]) * factors[j * ld + c] for c < n, in one pass over the row (the LoRA
-// term of a product's output row, rank-major factors), each term added in j order as r separate passes did.
+// term of a product's output row, rank-major factors), each term added in j order as r separate passes did, with
+// a fused multiply-add in every column (the passes' AVX512 build left their last 8 columns unfused).
 void rank_combine(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
                   float* row);
 // The same into bf16: out[c] = bf16(row[c] + sum_j ...), rounded to nearest even (NaN kept quiet); row is not

@@ -52,8 +52,8 @@ MOECC_AMX void configure(int rows0, int rows1) {
 // pass since the next-block prefetch (prefetch_next) keeps the next rows in L2: against passes of 1024 it scored
 // 0.956 and 0.950 in two interleaved sweeps on the host (2026-11-29, Zipf, 256-8192 tokens).
 // token_group: tokens finished over all of K before the next start (0: each pass walks all of a task's tokens).
-// With passes, groups of 32 keep a block's C rows in L1 between passes (32 x 128 floats, 16 KB, for an 8-panel
-// forward task; 32 x 256, 32 KB, for a 256-column input-gradient task); with one pass it changes nothing.
+// With passes, groups of 32 keep a block's C rows in L1 between passes (32 x 256 floats, 32 KB, for a 16-panel
+// forward task or a 256-column input-gradient task); with one pass it changes nothing.
 int64_t k_block = 0;
 int64_t k_block_input_grad = 0;
 int64_t token_group = 32;
@@ -67,7 +67,7 @@ int64_t prefetch_ahead = 0;
 // knob until the host has measured it.
 int64_t prefetch_b_ahead = 0;
 // prefetch_next: nonzero brings the next token block's A rows into L2 while the current block's products run,
-// spread over its panel pairs (8 lines per K step of a 4-pair task). In one thread on an L2-resident problem
+// spread over its panel pairs (4 lines per K step in each pair of an 8-pair, 16-panel task). In one thread on an L2-resident problem
 // the products reached 70% of the register-only peak with no A prefetch and 57% with it at 64 (host,
 // 2026-11-29, a standalone micro-benchmark), so prefetching into L1 what L2 already holds costs; what it buys in
 // the layer is the first pass over rows that come from L3 or DRAM, which the next-block prefetch covers instead.
@@ -104,11 +104,11 @@ MOECC_AMX void block(const uint16_t* x, int64_t ldx, int rows, const uint16_t* p
       for (int r = 0; r < rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(x + r * ldx + k + ahead), _MM_HINT_T0);
     }
     if (b_ahead > 0 && k + b_ahead < k1) {  // one B tile is 16 cache lines, contiguous
-      const char* next = reinterpret_cast<const char*>(panel0 + (k + b_ahead) * kPanelRows);
-      for (int line = 0; line < 16; ++line) _mm_prefetch(next + line * 64, _MM_HINT_T0);
+      const char* b_line = reinterpret_cast<const char*>(panel0 + (k + b_ahead) * kPanelRows);
+      for (int line = 0; line < 16; ++line) _mm_prefetch(b_line + line * 64, _MM_HINT_T0);
       if (TWO_B) {
-        next = reinterpret_cast<const char*>(panel1 + (k + b_ahead) * kPanelRows);
-        for (int line = 0; line < 16; ++line) _mm_prefetch(next + line * 64, _MM_HINT_T0);
+        b_line = reinterpret_cast<const char*>(panel1 + (k + b_ahead) * kPanelRows);
+        for (int line = 0; line < 16; ++line) _mm_prefetch(b_line + line * 64, _MM_HINT_T0);
       }
     }
     if (next != nullptr) {
@@ -170,7 +170,7 @@ inline void block_rows(int64_t tokens, int64_t t0, int& rows0, int& rows1) {
 
 // Loop order (token_group): 0 walks each K pass over all the task's tokens, so a 32-token block's C tiles go
 // to `out` and back once per pass (the whole task's rows x width floats, in L2); > 0 finishes groups of that many
-// tokens over all of K first, so a group's C rows (32 x 128 floats, 16 KB, for one block of an 8-panel task)
+// tokens over all of K first, so a group's C rows (32 x 256 floats, 32 KB, for one block of a 16-panel task)
 // stay in L1 between passes, at the cost of streaming the task's weight slice from L2 once per group instead of
 // once per pass.
 MOECC_AMX void forward_in_passes(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed,
@@ -196,7 +196,9 @@ MOECC_AMX void forward_in_passes(const uint16_t* x, int64_t ldx, int64_t tokens,
         int rows0, rows1;
         block_rows(tokens, t0, rows0, rows1);
         configure_for(rows0, rows1);
-        // The rows after this block's are the next block in loop order (the next group's, with groups of 32).
+        // The rows after this block's: the next block in loop order with one K pass (the default) or with groups of
+        // 32. With several passes and larger groups (or group 0) a group's last block fetches rows that wait a
+        // pass, and the first block of the next pass is not fetched: a miss, not an error.
         const int64_t n0 = t0 + 32;
         const bool fetch = prefetch_next != 0 && n0 < tokens;
         const int next_rows = fetch ? static_cast<int>(tokens - n0 < 32 ? tokens - n0 : 32) : 0;

@@ -15,7 +15,9 @@ def test_settings_parse_into_knob_values():
     parse = load_benchmark("sweep_cpu_experts").parse_setting
     assert parse("one-pass:amx=0,64,0,1024/group=32") == ("one-pass", {"amx": [0, 64, 0, 1024], "group": [32]})
     assert parse("wide:task=16,256,1024,0") == ("wide", {"task": [16, 256, 1024, 0]})
+    assert parse("l1:pack=16,0/next=0") == ("l1", {"pack": [16, 0], "next": [0]})
     for bad, message in (("nocolon", "expected NAME"), ("x:speed=1", "unknown knob"), ("x:group=1,2", "1 values"),
+                         ("x:pack=8", "2 values"), ("x:next=1,1", "1 values"),
                          ("x:task=a,b,c,d", "integers"), (":group=1", "expected NAME")):
         with pytest.raises(ValueError, match=message):
             parse(bad)
@@ -32,3 +34,4 @@ def test_sweep_times_every_setting_and_writes_its_table(tmp_path):
                                             ("| narrow", "32")]
     assert all(float(r[4]) > 0 for r in rows)  # best forward + backward, ms
     assert rows[0][-1] == "1.000 |"  # the defaults' score against themselves
+    assert ", next " in table[0] and ", pack [" in table[0]  # every knob's built-in value in the header
