@@ -430,22 +430,33 @@ def test_prepack_weights_packs_in_prepare_and_trains_the_same(monkeypatch):
     assert moecc.MoeccConfig.from_env().prepack_weights
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_backward_reuses_the_forwards_lora_inner_products_bit_for_bit(isa):
-    """The LoRA inner products the forward keeps give the backward exactly what recomputing them gives."""
-    weights, x, index, w, gate_up, down = _problem(130, 5, 96, 24, 2, 8, seed=3, skew=True)
-    grad_out = torch.randn(130, 96, generator=torch.Generator().manual_seed(4)).bfloat16()
+def _backward_with_kept_and_recomputed_inner(isa, problem, seed):
+    """Backward results (input and routing gradients, the four factor gradients) of one problem (_problem's
+    tokens, experts, hidden, inter, top_k, rank), first with the LoRA inner products the forward kept, then with
+    them dropped so the kernel recomputes them."""
+    weights, x, index, w, gate_up, down = _problem(*problem, seed=seed, skew=True)
+    grad_out = torch.randn(problem[0], problem[2], generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
     native = NativeExperts(isa)
     results = []
     for keep in (True, False):
         _, saved = native.forward(weights, x, index, w, gate_up, down)
-        assert all(t is not None and t.shape == (130 * 2, 8) for t in saved.lora_inner)
+        assert all(t is not None and t.shape == (problem[0] * problem[4], problem[5]) for t in saved.lora_inner)
         if not keep:
             saved.lora_inner = None  # the kernel recomputes them
         grad_hidden, grad_weights, grads = native.backward(weights, saved, grad_out, gate_up, down)
         results.append([grad_hidden, grad_weights, grads.gate_up_A, grads.gate_up_B, grads.down_A, grads.down_B])
+    return results
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_backward_reuses_the_forwards_lora_inner_products_bit_for_bit(isa):
+    """The LoRA inner products the forward keeps give the backward exactly what recomputing them gives."""
+    results = _backward_with_kept_and_recomputed_inner(isa, (130, 5, 96, 24, 2, 8), seed=3)
     for kept, recomputed in zip(*results):
         assert torch.equal(kept, recomputed)
+    weights, x, index, w, gate_up, down = _problem(130, 5, 96, 24, 2, 8, seed=3, skew=True)
+    grad_out = torch.randn(130, 96, generator=torch.Generator().manual_seed(4)).bfloat16()
+    native = NativeExperts(isa)
     # and they are really read: zeroed, the B gradients (s sum (x A) dG, s sum w (act A) dy) come out zero
     _, saved = native.forward(weights, x, index, w, gate_up, down)
     for inner in saved.lora_inner:
@@ -575,17 +586,7 @@ def test_swiglu_backward_over_several_column_pieces(isa, columns, task_shape):
     inner products kept) give bit for bit what the rows of the separate activation pass give (dropped)."""
     task_shape(16, columns)
     test_native_matches_reference(isa, (130, 4, 64, 300, 2, 4, True))
-    weights, x, index, w, gate_up, down = _problem(130, 4, 64, 300, 2, 4, seed=5, skew=True)
-    grad_out = torch.randn(130, 64, generator=torch.Generator().manual_seed(6)).bfloat16()
-    native = NativeExperts(isa)
-    results = []
-    for keep in (True, False):
-        _, saved = native.forward(weights, x, index, w, gate_up, down)
-        if not keep:
-            saved.lora_inner = None
-        grad_hidden, grad_weights, grads = native.backward(weights, saved, grad_out, gate_up, down)
-        results.append([grad_hidden, grad_weights, *vars(grads).values()])
-    for kept, recomputed in zip(*results):
+    for kept, recomputed in zip(*_backward_with_kept_and_recomputed_inner(isa, (130, 4, 64, 300, 2, 4), seed=5)):
         assert torch.equal(kept, recomputed)
 
 
