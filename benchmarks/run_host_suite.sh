@@ -37,15 +37,16 @@ if [[ "$part" == all || "$part" == sweeps ]]; then
   echo "prepack"
   python benchmarks/bench_cpu_experts.py --shapes qwen3-30b-a3b --tokens 256,1024,8192 --routing zipf --reps 2 \
       --no-baseline --prepack --out "$scratch" 2>&1 | grep '^{' | cut -c1-400
-  # The knobs around the built-in defaults (amx 0,64,0,1024; task 8,256,1024,0; group 32), interleaved in one
-  # process because this host's speed drifts more between runs than most knobs change anything; printed only.
-  # AMX passes of 256 (the old default) and of all of K for the input gradients, B-tile and A-row prefetch
-  # distances, token groups off, and task shapes.
-  python benchmarks/sweep_cpu_experts.py --out "$scratch" --setting passes256:amx=256,64,0,1024/group=0 \
-      --setting grad-one-pass:amx=0,64,0,0 --setting prefetch-b128:amx=0,64,128,1024 \
-      --setting prefetch-a0:amx=0,0,0,1024 --setting prefetch-a256:amx=0,256,0,1024 --setting groups-off:group=0 \
-      --setting panels16:task=16,256,1024,0 --setting rows512:task=8,256,512,0 \
-      --setting blocks256:task=8,256,1024,256 2>&1 | grep "^|"
+  # The knobs around the built-in defaults (amx 0,0,0,0; task 16,256,1024,0; group 32; next 1; pack 8,1),
+  # interleaved in one process because this host's speed drifts more between runs than most knobs change
+  # anything; printed only. AMX passes of 256 (an old default) and of 1024 for the input gradients, B-tile and
+  # A-row prefetch distances, the next-block prefetch off, column packing prefetched into L1, token groups off,
+  # and task shapes.
+  python benchmarks/sweep_cpu_experts.py --out "$scratch" --setting passes256:amx=256,0,0,0/group=0 \
+      --setting grad-passes1024:amx=0,0,0,1024 --setting prefetch-b128:amx=0,0,128,0 \
+      --setting prefetch-a64:amx=0,64,0,0 --setting next-off:next=0 --setting pack-l1:pack=16,0 \
+      --setting groups-off:group=0 --setting panels8:task=8,256,1024,0 --setting rows512:task=16,256,512,0 \
+      --setting blocks256:task=16,256,1024,256 2>&1 | grep "^|"
 fi
 if [[ "$part" == all || "$part" == bench ]]; then
   python -m moecc.cli bench --out "$out/bench" 2>&1 | grep -v "it/s\|s/it"

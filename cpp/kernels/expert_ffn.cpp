@@ -351,8 +351,12 @@ struct PartClocks {
   std::atomic<int64_t> pack{0}, gemm{0}, epilogue{0};
 };
 
-int64_t nanoseconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+// Runs fn() and adds the nanoseconds it took to `total`.
+template <typename Fn>
+void timed(std::atomic<int64_t>& total, Fn&& fn) {
+  const auto start = std::chrono::steady_clock::now();
+  fn();
+  total += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
 }
 
 void record_parts(std::vector<ProductParts>& list, const char* phase, const PartClocks& clocks) {
@@ -411,27 +415,28 @@ void forward_product(const PanelGemm& gemm, const Task& task, int64_t block_rows
   thread_local AlignedBuffer<uint16_t> panels;
   const int64_t width = (task.col1 - task.col0) * kPanelRows;
   const int64_t col0 = task.col0 * kPanelRows, col1 = std::min(n, task.col1 * kPanelRows);
-  auto start = std::chrono::steady_clock::now();
-  const uint16_t* const slice = weight_slice(gemm, w, packed, task, n, k, panels);
-  clocks.pack += nanoseconds_since(start);
+  const uint16_t* slice = nullptr;
+  timed(clocks.pack, [&] { slice = weight_slice(gemm, w, packed, task, n, k, panels); });
+  // The LoRA term s (x A) B^T, added in the same pass over each row as the bf16 rounding.
+  const float* const b_t = lora.a ? lora.b + task.expert * lora.rank * n + col0 : nullptr;
   for_row_blocks(task, block_rows, [&](const Task& rows_block) {
     const int64_t rows = rows_block.end - rows_block.begin;
     float* const tile = block.get(rows * width);
-    start = std::chrono::steady_clock::now();
-    gemm.forward(x + rows_block.begin * ld_x, ld_x, rows, slice, padded_k(k), 0, task.col1 - task.col0, tile, width);
-    clocks.gemm += nanoseconds_since(start);
-    start = std::chrono::steady_clock::now();
-    // The LoRA term s (x A) B^T and the bf16 rounding in one pass over each row.
-    const float* const b_t = lora.a ? lora.b + task.expert * lora.rank * n + col0 : nullptr;
-    for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
-      const float* row = tile + (g - rows_block.begin) * width;
-      if (b_t) {
-        rank_combine_bf16(inner + g * lora.rank, lora.scaling, b_t, n, lora.rank, col1 - col0, row, out_row(g) + col0);
-      } else {
-        to_bf16(row, out_row(g) + col0, col1 - col0);
+    timed(clocks.gemm, [&] {
+      gemm.forward(x + rows_block.begin * ld_x, ld_x, rows, slice, padded_k(k), 0, task.col1 - task.col0, tile,
+                   width);
+    });
+    timed(clocks.epilogue, [&] {
+      for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
+        const float* row = tile + (g - rows_block.begin) * width;
+        if (b_t) {
+          rank_combine_bf16(inner + g * lora.rank, lora.scaling, b_t, n, lora.rank, col1 - col0, row,
+                            out_row(g) + col0);
+        } else {
+          to_bf16(row, out_row(g) + col0, col1 - col0);
+        }
       }
-    }
-    clocks.epilogue += nanoseconds_since(start);
+    });
   });
 }
 
@@ -446,18 +451,13 @@ void input_grad_product(const PanelGemm& gemm, const Task& task, int64_t block_r
   thread_local AlignedBuffer<uint16_t> columns;
   const int64_t chunks = column_chunks(task.col0, task.col1), ld = chunks * kPanelRows;
   uint16_t* const packed = columns.get(column_panel_elements(n, task.col0, task.col1));
-  auto start = std::chrono::steady_clock::now();
-  gemm.pack_columns(w, n, k, task.col0, task.col1, packed);
-  clocks.pack += nanoseconds_since(start);
+  timed(clocks.pack, [&] { gemm.pack_columns(w, n, k, task.col0, task.col1, packed); });
   for_row_blocks(task, block_rows, [&](const Task& rows_block) {
     const int64_t rows = rows_block.end - rows_block.begin;
     float* const tile = block.get(rows * ld);
-    start = std::chrono::steady_clock::now();
-    gemm.input_grad(dy + rows_block.begin * ld_dy, ld_dy, rows, packed, n, chunks, tile, ld);
-    clocks.gemm += nanoseconds_since(start);
-    start = std::chrono::steady_clock::now();
-    epilogue(rows_block, tile, ld);
-    clocks.epilogue += nanoseconds_since(start);
+    timed(clocks.gemm,
+          [&] { gemm.input_grad(dy + rows_block.begin * ld_dy, ld_dy, rows, packed, n, chunks, tile, ld); });
+    timed(clocks.epilogue, [&] { epilogue(rows_block, tile, ld); });
   });
 }
 
@@ -659,7 +659,8 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   // d up (bf16, into grad_gu_bf16), and the chunk's parts of the two row sums that need all of I: act . d act (the
   // routing-weight gradient) and s dG B. Parts are kept per chunk and added in chunk order after the phase, so
   // results do not depend on which thread ran what (they do, in the last bits, on the chunk width, the gradient
-  // columns of set_task_shape). Done as separate passes (act, d act in float32, then the SwiGLU backward), d act
+  // columns of set_task_shape, and within a chunk on the 256-column pieces swiglu_backward_row sums act . d act
+  // in). Done as separate passes (act, d act in float32, then the SwiGLU backward), d act
   // alone was a float32 row per pair written and read back: 200 MB at 8192 tokens.
   const int64_t chunk_columns = grad_columns_per_task.load();
   const int64_t chunks = (d.I + chunk_columns - 1) / chunk_columns;

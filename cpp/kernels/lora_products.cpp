@@ -5,6 +5,8 @@
 
 #include <cstring>
 
+#include "panel_gemm.h"  // float_to_bf16
+
 // 64-byte vector types passed between always-inline helpers: GCC warns that their ABI differs with and without
 // AVX512, which cannot matter for calls that are always inlined.
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -35,7 +37,7 @@ MOECC_INLINE vf load16(const uint16_t* p) {  // bf16 -> float: the bits are the 
   return v;
 }
 MOECC_INLINE void store16(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-MOECC_INLINE void store16(uint16_t* p, vf v) {  // float -> bf16, round to nearest even, NaN kept quiet
+MOECC_INLINE void store16(uint16_t* p, vf v) {  // float_to_bf16 on 16 lanes
   vu bits;
   std::memcpy(&bits, &v, sizeof(bits));
   const vu rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
@@ -44,14 +46,8 @@ MOECC_INLINE void store16(uint16_t* p, vf v) {  // float -> bf16, round to neare
   const vh h = __builtin_convertvector(narrowed, vh);
   std::memcpy(p, &h, sizeof(h));
 }
-MOECC_INLINE uint16_t narrow(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? (bits >> 16) | 0x40u : rounded);
-}
 MOECC_INLINE void put(float* p, float v) { *p = v; }
-MOECC_INLINE void put(uint16_t* p, float v) { *p = narrow(v); }
+MOECC_INLINE void put(uint16_t* p, float v) { *p = float_to_bf16(v); }
 MOECC_INLINE float widen(float v) { return v; }
 MOECC_INLINE float widen(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;

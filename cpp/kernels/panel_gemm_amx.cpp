@@ -67,12 +67,13 @@ int64_t prefetch_ahead = 0;
 // knob until the host has measured it.
 int64_t prefetch_b_ahead = 0;
 // prefetch_next: nonzero brings the next token block's A rows into L2 while the current block's products run,
-// spread over its panel pairs (4 lines per K step in each pair of an 8-pair, 16-panel task). In one thread on an L2-resident problem
-// the products reached 70% of the register-only peak with no A prefetch and 57% with it at 64 (host,
-// 2026-11-29, a standalone micro-benchmark), so prefetching into L1 what L2 already holds costs; what it buys in
-// the layer is the first pass over rows that come from L3 or DRAM, which the next-block prefetch covers instead.
-// In the layer at 8192 tokens (16 threads) the products' rate per thread went from 0.38-0.41 to 0.41-0.49
-// TFLOP/s (last_product_parts), and the interleaved sweep scored it with no L1 prefetch 0.952 of the old setting.
+// spread over its panel pairs (4 lines per K step in each pair of an 8-pair, 16-panel task). In one thread on an
+// L2-resident problem the products reached 70% of the register-only peak with no A prefetch and 57% with it at
+// 64 (host, 2026-11-29, a standalone micro-benchmark), so prefetching into L1 what L2 already holds costs; what
+// it buys in the layer is the first pass over rows that come from L3 or DRAM, which the next-block prefetch
+// covers instead. In the layer at 8192 tokens (16 threads) the products' rate per thread went from 0.38-0.41 to
+// 0.41-0.49 TFLOP/s (last_product_parts), and the interleaved sweep scored it with no L1 prefetch 0.952 of the
+// old setting.
 int64_t prefetch_next = 1;
 
 // out[t][j] (+)= x[t][k0:k1] . W[j][k0:k1] for TWO_A ? 32 : rows0 tokens and TWO_B ? 32 : 16 outputs; `rows`
@@ -143,21 +144,11 @@ MOECC_AMX void block_row(const uint16_t* xt, int64_t ldx, int rows0, int rows1, 
                          const uint16_t* next, int next_rows) {
   const int stripes = static_cast<int>((p1 - p0 + 1) / 2);
   for (int64_t p = p0; p < p1; p += 2) {
-    const uint16_t* panel = packed + p * kPanelRows * k_padded;
-    float* dst = out + (p - p0) * kPanelRows;
-    const bool two_b = p + 1 < p1, acc = k0 > 0;
-    const int stripe = static_cast<int>((p - p0) / 2);
-    if (rows1 > 0) {
-      two_b ? block<true, true>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo, next, next_rows,
-                                stripe, stripes)
-            : block<true, false>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo, next, next_rows,
-                                 stripe, stripes);
-    } else {
-      two_b ? block<false, true>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo, next, next_rows,
-                                 stripe, stripes)
-            : block<false, false>(xt, ldx, rows0 + rows1, panel, k_padded, k0, k1, acc, dst, ldo, next, next_rows,
-                                  stripe, stripes);
-    }
+    const bool two_b = p + 1 < p1;
+    const auto kernel = rows1 > 0 ? (two_b ? block<true, true> : block<true, false>)
+                                  : (two_b ? block<false, true> : block<false, false>);
+    kernel(xt, ldx, rows0 + rows1, packed + p * kPanelRows * k_padded, k_padded, k0, k1, k0 > 0,
+           out + (p - p0) * kPanelRows, ldo, next, next_rows, static_cast<int>((p - p0) / 2), stripes);
   }
 }
 
