@@ -18,6 +18,7 @@
 #include "../pool/thread_pool.h"
 #include "aligned_buffer.h"
 #include "lora_products.h"
+#include "swiglu.h"
 #include "weight_packing.h"
 
 namespace moecc::kernels {
@@ -77,8 +78,6 @@ void run_tasks(moecc::pool::ThreadPool& pool, const std::vector<Task>& tasks, Fn
   pool.run(static_cast<int64_t>(tasks.size()), [&](int64_t i, int) { fn(tasks[i]); });
 }
 
-inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
-
 // Vector primitives for the rank-r LoRA terms and elementwise steps. target_clones builds an AVX512 and a
 // baseline copy of each and picks one at load time from the running CPU, so no code here assumes AVX512.
 #define MOECC_VECTOR_CLONES __attribute__((target_clones("avx512f", "default")))
@@ -94,87 +93,6 @@ __attribute__((optimize("fp-contract=off"))) MOECC_VECTOR_CLONES void axpy_bf16(
 MOECC_VECTOR_CLONES void to_bf16(const float* src, uint16_t* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
-}
-
-// exp(x) in float to ~2 ulp, in operations every vector ISA has (glibc's expf is a call per element, which
-// made the SwiGLU steps the slowest of the layer). Range reduction x = n ln2 + r, |r| <= ln2/2, a degree-6
-// Taylor polynomial for e^r, and 2^n built in the exponent bits; inputs clamp to the finite float range.
-inline float vector_exp(float x) {
-  // Selects, not fmin/fmax calls: they vectorise. Written so NaN fails the test and clamps too: a NaN n below
-  // would make the int conversion undefined (the callers' results still come out NaN, through their own x).
-  x = x > -87.0f ? (x < 88.0f ? x : 88.0f) : -87.0f;
-  // Round to nearest by adding and removing 1.5 * 2^23 (nearbyint stays a scalar call under -ftrapping-math).
-  const float shifter = 12582912.0f;
-  const float n = (x * 1.44269504088896341f + shifter) - shifter;
-  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;  // ln2 split in two parts
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-// act[i] = round(round(silu(gate[i])) * up[i]) from one row of bf16 gate/up outputs. Two simple loops over an
-// L1-sized chunk: GCC vectorises each, but not the two bf16 roundings fused into one loop body.
-MOECC_VECTOR_CLONES void swiglu_row(const uint16_t* gate, const uint16_t* up, uint16_t* act, int64_t n) {
-  constexpr int64_t kChunk = 256;
-  float silu[kChunk];
-  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
-    const int64_t len = n - c0 < kChunk ? n - c0 : kChunk;
-#pragma omp simd
-    for (int64_t i = 0; i < len; ++i) {
-      const float g = bf16_to_float(gate[c0 + i]);
-      silu[i] = g / (1.0f + vector_exp(-g));
-    }
-#pragma omp simd
-    for (int64_t i = 0; i < len; ++i) act[c0 + i] = float_to_bf16(round_bf16(silu[i]) * bf16_to_float(up[c0 + i]));
-  }
-}
-
-// The SwiGLU backward of one row chunk for the weighted act gradient w * grad_act: act = round(round(silu(gate)) *
-// up) again (as the forward rounded it) into `act` when write_act, else read from it; d gate and d up into dg, du
-// (float32) and their bf16 copies; returns act . grad_act (unweighted). One exp per element serves silu and its
-// derivative (computed separately, it was two), and the chunk stays in L1 across the loops.
-MOECC_VECTOR_CLONES float swiglu_backward_row(const uint16_t* gate, const uint16_t* up, const float* grad_act, float w,
-                                              bool write_act, uint16_t* act, float* dg, float* du, uint16_t* dg_bf16,
-                                              uint16_t* du_bf16, int64_t n) {
-  constexpr int64_t kChunk = 256;
-  float sig[kChunk], silu[kChunk];
-  float dot = 0.0f;
-  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
-    const int64_t len = n - c0 < kChunk ? n - c0 : kChunk;
-    const uint16_t *g_in = gate + c0, *u_in = up + c0;
-#pragma omp simd
-    for (int64_t i = 0; i < len; ++i) {
-      const float g = bf16_to_float(g_in[i]);
-      const float den = 1.0f + vector_exp(-g);
-      silu[i] = g / den;
-      sig[i] = 1.0f / den;
-    }
-    if (write_act) {
-#pragma omp simd
-      for (int64_t i = 0; i < len; ++i) act[c0 + i] = float_to_bf16(round_bf16(silu[i]) * bf16_to_float(u_in[i]));
-    }
-#pragma omp simd reduction(+ : dot)
-    for (int64_t i = 0; i < len; ++i) dot += bf16_to_float(act[c0 + i]) * grad_act[c0 + i];
-#pragma omp simd
-    for (int64_t i = 0; i < len; ++i) {
-      const float g = bf16_to_float(g_in[i]), u = bf16_to_float(u_in[i]), ga = grad_act[c0 + i] * w, sg = sig[i];
-      dg[c0 + i] = ga * u * sg * (1.0f + g * (1.0f - sg));
-      du[c0 + i] = ga * g * sg;
-    }
-#pragma omp simd
-    for (int64_t i = 0; i < len; ++i) dg_bf16[c0 + i] = float_to_bf16(dg[c0 + i]);
-#pragma omp simd
-    for (int64_t i = 0; i < len; ++i) du_bf16[c0 + i] = float_to_bf16(du[c0 + i]);
-  }
-  return dot;
 }
 
 // inner[g][r] = sum_c row_of(g)[c] * a[r][c] for the task's grouped rows g (bf16 rows).
@@ -230,7 +148,7 @@ void activate(const Dims& d, const uint16_t* gate_up_out, const LoraFactors& lor
   run_tasks(pool, rows, [&](const Task& task) {
     for (int64_t g = task.begin; g < task.end; ++g) {
       const uint16_t* gu = gate_up_out + g * 2 * d.I;
-      swiglu_row(gu, gu + d.I, act + g * d.ld_act, d.I);
+      swiglu_forward_row(gu, gu + d.I, act + g * d.ld_act, d.I);
       std::fill(act + g * d.ld_act + d.I, act + (g + 1) * d.ld_act, uint16_t{0});
     }
     if (lora.a) {

@@ -3,63 +3,21 @@
 // in groups of up to 8 so the accumulators stay in registers whatever r is.
 #include "lora_products.h"
 
-#include <cstring>
-
 #include "panel_gemm.h"  // float_to_bf16
-
-// 64-byte vector types passed between always-inline helpers: GCC warns that their ABI differs with and without
-// AVX512, which cannot matter for calls that are always inlined.
-#pragma GCC diagnostic ignored "-Wpsabi"
+#include "vector16.h"
 
 namespace moecc::kernels {
 namespace {
 
-#define MOECC_VECTOR_CLONES __attribute__((target_clones("avx512f", "default")))
-#define MOECC_INLINE __attribute__((always_inline)) inline
+using namespace v16;
 
-typedef float vf __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-constexpr int64_t kLanes = 16;
+#define MOECC_VECTOR_CLONES __attribute__((target_clones("avx512f", "default")))
 constexpr int kGroup = 8;
 
-MOECC_INLINE vf load16(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-MOECC_INLINE vf load16(const uint16_t* p) {  // bf16 -> float: the bits are the top half of a float
-  vh h;
-  std::memcpy(&h, p, sizeof(h));
-  const vu wide = __builtin_convertvector(h, vu) << 16;
-  vf v;
-  std::memcpy(&v, &wide, sizeof(v));
-  return v;
-}
-MOECC_INLINE void store16(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-MOECC_INLINE void store16(uint16_t* p, vf v) {  // float_to_bf16 on 16 lanes
-  vu bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  const vu rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const vu quiet_nan = (bits >> 16) | 0x40u;
-  const vu narrowed = (bits & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded;
-  const vh h = __builtin_convertvector(narrowed, vh);
-  std::memcpy(p, &h, sizeof(h));
-}
 MOECC_INLINE void put(float* p, float v) { *p = v; }
 MOECC_INLINE void put(uint16_t* p, float v) { *p = float_to_bf16(v); }
 MOECC_INLINE float widen(float v) { return v; }
-MOECC_INLINE float widen(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float v;
-  std::memcpy(&v, &wide, sizeof(v));
-  return v;
-}
-MOECC_INLINE float lane_sum(vf v) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
+MOECC_INLINE float widen(uint16_t bits) { return bf16_to_float(bits); }
 
 template <int G, typename T>
 MOECC_INLINE void dots_group(const T* row, const float* factors, int64_t ld, int64_t n, float scale, float* out) {
@@ -177,15 +135,20 @@ MOECC_INLINE void outer(const float* coef, const float* row_scale, float scale, 
   }
 }
 
-// out[c] = row[c] + sum_j (scale * coef[j]) * factors[j * ld + c]; Out float (out may be row) or bf16 bits.
-template <typename Out>
+// out[c] = row[c] + sum_j (scale * coef[j]) * factors[j * ld + c]; Out float (out may be row) or bf16 bits (rounded
+// by Bf16 in whole vectors; the last n % 16 columns by float_to_bf16, which differs only on float32 denormals).
+template <typename Bf16, typename Out>
 MOECC_INLINE void combine(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
                           const float* row, Out* out) {
   int64_t c = 0;
   for (; c + kLanes <= n; c += kLanes) {
     vf acc = load16(row + c);
     for (int64_t j = 0; j < rank; ++j) acc += (scale * coef[j]) * load16(factors + j * ld + c);
-    store16(out + c, acc);
+    if constexpr (sizeof(Out) == sizeof(float)) {
+      store16(out + c, acc);
+    } else {
+      store16<Bf16>(out + c, acc);
+    }
   }
   for (; c < n; ++c) {
     float acc = row[c];
@@ -196,11 +159,15 @@ MOECC_INLINE void combine(const float* coef, float scale, const float* factors, 
 
 MOECC_VECTOR_CLONES void combine_f32(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank,
                                      int64_t n, float* row) {
-  combine(coef, scale, factors, ld, rank, n, row, row);
+  combine<PortableBf16>(coef, scale, factors, ld, rank, n, row, row);
 }
 MOECC_VECTOR_CLONES void combine_bf16(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank,
                                       int64_t n, const float* row, uint16_t* out) {
-  combine(coef, scale, factors, ld, rank, n, row, out);
+  combine<PortableBf16>(coef, scale, factors, ld, rank, n, row, out);
+}
+MOECC_BF16_TARGET void combine_bf16_native(const float* coef, float scale, const float* factors, int64_t ld,
+                                           int64_t rank, int64_t n, const float* row, uint16_t* out) {
+  combine<NativeBf16>(coef, scale, factors, ld, rank, n, row, out);
 }
 
 MOECC_VECTOR_CLONES void dots_bf16(const uint16_t* row, const float* factors, int64_t ld, int64_t rank, int64_t n,
@@ -243,7 +210,7 @@ void rank_combine(const float* coef, float scale, const float* factors, int64_t 
 }
 void rank_combine_bf16(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
                        const float* row, uint16_t* out) {
-  combine_bf16(coef, scale, factors, ld, rank, n, row, out);
+  (native_bf16() ? combine_bf16_native : combine_bf16)(coef, scale, factors, ld, rank, n, row, out);
 }
 void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const uint16_t* rows, int64_t ld,
                            int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld) {

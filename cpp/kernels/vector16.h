@@ -1,0 +1,108 @@
+// 16-lane float vectors in GCC's vector extension, for code compiled by target_clones for AVX512 (one zmm
+// register) and for the baseline ISA (the same operations split into SSE registers): loads and stores of float
+// and bf16 lanes, bf16 rounding, a lane sum. Include only into functions that are always inlined into a clone.
+#pragma once
+
+#include <immintrin.h>  // __m512
+
+#include <cstdint>
+#include <cstring>
+
+// 64-byte vector types passed between always-inline helpers: GCC warns that their ABI differs with and without
+// AVX512, which cannot matter for calls that are always inlined.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+namespace moecc::kernels::v16 {
+
+#define MOECC_INLINE __attribute__((always_inline)) inline
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+constexpr int64_t kLanes = 16;
+
+MOECC_INLINE vf bits_to_float(vu bits) {
+  vf v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+MOECC_INLINE vu float_to_bits(vf v) {
+  vu bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return bits;
+}
+MOECC_INLINE vf load16(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+MOECC_INLINE void store16(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+// float_to_bf16 (panel_gemm.h) on 16 lanes, as the 16 low halves of 32-bit lanes.
+MOECC_INLINE vu bf16_bits(vf v) {
+  const vu bits = float_to_bits(v);
+  const vu rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const vu quiet_nan = (bits >> 16) | 0x40u;
+  return (bits & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded;
+}
+MOECC_INLINE vf widen16(vh h) { return bits_to_float(__builtin_convertvector(h, vu) << 16); }
+MOECC_INLINE vf load16(const uint16_t* p) {  // bf16 -> float: the bits are the top half of a float
+  vh h;
+  std::memcpy(&h, p, sizeof(h));
+  return widen16(h);
+}
+
+// Rounding 16 floats to bf16, two ways. PortableBf16: integer operations any ISA has (about 10 vector operations).
+// NativeBf16: AVX512-BF16's VCVTNEPS2BF16, one instruction, the same results except that it flushes float32
+// denormals (magnitudes below 1.2e-38) to zero where PortableBf16 rounds them; usable only in functions built
+// with MOECC_BF16_TARGET, on CPUs that have it. The epilogues round every output element (some several times),
+// and on the AMX host's cores, whose vector rate is a quarter of a Zen 4's, the integer rounding was much of
+// their time.
+#define MOECC_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+struct PortableBf16 {
+  static MOECC_INLINE vh narrow(vf v) { return __builtin_convertvector(bf16_bits(v), vh); }
+};
+struct NativeBf16 {
+  // The builtin behind _mm512_cvtneps_pbh, which as an always-inline function with its own target could not be
+  // inlined through these helpers (they have none); the builtin is checked where it lands, in the targeted caller.
+  static MOECC_INLINE vh narrow(vf v) {
+    __m512 x;
+    std::memcpy(&x, &v, sizeof(x));
+    const auto h = __builtin_ia32_cvtneps2bf16_v16sf(x);
+    vh out;
+    static_assert(sizeof(h) == sizeof(out), "16 bf16 lanes");
+    std::memcpy(&out, &h, sizeof(out));
+    return out;
+  }
+};
+
+// Whether this CPU (and OS) runs AVX512-BF16, checked once; the kernels that round with NativeBf16 pick their
+// build by it.
+inline bool native_bf16() {
+  static const bool supported = __builtin_cpu_supports("avx512bf16");
+  return supported;
+}
+
+template <typename Bf16 = PortableBf16>
+MOECC_INLINE void store16(uint16_t* p, vf v) {
+  const vh h = Bf16::narrow(v);
+  std::memcpy(p, &h, sizeof(h));
+}
+template <typename Bf16 = PortableBf16>
+MOECC_INLINE vf round16(vf v) {  // to the nearest bf16 value
+  return widen16(Bf16::narrow(v));
+}
+
+// The 16 lanes summed as a tree of halves: 8 vector operations. Adding them one by one, in order (no reassociation
+// without -ffast-math), is 16 dependent additions, which in the 256-column epilogues (16 accumulators a row for
+// the SwiGLU backward's s dG B) cost as much as the dot products themselves.
+MOECC_INLINE float lane_sum(vf v) {
+  const vf8 h8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+}  // namespace moecc::kernels::v16
