@@ -10,7 +10,6 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/aligned_buffer.h"
 #include "kernels/cpu_features.h"
 #include "kernels/expert_ffn.h"
 #include "kernels/peak_rate.h"
@@ -254,18 +253,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_pack_prefetch", &moecc::kernels::set_pack_prefetch, py::arg("rows_ahead"), py::arg("to_l2"),
         "Prefetch of the input gradients' column packing (panel_gemm.h): rows ahead (0: none) and into L2 (else "
         "L1). Returns the previous pair. For benchmarks and tests.");
-
-  m.def(
-      "advise_huge_pages",
-      [](std::uintptr_t address, int64_t bytes) {
-        if (bytes < 0) throw std::invalid_argument("advise_huge_pages: bytes must be >= 0");
-        return moecc::kernels::advise_huge_pages(as_pointer<void>(address), static_cast<size_t>(bytes));
-      },
-      py::arg("address"), py::arg("bytes"),
-      "Asks the kernel for transparent huge pages on the whole 2 MB pages of a buffer not yet touched (the kernels' "
-      "saved state and results); off with MOECC_HUGE_PAGES=0. True when advice was given.");
-  m.def("huge_pages_enabled", &moecc::kernels::huge_pages_enabled,
-        "Whether large buffers get huge-page advice (MOECC_HUGE_PAGES, read once; on unless it is 0).");
 
   m.def("_pool_fill_test", &pool_fill_test, py::call_guard<py::gil_scoped_release>());
   m.def("_pool_raise_test", &pool_raise_test, py::call_guard<py::gil_scoped_release>());

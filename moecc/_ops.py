@@ -118,20 +118,6 @@ def best_isa() -> str:
     return "portable"
 
 
-def empty_large(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(numel, dtype=dtype)`` whose whole 2 MB pages are advised to transparent huge pages before
-    anything touches them (the kernels read such buffers by rows a few KB apart; see cpp/kernels/aligned_buffer.h).
-    Off with MOECC_HUGE_PAGES=0."""
-    buffer = torch.empty(numel, dtype=dtype)
-    _C.advise_huge_pages(buffer.data_ptr(), buffer.numel() * buffer.element_size())
-    return buffer
-
-
-def huge_pages_enabled() -> bool:
-    """Whether large buffers get huge-page advice (MOECC_HUGE_PAGES, read once; on unless it is 0)."""
-    return bool(_C.huge_pages_enabled())
-
-
 def pack_experts(weights: torch.Tensor) -> torch.Tensor:
     """Packs bf16 expert weights ``[E, N, K]`` into the kernels' panel layout (cpp/kernels/weight_packing.h),
     element by element: the reference the vectorised per-task packers are tested against."""

@@ -81,7 +81,7 @@ class _BufferPool:
                     self._free = [b for b in self._free if b is not largest]
                 buffer = None
         if buffer is None:
-            buffer = _ops.empty_large(numel, dtype)
+            buffer = torch.empty(numel, dtype=dtype)
         lent = buffer[:numel].view(shape)  # a view: its _base is the buffer
         with self._lock:
             self._lent[id(lent)] = lent
