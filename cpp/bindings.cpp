@@ -14,6 +14,7 @@
 #include "kernels/expert_ffn.h"
 #include "kernels/peak_rate.h"
 #include "kernels/token_grouping.h"
+#include "kernels/vector16.h"
 #include "kernels/weight_packing.h"
 #include "pool/thread_pool.h"
 
@@ -37,6 +38,25 @@ void pool_raise_test(int64_t n, int64_t failing_task) {
   moecc::pool::global_pool()->run(n, [failing_task](int64_t task, int) {
     if (task == failing_task) throw std::runtime_error("task " + std::to_string(task) + " failed on purpose");
   });
+}
+
+// Rounds n (a multiple of 16) floats to bf16 with the epilogues' 16-lane rounding, integer (native false) or
+// AVX512-BF16's instruction; a test of the two against each other and torch.
+MOECC_BF16_TARGET void round_native(const float* src, uint16_t* dst, int64_t n) {
+  using namespace moecc::kernels::v16;
+  for (int64_t i = 0; i < n; i += kLanes) store16<NativeBf16>(dst + i, load16(src + i));
+}
+void round_bf16_test(std::uintptr_t src_address, std::uintptr_t dst_address, int64_t n, bool native) {
+  using namespace moecc::kernels::v16;
+  if (n % kLanes != 0) throw std::invalid_argument("_round_bf16_test: n must be a multiple of 16");
+  const float* src = as_pointer<const float>(src_address);
+  uint16_t* dst = as_pointer<uint16_t>(dst_address);
+  if (native) {
+    if (!native_bf16()) throw std::invalid_argument("_round_bf16_test: this CPU has no AVX512-BF16");
+    round_native(src, dst, n);
+  } else {
+    for (int64_t i = 0; i < n; i += kLanes) store16<PortableBf16>(dst + i, load16(src + i));
+  }
 }
 
 using moecc::kernels::Isa;
@@ -254,6 +274,9 @@ PYBIND11_MODULE(_C, m) {
         "Prefetch of the input gradients' column packing (panel_gemm.h): rows ahead (0: none) and into L2 (else "
         "L1). Returns the previous pair. For benchmarks and tests.");
 
+  m.def("_round_bf16_test", &round_bf16_test, py::arg("src"), py::arg("dst"), py::arg("n"), py::arg("native"));
+  m.def("native_bf16", &moecc::kernels::v16::native_bf16,
+        "Whether the epilogues round to bf16 with AVX512-BF16's instruction (the CPU has it).");
   m.def("_pool_fill_test", &pool_fill_test, py::call_guard<py::gil_scoped_release>());
   m.def("_pool_raise_test", &pool_raise_test, py::call_guard<py::gil_scoped_release>());
 }

@@ -621,3 +621,76 @@ def test_product_parts_name_every_product_phase_of_the_latest_call():
     weights, x, index, w, gate_up, down = _problem(0, 4, 64, 48, 2, 4, seed=7)  # no tokens: no tasks, no time
     native.forward(weights, x, index, w, gate_up, down)
     assert [parts[1:] for parts in _C.last_product_parts(False)] == [(0.0, 0.0, 0.0), (0.0, 0.0, 0.0)]
+
+
+def _bf16_rounding_inputs() -> torch.Tensor:
+    """Floats over the whole exponent range, exact halfway cases (round to even), specials, float32 denormals."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    spread = (rng.standard_normal(4096) * np.exp2(rng.integers(-120, 120, 4096))).astype(np.float32)
+    halfway = ((rng.integers(0, 1 << 16, 1024, dtype=np.uint32) << 16) | 0x8000).view(np.float32)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 3.4e38, -3.4e38, 1.2e-38,
+                         np.finfo(np.float32).max, 1.0, 1.00390625, 1.01171875], dtype=np.float32)
+    signalling = np.array([0x7F800001, 0xFF800001, 0x7FBFFFFF], dtype=np.uint32).view(np.float32)
+    denormals = np.array([1e-39, -1e-39, 5.9e-39, 1e-45, -1e-45, 1.1e-38], dtype=np.float32)
+    values = np.concatenate([spread, halfway, specials, signalling, denormals])
+    values = np.concatenate([values, np.zeros(-len(values) % 16, dtype=np.float32)])
+    return torch.from_numpy(values)
+
+
+def _round_bf16(values: torch.Tensor, native: bool) -> torch.Tensor:
+    from moecc import _C
+
+    out = torch.empty(values.numel(), dtype=torch.int16)
+    _C._round_bf16_test(values.data_ptr(), out.data_ptr(), values.numel(), native)
+    return out
+
+
+def test_portable_bf16_rounding_matches_torch():
+    values = _bf16_rounding_inputs()
+    ours = _round_bf16(values, native=False)
+    theirs = values.bfloat16().view(torch.int16)
+    nan = values.isnan()
+    assert torch.equal(ours[~nan], theirs[~nan])
+    assert ours[nan].view(torch.bfloat16).isnan().all()
+
+
+@pytest.mark.skipif(not __import__("moecc")._C.native_bf16(), reason="this CPU has no AVX512-BF16")
+def test_native_bf16_rounding_matches_portable_but_flushes_denormals():
+    values = _bf16_rounding_inputs()
+    native, portable = _round_bf16(values, native=True), _round_bf16(values, native=False)
+    denormal = (values != 0) & (values.abs() < torch.finfo(torch.float32).tiny)
+    assert torch.equal(native[~denormal], portable[~denormal])  # NaNs too: both keep the payload's top, quieted
+    flushed = native[denormal].view(torch.bfloat16).float()
+    assert (flushed == 0).all() and torch.equal(flushed.signbit(), values[denormal].signbit())
+
+
+def test_bf16_rounding_test_hook_refuses_ragged_lengths():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        _round_bf16(torch.zeros(20), native=False)
+
+
+def test_native_bf16_follows_cpu_and_environment():
+    import os
+
+    from moecc import _C
+
+    wanted = _ops.cpu_features()["avx512_bf16"] and os.environ.get("MOECC_NATIVE_BF16") != "0"
+    assert _C.native_bf16() == wanted
+
+
+@pytest.mark.skipif(not __import__("moecc")._C.native_bf16(), reason="the portable rounding runs in every other test")
+def test_layer_with_portable_bf16_rounding_matches_reference():
+    """On an AVX512-BF16 CPU the epilogues round with its instruction; their integer-rounding builds (what other
+    CPUs run) get the reference cases in a process with MOECC_NATIVE_BF16=0."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:warnings", "-p", "no:cacheprovider", __file__,
+         "-k", "test_native_matches_reference and not other_task_widths and not amx or follows_cpu_and_environment"],
+        env=os.environ | {"MOECC_NATIVE_BF16": "0"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and "deselected" in done.stdout

@@ -577,9 +577,9 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   // d up (bf16, into grad_gu_bf16), and the chunk's parts of the two row sums that need all of I: act . d act (the
   // routing-weight gradient) and s dG B. Parts are kept per chunk and added in chunk order after the phase, so
   // results do not depend on which thread ran what (they do, in the last bits, on the chunk width, the gradient
-  // columns of set_task_shape, and within a chunk on the 256-column pieces swiglu_backward_row sums act . d act
-  // in). Done as separate passes (act, d act in float32, then the SwiGLU backward), d act
-  // alone was a float32 row per pair written and read back: 200 MB at 8192 tokens.
+  // columns of set_task_shape, which fixes how swiglu_backward_row's 16 lanes split act . d act). Done as separate
+  // passes (act, d act in float32, then the SwiGLU backward), d act alone was a float32 row per pair written and
+  // read back: 200 MB at 8192 tokens.
   const int64_t chunk_columns = grad_columns_per_task.load();
   const int64_t chunks = (d.I + chunk_columns - 1) / chunk_columns;
   float* const routing_parts = scratch.routing_parts.get(d.pairs * chunks);

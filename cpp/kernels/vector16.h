@@ -6,6 +6,7 @@
 #include <immintrin.h>  // __m512
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 // 64-byte vector types passed between always-inline helpers: GCC warns that their ABI differs with and without
@@ -57,9 +58,9 @@ MOECC_INLINE vf load16(const uint16_t* p) {  // bf16 -> float: the bits are the 
 // Rounding 16 floats to bf16, two ways. PortableBf16: integer operations any ISA has (about 10 vector operations).
 // NativeBf16: AVX512-BF16's VCVTNEPS2BF16, one instruction, the same results except that it flushes float32
 // denormals (magnitudes below 1.2e-38) to zero where PortableBf16 rounds them; usable only in functions built
-// with MOECC_BF16_TARGET, on CPUs that have it. The epilogues round every output element (some several times),
-// and on the AMX host's cores, whose vector rate is a quarter of a Zen 4's, the integer rounding was much of
-// their time.
+// with MOECC_BF16_TARGET, on CPUs that have it. The epilogues round every output element (the SwiGLU backward
+// four times), and the AMX host's cores run vector code slowly (AVX512-BF16 dot products at 0.08 TFLOP/s a core
+// against 0.53 on a Zen 4, register-only): there the integer rounding was much of the epilogues' time.
 #define MOECC_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 struct PortableBf16 {
   static MOECC_INLINE vh narrow(vf v) { return __builtin_convertvector(bf16_bits(v), vh); }
@@ -78,11 +79,14 @@ struct NativeBf16 {
   }
 };
 
-// Whether this CPU (and OS) runs AVX512-BF16, checked once; the kernels that round with NativeBf16 pick their
-// build by it.
+// Whether the kernels that round with NativeBf16 use that build: this CPU (and OS) runs AVX512-BF16, and
+// MOECC_NATIVE_BF16 is not 0 (which tests use to run the PortableBf16 builds on such CPUs). Checked once.
 inline bool native_bf16() {
-  static const bool supported = __builtin_cpu_supports("avx512bf16");
-  return supported;
+  static const bool use = [] {
+    const char* setting = std::getenv("MOECC_NATIVE_BF16");
+    return __builtin_cpu_supports("avx512bf16") && !(setting != nullptr && std::strcmp(setting, "0") == 0);
+  }();
+  return use;
 }
 
 template <typename Bf16 = PortableBf16>
