@@ -11,7 +11,6 @@ namespace {
 
 using namespace v16;
 
-#define MOECC_VECTOR_CLONES __attribute__((target_clones("avx512f", "default")))
 constexpr int kGroup = 8;
 
 MOECC_INLINE void put(float* p, float v) { *p = v; }

@@ -13,8 +13,6 @@ namespace {
 
 using namespace v16;
 
-#define MOECC_VECTOR_CLONES __attribute__((target_clones("avx512f", "default")))
-
 // exp(x) to ~2 ulp in operations every vector ISA has (glibc's expf is a call per element). Range reduction
 // x = n ln2 + r, |r| <= ln2/2, a degree-6 Taylor polynomial for e^r, and 2^n built in the exponent bits; inputs
 // clamp to the finite float range, NaN to the low end (the callers' results still come out NaN, through their x).
@@ -32,10 +30,8 @@ MOECC_INLINE vf exp16(vf x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const vi exponent = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &exponent, sizeof(scale));
-  return p * scale;
+  const vi exponent = (__builtin_convertvector(n, vi) + 127) << 23;  // n in [-126, 127]: positive
+  return p * bits_to_float(__builtin_convertvector(exponent, vu));
 }
 
 // sigmoid(g) with one division (a vector division costs about as much as the exp).

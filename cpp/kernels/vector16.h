@@ -1,6 +1,7 @@
 // 16-lane float vectors in GCC's vector extension, for code compiled by target_clones for AVX512 (one zmm
 // register) and for the baseline ISA (the same operations split into SSE registers): loads and stores of float
-// and bf16 lanes, bf16 rounding, a lane sum. Include only into functions that are always inlined into a clone.
+// and bf16 lanes, bf16 rounding, a lane sum. The helpers are always inlined; the functions that call them are built
+// with MOECC_VECTOR_CLONES (or, for NativeBf16, MOECC_BF16_TARGET), and the running CPU picks the copy.
 #pragma once
 
 #include <immintrin.h>  // __m512
@@ -16,6 +17,7 @@
 namespace moecc::kernels::v16 {
 
 #define MOECC_INLINE __attribute__((always_inline)) inline
+#define MOECC_VECTOR_CLONES __attribute__((target_clones("avx512f", "default")))
 
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
