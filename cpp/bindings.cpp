@@ -220,6 +220,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_task_shape", &moecc::kernels::set_task_shape, py::arg("panels_per_task"),
         py::arg("grad_columns_per_task"), py::arg("rows") = -1, py::arg("block_rows") = -1,
         "Shape of the expert product tasks (expert_ffn.h); returns the previous four. For benchmarks and tests.");
+  m.def("set_streaming_copies", &moecc::kernels::set_streaming_copies, py::arg("on"),
+        "Whether the grouped copies of token rows use non-temporal stores (default, with AVX512BW) or plain ones "
+        "(the same results); returns the previous setting. For benchmarks and tests.");
   m.def("last_phase_times", &moecc::kernels::last_phase_times, py::arg("backward"),
         "[(phase, seconds)] of the latest expert_ffn_forward (backward=False) or expert_ffn_backward call.");
 

@@ -694,3 +694,37 @@ def test_layer_with_portable_bf16_rounding_matches_reference():
         env=os.environ | {"MOECC_NATIVE_BF16": "0"}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "deselected" in done.stdout
+
+
+def _backward_results(isa, problem, seed):
+    """Forward output and backward results (input and routing gradients, the four factor gradients) of one
+    problem (_problem's tokens, experts, hidden, inter, top_k, rank; skewed routing)."""
+    weights, x, index, w, gate_up, down = _problem(*problem, seed=seed, skew=True)
+    grad_out = torch.randn(problem[0], problem[2], generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    native = NativeExperts(isa)
+    out, saved = native.forward(weights, x, index, w, gate_up, down)
+    grad_hidden, grad_weights, grads = native.backward(weights, saved, grad_out, gate_up, down)
+    results = [out.clone(), grad_hidden, grad_weights]
+    if gate_up is not None:
+        results += [grads.gate_up_A, grads.gate_up_B, grads.down_A, grads.down_B]
+    return results
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("problem", [(130, 5, 96, 32, 2, 8), (37, 6, 100, 40, 3, 4), (1, 4, 32, 16, 2, 0)],
+                         ids=["H96", "H100", "one-token-no-lora"])
+def test_streamed_row_copies_give_the_same_results(isa, problem):
+    """The grouped copies of hidden and output-gradient rows with non-temporal stores (the default where the CPU
+    has AVX512BW) and with plain ones give the same results bit for bit, with H a multiple of 32 and not (the
+    last line of a row partly padding), and match the reference."""
+    from moecc import _C
+
+    assert _C.set_streaming_copies(False) is True  # on by default
+    try:
+        plain = _backward_results(isa, problem, seed=9)
+    finally:
+        assert _C.set_streaming_copies(True) is False
+    streamed = _backward_results(isa, problem, seed=9)
+    for a, b in zip(plain, streamed):
+        assert torch.equal(a, b)
+    test_native_matches_reference(isa, (*problem, False))

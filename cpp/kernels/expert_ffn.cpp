@@ -7,6 +7,8 @@
 // the compiler vectorises.
 #include "expert_ffn.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -19,6 +21,7 @@
 #include "aligned_buffer.h"
 #include "lora_products.h"
 #include "swiglu.h"
+#include "vector16.h"
 #include "weight_packing.h"
 
 namespace moecc::kernels {
@@ -78,9 +81,8 @@ void run_tasks(moecc::pool::ThreadPool& pool, const std::vector<Task>& tasks, Fn
   pool.run(static_cast<int64_t>(tasks.size()), [&](int64_t i, int) { fn(tasks[i]); });
 }
 
-// Vector primitives for the rank-r LoRA terms and elementwise steps. target_clones builds an AVX512 and a
-// baseline copy of each and picks one at load time from the running CPU, so no code here assumes AVX512.
-#define MOECC_VECTOR_CLONES __attribute__((target_clones("avx512f", "default")))
+// Vector primitives for the elementwise steps, built with MOECC_VECTOR_CLONES (vector16.h): an AVX512 and a
+// baseline copy of each, one picked at load time from the running CPU, so no code here assumes AVX512.
 
 // y += bf16(x) * coef, the product rounded to float32 before the sum, as when the forward applied the routing
 // weight per pair: GCC contracts C++ into FMAs by default (it did in the scalar tail), so contraction is off here.
@@ -123,22 +125,63 @@ struct Dims {
         ld_dy(padded_k(s.hidden) + kRowPad), ld_dgu(padded_k(2 * s.inter) + kRowPad) {}
 };
 
-// Grouped hidden rows (zero-padded) and their gate/up LoRA inner product; with `hidden_copy`, each token's row is
-// also copied there once (by its slot-0 pair), in parallel and while the row is in cache.
+// Whether the grouped copies of token rows (hidden rows for the forward, output-gradient rows for the backward:
+// each a row per routed pair, 273 MB at 8192 tokens for Qwen3-30B-A3B) are written with non-temporal stores,
+// which skip reading each destination line into cache before it is overwritten. A knob so benchmarks can compare.
+std::atomic<bool> streaming_copies{true};
+
+// dst[0, n) = src[0, n) and dst[n, padded) = 0 (bf16; dst 64-byte aligned, padded a multiple of 32), in whole
+// cache lines of non-temporal stores; masked loads read nothing past src[n).
+__attribute__((target("avx512f,avx512bw"))) void stream_row(const uint16_t* src, int64_t n, uint16_t* dst,
+                                                           int64_t padded) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
+  }
+  for (; i < padded; i += 32) {
+    const int64_t rest = n - i;
+    const __mmask32 mask = rest >= 32 ? ~__mmask32{0} : rest > 0 ? (__mmask32{1} << rest) - 1 : 0;
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_maskz_loadu_epi16(mask, src + i));
+  }
+}
+
+// Copies a token row into its zero-padded grouped row (ld values), streamed when streaming_copies is on and the
+// CPU has AVX512BW (then `streamed` is set and the caller fences before the phase ends).
+inline void copy_row(const uint16_t* src, int64_t n, uint16_t* dst, int64_t ld, bool& streamed) {
+  static const bool avx512bw = __builtin_cpu_supports("avx512bw");
+  if (avx512bw && streaming_copies.load(std::memory_order_relaxed)) {
+    stream_row(src, n, dst, ld);
+    streamed = true;
+    return;
+  }
+  std::copy(src, src + n, dst);
+  std::fill(dst + n, dst + ld, uint16_t{0});
+}
+
+// Orders a task's non-temporal stores before what follows (the pool's hand-over to the next phase).
+inline void fence_streamed(bool streamed) {
+  if (streamed) _mm_sfence();
+}
+
+// Grouped hidden rows (zero-padded) and their gate/up LoRA inner product (from the token row, as the copy may have
+// bypassed the cache); with `hidden_copy`, each token's row is also copied there once (by its slot-0 pair), in
+// parallel and while the row is in cache.
 void gather_hidden(const Dims& d, const Routing& routing, const uint16_t* hidden, const LoraFactors& lora,
                    const std::vector<Task>& rows, uint16_t* xg, float* inner, moecc::pool::ThreadPool& pool,
                    uint16_t* hidden_copy = nullptr) {
   run_tasks(pool, rows, [&](const Task& task) {
+    bool streamed = false;
     for (int64_t g = task.begin; g < task.end; ++g) {
       const int64_t token = routing.order[g] / d.k;
       const uint16_t* src = hidden + token * d.H;
-      std::copy(src, src + d.H, xg + g * d.ld_x);
+      copy_row(src, d.H, xg + g * d.ld_x, d.ld_x, streamed);
       if (hidden_copy && routing.order[g] % d.k == 0) std::copy(src, src + d.H, hidden_copy + token * d.H);
-      std::fill(xg + g * d.ld_x + d.H, xg + (g + 1) * d.ld_x, uint16_t{0});
     }
     if (lora.a) {
-      lora_inner(lora, task.expert, d.H, task, xg, d.ld_x, inner);
+      lora_inner(lora, task.expert, d.H, task, [&](int64_t g) { return hidden + routing.order[g] / d.k * d.H; },
+                 inner);
     }
+    fence_streamed(streamed);
   });
 }
 
@@ -556,19 +599,21 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   // Unweighted output gradient per grouped row in bf16 (zero-padded), and its down-LoRA inner product s dy B
   // from the token's own row (float32 as given, or the bf16 row read as it is).
   run_tasks(pool, rows, [&](const Task& task) {
+    bool streamed = false;
     for (int64_t g = task.begin; g < task.end; ++g) {
       const int64_t token = routing.order[g] / d.k;
       if (io.grad_out) {
         const float* src = io.grad_out + token * d.H;
         to_bf16(src, dy_bf16 + g * d.ld_dy, d.H);
         if (down_lora.a) lora_grad_inner(down_lora, task.expert, d.H, src, g, grad_inner_down);
+        std::fill(dy_bf16 + g * d.ld_dy + d.H, dy_bf16 + (g + 1) * d.ld_dy, uint16_t{0});
       } else {
         const uint16_t* src = io.grad_out_bf16 + token * d.H;
-        std::copy(src, src + d.H, dy_bf16 + g * d.ld_dy);
+        copy_row(src, d.H, dy_bf16 + g * d.ld_dy, d.ld_dy, streamed);
         if (down_lora.a) lora_grad_inner(down_lora, task.expert, d.H, src, g, grad_inner_down);
       }
-      std::fill(dy_bf16 + g * d.ld_dy + d.H, dy_bf16 + (g + 1) * d.ld_dy, uint16_t{0});
     }
+    fence_streamed(streamed);
   });
 
   clock.mark("grad_out");
@@ -678,6 +723,8 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   sum_slots(d, per_pair, nullptr, io.grad_hidden, io.grad_hidden_bf16, pool);
   clock.mark("sum_slots");
 }
+
+bool set_streaming_copies(bool on) { return streaming_copies.exchange(on); }
 
 std::array<int64_t, 4> set_task_shape(int64_t panels, int64_t grad_columns, int64_t rows, int64_t block_rows) {
   constexpr int64_t kMax = int64_t{1} << 30;

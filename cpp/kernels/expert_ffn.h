@@ -112,4 +112,9 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
 std::array<int64_t, 4> set_task_shape(int64_t panels_per_task, int64_t grad_columns_per_task, int64_t rows = -1,
                                       int64_t block_rows = -1);
 
+// Whether the grouped copies of token rows (the forward's hidden rows, the backward's bf16 output gradients) use
+// non-temporal stores where the CPU has AVX512BW (default) or plain ones; the results are the same. Returns the
+// previous setting. For benchmarks and tests.
+bool set_streaming_copies(bool on);
+
 }  // namespace moecc::kernels

@@ -17,7 +17,9 @@
 namespace moecc::kernels::v16 {
 
 #define MOECC_INLINE __attribute__((always_inline)) inline
+#ifndef MOECC_VECTOR_CLONES  // a build may pick other clones (-D), e.g. to time 256-bit code
 #define MOECC_VECTOR_CLONES __attribute__((target_clones("avx512f", "default")))
+#endif
 
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
