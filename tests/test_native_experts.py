@@ -713,18 +713,33 @@ def _backward_results(isa, problem, seed):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("problem", [(130, 5, 96, 32, 2, 8), (37, 6, 100, 40, 3, 4), (1, 4, 32, 16, 2, 0)],
                          ids=["H96", "H100", "one-token-no-lora"])
-def test_streamed_row_copies_give_the_same_results(isa, problem):
-    """The grouped copies of hidden and output-gradient rows with non-temporal stores (the default where the CPU
-    has AVX512BW) and with plain ones give the same results bit for bit, with H a multiple of 32 and not (the
-    last line of a row partly padding), and match the reference."""
+def test_streamed_rows_give_the_same_results(isa, problem):
+    """Non-temporal stores (the grouped copies of hidden and output-gradient rows where the CPU has AVX512BW; the
+    per-pair product rows, and optionally the gate/up output) give the same results bit for bit as plain stores:
+    H a multiple of 32 and not (a row's last line partly padding; per-pair rows of 200 bytes, every other one not
+    16-byte aligned and so stored plainly), and match the reference."""
     from moecc import _C
 
     assert _C.set_streaming_copies(False) is True  # on by default
+    assert _C.set_streaming_outputs(0) == 1  # per-pair rows by default
     try:
         plain = _backward_results(isa, problem, seed=9)
     finally:
         assert _C.set_streaming_copies(True) is False
-    streamed = _backward_results(isa, problem, seed=9)
+    try:
+        _C.set_streaming_outputs(3)
+        streamed = _backward_results(isa, problem, seed=9)
+    finally:
+        assert _C.set_streaming_outputs(1) == 3
     for a, b in zip(plain, streamed):
         assert torch.equal(a, b)
+    assert torch.equal(_backward_results(isa, problem, seed=9)[1], streamed[1])  # the default mask, too
     test_native_matches_reference(isa, (*problem, False))
+
+
+def test_streaming_output_mask_is_checked():
+    from moecc import _C
+
+    with pytest.raises(ValueError, match="streaming outputs"):
+        _C.set_streaming_outputs(4)
+    assert _C.set_streaming_outputs(1) == 1

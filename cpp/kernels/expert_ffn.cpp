@@ -158,6 +158,11 @@ inline void copy_row(const uint16_t* src, int64_t n, uint16_t* dst, int64_t ld, 
   std::fill(dst + n, dst + ld, uint16_t{0});
 }
 
+// Which bf16 product outputs leave their epilogues with non-temporal stores (bits): 1 the per-pair rows of the
+// forward's down product and of the gate/up input gradient (a hidden row per pair each, 268 MB at 8192 tokens for
+// Qwen3-30B-A3B, read back once by the slot sums), 2 the forward's gate/up output (read back by the activation).
+std::atomic<int64_t> streaming_outputs{1};
+
 // Orders a task's non-temporal stores before what follows (the pool's hand-over to the next phase).
 inline void fence_streamed(bool streamed) {
   if (streamed) _mm_sfence();
@@ -371,7 +376,7 @@ const uint16_t* weight_slice(const PanelGemm& gemm, const uint16_t* w, const uin
 template <typename OutRow>
 void forward_product(const PanelGemm& gemm, const Task& task, int64_t block_rows, const uint16_t* x, int64_t ld_x,
                      const uint16_t* w, const uint16_t* packed, int64_t n, int64_t k, const LoraFactors& lora,
-                     const float* inner, PartClocks& clocks, OutRow out_row) {
+                     const float* inner, bool stream, PartClocks& clocks, OutRow out_row) {
   thread_local AlignedBuffer<float> block;
   thread_local AlignedBuffer<uint16_t> panels;
   const int64_t width = (task.col1 - task.col0) * kPanelRows;
@@ -390,15 +395,12 @@ void forward_product(const PanelGemm& gemm, const Task& task, int64_t block_rows
     timed(clocks.epilogue, [&] {
       for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
         const float* row = tile + (g - rows_block.begin) * width;
-        if (b_t) {
-          rank_combine_bf16(inner + g * lora.rank, lora.scaling, b_t, n, lora.rank, col1 - col0, row,
-                            out_row(g) + col0);
-        } else {
-          to_bf16(row, out_row(g) + col0, col1 - col0);
-        }
+        rank_combine_bf16(b_t ? inner + g * lora.rank : nullptr, lora.scaling, b_t, n, b_t ? lora.rank : 0,
+                          col1 - col0, row, out_row(g) + col0, stream);
       }
     });
   });
+  fence_streamed(stream);
 }
 
 // An input-gradient task: W's [n, k] columns [task.col0, task.col1) packed once, then dx = dy W for them by row
@@ -433,6 +435,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   const PanelGemm& gemm = panel_gemm(isa);
   const Dims d(shapes);
   const int64_t task_rows = product_rows.load(), block_rows = product_block_rows.load();  // one shape a call
+  const int64_t stream_outputs = streaming_outputs.load();
   const LoraFactors gate_up_lora = with_rows_of_b(gate_up_peft, 2 * d.I, d.E, scratch.b_gu, pool);
   const LoraFactors down_lora = with_rows_of_b(down_peft, d.H, d.E, scratch.b_down, pool);
   const std::vector<Task> rows = make_tasks(routing.offsets, d.E, 1, 1);
@@ -452,7 +455,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   PartClocks gu_clocks;
   run_tasks(pool, gu_tasks, [&](const Task& task) {
     forward_product(gemm, task, block_rows, xg, d.ld_x, weights.gate_up + task.expert * d.gu_size,
-                    weights.packed_gate_up, 2 * d.I, d.H, gate_up_lora, inner_gu, gu_clocks,
+                    weights.packed_gate_up, 2 * d.I, d.H, gate_up_lora, inner_gu, (stream_outputs & 2) != 0, gu_clocks,
                     [&](int64_t g) { return io.gate_up_out + g * 2 * d.I; });
   });
   record_parts(forward_parts, "gate_up", gu_clocks);
@@ -467,7 +470,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   PartClocks down_clocks;
   run_tasks(pool, down_tasks, [&](const Task& task) {
     forward_product(gemm, task, block_rows, act, d.ld_act, weights.down + task.expert * d.down_size,
-                    weights.packed_down, d.H, d.I, down_lora, inner_down, down_clocks,
+                    weights.packed_down, d.H, d.I, down_lora, inner_down, (stream_outputs & 1) != 0, down_clocks,
                     [&](int64_t g) { return per_pair + routing.order[g] * d.H; });
   });
   record_parts(forward_parts, "down", down_clocks);
@@ -688,6 +691,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   const std::vector<Task> hidden_tasks =
       make_tasks(routing.offsets, d.E, d.H, grad_columns_per_task.load(), task_rows);
   PartClocks hidden_clocks;
+  const bool stream_hidden = (streaming_outputs.load() & 1) != 0;
   run_tasks(pool, hidden_tasks, [&](const Task& task) {
     const int64_t width = task.col1 - task.col0;
     const float* a = gate_up_lora.a ? gate_up_lora.a + task.expert * gate_up_lora.rank * d.H : nullptr;
@@ -696,14 +700,11 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
       for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
         float* row = tile + (g - rows_block.begin) * ld;
         uint16_t* const out = per_pair + routing.order[g] * d.H + task.col0;
-        if (a) {
-          rank_combine_bf16(grad_inner_gu + g * gate_up_lora.rank, 1.0f, a + task.col0, d.H, gate_up_lora.rank, width,
-                            row, out);
-        } else {
-          to_bf16(row, out, width);
-        }
+        rank_combine_bf16(a ? grad_inner_gu + g * gate_up_lora.rank : nullptr, 1.0f, a ? a + task.col0 : nullptr,
+                          d.H, a ? gate_up_lora.rank : 0, width, row, out, stream_hidden);
       }
     });
+    fence_streamed(stream_hidden);
   });
 
   record_parts(backward_parts, "gate_up_input_grad", hidden_clocks);
@@ -725,6 +726,13 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
 }
 
 bool set_streaming_copies(bool on) { return streaming_copies.exchange(on); }
+
+int64_t set_streaming_outputs(int64_t mask) {
+  if (mask < 0 || mask > 3) {
+    throw std::invalid_argument("streaming outputs: a mask of 1 (per-pair rows) and 2 (gate/up output), 0-3");
+  }
+  return streaming_outputs.exchange(mask);
+}
 
 std::array<int64_t, 4> set_task_shape(int64_t panels, int64_t grad_columns, int64_t rows, int64_t block_rows) {
   constexpr int64_t kMax = int64_t{1} << 30;

@@ -136,7 +136,8 @@ MOECC_INLINE void outer(const float* coef, const float* row_scale, float scale, 
 
 // out[c] = row[c] + sum_j (scale * coef[j]) * factors[j * ld + c]; Out float (out may be row) or bf16 bits (rounded
 // by Bf16 in whole vectors; the last n % 16 columns by float_to_bf16, which differs only on float32 denormals).
-template <typename Bf16, typename Out>
+// kStream (bf16 out, 16-byte aligned): whole vectors leave with non-temporal stores.
+template <typename Bf16, typename Out, bool kStream = false>
 MOECC_INLINE void combine(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
                           const float* row, Out* out) {
   int64_t c = 0;
@@ -145,6 +146,13 @@ MOECC_INLINE void combine(const float* coef, float scale, const float* factors, 
     for (int64_t j = 0; j < rank; ++j) acc += (scale * coef[j]) * load16(factors + j * ld + c);
     if constexpr (sizeof(Out) == sizeof(float)) {
       store16(out + c, acc);
+    } else if constexpr (kStream) {
+      // Two 16-byte halves: SSE2's non-temporal store exists in every build (the baseline ISA has no wider one).
+      const vh h = Bf16::narrow(acc);
+      __m128i halves[2];
+      std::memcpy(halves, &h, sizeof(h));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(out + c), halves[0]);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(out + c + 8), halves[1]);
     } else {
       store16<Bf16>(out + c, acc);
     }
@@ -167,6 +175,14 @@ MOECC_VECTOR_CLONES void combine_bf16(const float* coef, float scale, const floa
 MOECC_BF16_TARGET void combine_bf16_native(const float* coef, float scale, const float* factors, int64_t ld,
                                            int64_t rank, int64_t n, const float* row, uint16_t* out) {
   combine<NativeBf16>(coef, scale, factors, ld, rank, n, row, out);
+}
+MOECC_VECTOR_CLONES void combine_bf16_stream(const float* coef, float scale, const float* factors, int64_t ld,
+                                             int64_t rank, int64_t n, const float* row, uint16_t* out) {
+  combine<PortableBf16, uint16_t, true>(coef, scale, factors, ld, rank, n, row, out);
+}
+MOECC_BF16_TARGET void combine_bf16_native_stream(const float* coef, float scale, const float* factors, int64_t ld,
+                                                  int64_t rank, int64_t n, const float* row, uint16_t* out) {
+  combine<NativeBf16, uint16_t, true>(coef, scale, factors, ld, rank, n, row, out);
 }
 
 MOECC_VECTOR_CLONES void dots_bf16(const uint16_t* row, const float* factors, int64_t ld, int64_t rank, int64_t n,
@@ -208,7 +224,11 @@ void rank_combine(const float* coef, float scale, const float* factors, int64_t 
   combine_f32(coef, scale, factors, ld, rank, n, row);
 }
 void rank_combine_bf16(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
-                       const float* row, uint16_t* out) {
+                       const float* row, uint16_t* out, bool stream) {
+  if (stream && reinterpret_cast<std::uintptr_t>(out) % 16 == 0) {
+    (native_bf16() ? combine_bf16_native_stream : combine_bf16_stream)(coef, scale, factors, ld, rank, n, row, out);
+    return;
+  }
   (native_bf16() ? combine_bf16_native : combine_bf16)(coef, scale, factors, ld, rank, n, row, out);
 }
 void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const uint16_t* rows, int64_t ld,

@@ -21,9 +21,10 @@ void rank_dots(const float* row, const float* factors, int64_t factor_ld, int64_
 void rank_combine(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
                   float* row);
 // The same into bf16: out[c] = bf16(row[c] + sum_j ...), rounded to nearest even (NaN kept quiet); row is not
-// written. The products' epilogues: one pass instead of r passes and a rounding pass.
+// written; rank 0 rounds only. The products' epilogues: one pass instead of r passes and a rounding pass. With
+// `stream` and out 16-byte aligned, whole 16-column vectors leave with non-temporal stores (the caller fences).
 void rank_combine_bf16(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
-                       const float* row, uint16_t* out);
+                       const float* row, uint16_t* out, bool stream = false);
 
 // out[j * out_ld + c] += scale * sum_{g < count} coef[g * rank + j] * row_scale[g] * rows[g * ld + c] for
 // j < rank and c0 <= c < c1; row_scale may be null (all 1). rows: bf16 bits (every factor gradient reads the
