@@ -487,6 +487,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
 struct LoraGradInputs {
   const float *inner_gu, *inner_down, *grad_inner_gu, *grad_inner_down, *row_weight;
   const uint16_t *hidden, *act, *dy_bf16, *grad_gu_bf16;  // hidden: the token rows [T, H], read in place
+  const uint16_t* grad_out_bf16;  // the token rows of a bf16 output gradient [T, H], or null (float32 given)
   int64_t ld_act, ld_dy, ld_dgu;
 };
 
@@ -523,10 +524,18 @@ void lora_factor_grads(const Dims& d, const LoraFactors& gate_up_lora, const Lor
       rank_outer_accumulate(in.grad_inner_down + begin * r, in.row_weight + begin, 1.0f, in.act + begin * in.ld_act,
                             in.ld_act, count, r, t.c0, t.c1, io.grad_down_a + e * r * d.I, d.I);
     } else if (t.which == 1) {  // dB_down^T[r][h] = s sum_g w (act A)[g][r] dy[g][h]
+      // dy from the token rows when they are bf16 (the same values as the grouped copy): k pairs share each, so
+      // they are read from cache, where the grouped copy (a row per pair, 268 MB at 8192 tokens) comes from DRAM.
       const int64_t r = down_lora.rank;
-      rank_outer_accumulate(in.inner_down + begin * r, in.row_weight + begin, down_lora.scaling,
-                            in.dy_bf16 + begin * in.ld_dy, in.ld_dy, count, r, t.c0, t.c1,
-                            io.grad_down_b + e * r * d.H, d.H);
+      if (in.grad_out_bf16) {
+        rank_outer_accumulate_gathered(in.inner_down + begin * r, in.row_weight + begin, down_lora.scaling,
+                                       in.grad_out_bf16, d.H, routing.order + begin, d.k, count, r, t.c0, t.c1,
+                                       io.grad_down_b + e * r * d.H, d.H);
+      } else {
+        rank_outer_accumulate(in.inner_down + begin * r, in.row_weight + begin, down_lora.scaling,
+                              in.dy_bf16 + begin * in.ld_dy, in.ld_dy, count, r, t.c0, t.c1,
+                              io.grad_down_b + e * r * d.H, d.H);
+      }
     } else if (t.which == 2) {  // dA_gu[r][h] = sum_g (s dG B)[g][r] x[g][h]
       const int64_t r = gate_up_lora.rank;
       rank_outer_accumulate_gathered(in.grad_inner_gu + begin * r, nullptr, 1.0f, in.hidden, d.H,
@@ -712,7 +721,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   if (gate_up_lora.a || down_lora.a) {
     lora_factor_grads(d, gate_up_lora, down_lora, routing,
                       {inner_gu, inner_down, grad_inner_gu, grad_inner_down, row_weight, io.hidden, act, dy_bf16,
-                       grad_gu_bf16, d.ld_act, d.ld_dy, d.ld_dgu},
+                       grad_gu_bf16, io.grad_out ? nullptr : io.grad_out_bf16, d.ld_act, d.ld_dy, d.ld_dgu},
                       io, pool);
   }
   clock.mark("lora_grads");
