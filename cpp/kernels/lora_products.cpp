@@ -71,10 +71,10 @@ MOECC_INLINE void outer_group(const float* coef, int64_t rank, const float* row_
       const float row_factor = scale * (row_scale ? row_scale[g0 + g] : 1.0f);
       for (int j = 0; j < G; ++j) factors[g * G + j] = coef[(g0 + g) * rank + j] * row_factor;
     }
-    const int64_t next_end = count - g0 - n < kRowChunk ? count : g0 + n + kRowChunk;
-    for (int64_t g = g0 + n; g < next_end; ++g) {
-      for (int64_t c = c0; c < c1; c += 32) __builtin_prefetch(rows(g) + c);
-    }
+    // The next chunk's rows, each line of them asked for beside the same line of this chunk's row: spread over
+    // the column steps, where asking for all of a chunk at once (256 lines) stalled on the core's few line-fill
+    // buffers. Columns past the first 2 x 16-column steps are not prefetched (short tails).
+    const int64_t next_rows = count - g0 - n < kRowChunk ? count - g0 - n : kRowChunk;
     int64_t c = c0;
     for (; c + 2 * kLanes <= c1; c += 2 * kLanes) {
       vf lo[G], hi[G];
@@ -83,6 +83,7 @@ MOECC_INLINE void outer_group(const float* coef, int64_t rank, const float* row_
         hi[j] = load16(out + j * out_ld + c + kLanes);
       }
       for (int64_t g = 0; g < n; ++g) {
+        if (g < next_rows) __builtin_prefetch(rows(g0 + n + g) + c);
         const uint16_t* row = rows(g0 + g);
         const vf x0 = load16(row + c), x1 = load16(row + c + kLanes);
         for (int j = 0; j < G; ++j) {
