@@ -13,7 +13,8 @@ A setting is NAME:KNOB=VALUES[/KNOB=VALUES...], the knobs being the extension's 
   pack=ROWS_AHEAD,TO_L2                          (moecc._C.set_pack_prefetch; AVX512 and AMX)
   task=PANELS,GRAD_COLUMNS,ROWS,BLOCK_ROWS       (moecc._C.set_task_shape)
   copies=ON                                      (moecc._C.set_streaming_copies: non-temporal row copies)
-  outputs=MASK                                   (moecc._C.set_streaming_outputs: 1 per-pair rows, 2 gate/up)
+  outputs=MASK                                   (moecc._C.set_streaming_outputs: 1 per-pair rows, 2 gate/up,
+                                                  4 activation rows, 8 the down input gradient's rows)
 Knobs a setting leaves out keep their built-in values.
 
     python benchmarks/sweep_cpu_experts.py --setting passes256:amx=256,64,0,1024/group=0 \\

@@ -715,7 +715,8 @@ def _backward_results(isa, problem, seed):
                          ids=["H96", "H100", "one-token-no-lora"])
 def test_streamed_rows_give_the_same_results(isa, problem):
     """Non-temporal stores (the grouped copies of hidden and output-gradient rows where the CPU has AVX512BW; the
-    per-pair product rows, and optionally the gate/up output) give the same results bit for bit as plain stores:
+    per-pair product rows, and optionally the gate/up output, the activation rows and the down input gradient's
+    act and d gate / d up rows) give the same results bit for bit as plain stores:
     H a multiple of 32 and not (a row's last line partly padding; per-pair rows of 200 bytes, every other one not
     16-byte aligned and so stored plainly), and match the reference."""
     from moecc import _C
@@ -727,19 +728,27 @@ def test_streamed_rows_give_the_same_results(isa, problem):
     finally:
         assert _C.set_streaming_copies(True) is False
     try:
-        _C.set_streaming_outputs(3)
+        _C.set_streaming_outputs(15)  # and the gate/up output, the activation rows, the down input gradient's rows
         streamed = _backward_results(isa, problem, seed=9)
     finally:
-        assert _C.set_streaming_outputs(1) == 3
+        assert _C.set_streaming_outputs(1) == 15
     for a, b in zip(plain, streamed):
         assert torch.equal(a, b)
     assert torch.equal(_backward_results(isa, problem, seed=9)[1], streamed[1])  # the default mask, too
     test_native_matches_reference(isa, (*problem, False))
+    if problem[5]:  # the backward's own activation pass (the forward's LoRA inner products dropped), streamed
+        _C.set_streaming_outputs(15)
+        try:
+            kept, recomputed = _backward_with_kept_and_recomputed_inner(isa, problem, seed=9)
+        finally:
+            _C.set_streaming_outputs(1)
+        for a, b in zip(kept, recomputed):
+            assert torch.equal(a, b)
 
 
 def test_streaming_output_mask_is_checked():
     from moecc import _C
 
     with pytest.raises(ValueError, match="streaming outputs"):
-        _C.set_streaming_outputs(4)
+        _C.set_streaming_outputs(16)
     assert _C.set_streaming_outputs(1) == 1

@@ -145,11 +145,11 @@ __attribute__((target("avx512f,avx512bw"))) void stream_row(const uint16_t* src,
   }
 }
 
-// Copies a token row into its zero-padded grouped row (ld values), streamed when streaming_copies is on and the
-// CPU has AVX512BW (then `streamed` is set and the caller fences before the phase ends).
-inline void copy_row(const uint16_t* src, int64_t n, uint16_t* dst, int64_t ld, bool& streamed) {
+// Copies a row into its zero-padded grouped row (ld values), streamed when `stream` and the CPU has AVX512BW (then
+// `streamed` is set and the caller fences before the phase ends).
+inline void copy_row(const uint16_t* src, int64_t n, uint16_t* dst, int64_t ld, bool stream, bool& streamed) {
   static const bool avx512bw = __builtin_cpu_supports("avx512bw");
-  if (avx512bw && streaming_copies.load(std::memory_order_relaxed)) {
+  if (avx512bw && stream) {
     stream_row(src, n, dst, ld);
     streamed = true;
     return;
@@ -158,9 +158,11 @@ inline void copy_row(const uint16_t* src, int64_t n, uint16_t* dst, int64_t ld, 
   std::fill(dst + n, dst + ld, uint16_t{0});
 }
 
-// Which bf16 product outputs leave their epilogues with non-temporal stores (bits): 1 the per-pair rows of the
-// forward's down product and of the gate/up input gradient (a hidden row per pair each, 268 MB at 8192 tokens for
-// Qwen3-30B-A3B, read back once by the slot sums), 2 the forward's gate/up output (read back by the activation).
+// Which bf16 outputs leave with non-temporal stores (bits): 1 the per-pair rows of the forward's down product and
+// of the gate/up input gradient (a hidden row per pair each, 268 MB at 8192 tokens for Qwen3-30B-A3B, read back
+// once by the slot sums), 2 the forward's gate/up output (read back by the activation), 4 the activation rows
+// (100 MB; read by the down product), 8 the down input gradient's act and d gate / d up rows (300 MB; read by the
+// gate/up input gradient and the LoRA gradients). Bits 2-8 are off until the AMX host has measured them.
 std::atomic<int64_t> streaming_outputs{1};
 
 // Orders a task's non-temporal stores before what follows (the pool's hand-over to the next phase).
@@ -174,12 +176,13 @@ inline void fence_streamed(bool streamed) {
 void gather_hidden(const Dims& d, const Routing& routing, const uint16_t* hidden, const LoraFactors& lora,
                    const std::vector<Task>& rows, uint16_t* xg, float* inner, moecc::pool::ThreadPool& pool,
                    uint16_t* hidden_copy = nullptr) {
+  const bool stream = streaming_copies.load();
   run_tasks(pool, rows, [&](const Task& task) {
     bool streamed = false;
     for (int64_t g = task.begin; g < task.end; ++g) {
       const int64_t token = routing.order[g] / d.k;
       const uint16_t* src = hidden + token * d.H;
-      copy_row(src, d.H, xg + g * d.ld_x, d.ld_x, streamed);
+      copy_row(src, d.H, xg + g * d.ld_x, d.ld_x, stream, streamed);
       if (hidden_copy && routing.order[g] % d.k == 0) std::copy(src, src + d.H, hidden_copy + token * d.H);
     }
     if (lora.a) {
@@ -191,9 +194,26 @@ void gather_hidden(const Dims& d, const Routing& routing, const uint16_t* hidden
 }
 
 // act = round(round(silu(gate)) * up) in bf16, as a bf16 pipeline computes it, plus its down LoRA inner product.
+// With streaming_outputs bit 4 each row is computed into a cached thread-local row, its LoRA inner product taken
+// from there, and the row streamed out (the same values).
 void activate(const Dims& d, const uint16_t* gate_up_out, const LoraFactors& lora, const std::vector<Task>& rows,
               uint16_t* act, float* inner, moecc::pool::ThreadPool& pool) {
+  const bool stream = (streaming_outputs.load() & 4) != 0;
   run_tasks(pool, rows, [&](const Task& task) {
+    if (stream) {
+      thread_local AlignedBuffer<uint16_t> staged;
+      uint16_t* const row = staged.get(d.I);
+      const float* a = lora.a ? lora.a + task.expert * lora.rank * d.I : nullptr;
+      bool streamed = false;
+      for (int64_t g = task.begin; g < task.end; ++g) {
+        const uint16_t* gu = gate_up_out + g * 2 * d.I;
+        swiglu_forward_row(gu, gu + d.I, row, d.I);
+        if (a) rank_dots(row, a, lora.rank, d.I, 1.0f, inner + g * lora.rank);
+        copy_row(row, d.I, act + g * d.ld_act, d.ld_act, true, streamed);
+      }
+      fence_streamed(streamed);
+      return;
+    }
     for (int64_t g = task.begin; g < task.end; ++g) {
       const uint16_t* gu = gate_up_out + g * 2 * d.I;
       swiglu_forward_row(gu, gu + d.I, act + g * d.ld_act, d.I);
@@ -610,6 +630,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   clock.mark("activate");
   // Unweighted output gradient per grouped row in bf16 (zero-padded), and its down-LoRA inner product s dy B
   // from the token's own row (float32 as given, or the bf16 row read as it is).
+  const bool stream_dy = streaming_copies.load();
   run_tasks(pool, rows, [&](const Task& task) {
     bool streamed = false;
     for (int64_t g = task.begin; g < task.end; ++g) {
@@ -621,7 +642,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
         std::fill(dy_bf16 + g * d.ld_dy + d.H, dy_bf16 + (g + 1) * d.ld_dy, uint16_t{0});
       } else {
         const uint16_t* src = io.grad_out_bf16 + token * d.H;
-        copy_row(src, d.H, dy_bf16 + g * d.ld_dy, d.ld_dy, streamed);
+        copy_row(src, d.H, dy_bf16 + g * d.ld_dy, d.ld_dy, stream_dy, streamed);
         if (down_lora.a) lora_grad_inner(down_lora, task.expert, d.H, src, g, grad_inner_down);
       }
     }
@@ -643,6 +664,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   float* const inner_gu_parts =  // gate, up halves
       gate_up_lora.a ? scratch.inner_gu_parts.get(d.pairs * chunks * 2 * gate_up_lora.rank) : nullptr;
   PartClocks down_grad_clocks;
+  const bool stream_rows = (streaming_outputs.load() & 8) != 0;
   run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, chunk_columns, task_rows), [&](const Task& task) {
     thread_local AlignedBuffer<float> dg_pair;
     const int64_t width = task.col1 - task.col0, chunk = task.col0 / chunk_columns;
@@ -663,7 +685,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
         routing_parts[g * chunks + chunk] =
             swiglu_backward_row(gate, up, grad_act, routing.weights[routing.order[g]], !recompute_down,
                                 act_row + task.col0, dg, dg + width, dg_row + task.col0, dg_row + d.I + task.col0,
-                                width);
+                                width, stream_rows);
         if (last && !recompute_down) std::fill(act_row + d.I, act_row + d.ld_act, uint16_t{0});
         if (last) std::fill(dg_row + 2 * d.I, dg_row + d.ld_dgu, uint16_t{0});
         if (b_t) {
@@ -674,6 +696,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
         }
       }
     });
+    fence_streamed(stream_rows);
   });
 
   record_parts(backward_parts, "down_input_grad", down_grad_clocks);
@@ -737,8 +760,9 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
 bool set_streaming_copies(bool on) { return streaming_copies.exchange(on); }
 
 int64_t set_streaming_outputs(int64_t mask) {
-  if (mask < 0 || mask > 3) {
-    throw std::invalid_argument("streaming outputs: a mask of 1 (per-pair rows) and 2 (gate/up output), 0-3");
+  if (mask < 0 || mask > 15) {
+    throw std::invalid_argument("streaming outputs: a mask of 1 (per-pair rows), 2 (gate/up output), 4 (activation "
+                                "rows) and 8 (the down input gradient's rows), 0-15");
   }
   return streaming_outputs.exchange(mask);
 }

@@ -42,15 +42,30 @@ MOECC_INLINE vf act16(vf g, vf u, vf s) {
   return round16<Bf16>(round16<Bf16>(g * s) * u);
 }
 
+// 16 lanes rounded to bf16 into p, with a non-temporal store when kStream (p 16-byte aligned): two 16-byte halves,
+// as SSE2's is the widest non-temporal store every build has.
+template <typename Bf16, bool kStream>
+MOECC_INLINE void put16(uint16_t* p, vf v) {
+  if constexpr (kStream) {
+    const vh h = Bf16::narrow(v);
+    __m128i halves[2];
+    std::memcpy(halves, &h, sizeof(h));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), halves[0]);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p + 8), halves[1]);
+  } else {
+    store16<Bf16>(p, v);
+  }
+}
+
 // One vector of the backward; returns act . grad_act's 16 lane products.
-template <typename Bf16, bool kWriteAct>
+template <typename Bf16, bool kWriteAct, bool kStream = false>
 MOECC_INLINE vf backward16(const uint16_t* gate, const uint16_t* up, const float* grad_act, float w, uint16_t* act,
                            float* dg, float* du, uint16_t* dg_bf16, uint16_t* du_bf16) {
   const vf g = load16(gate), u = load16(up), s = sigmoid16(g), grad = load16(grad_act);
   vf a;
   if (kWriteAct) {
     a = act16<Bf16>(g, u, s);
-    store16<Bf16>(act, a);
+    put16<Bf16, kStream>(act, a);
   } else {
     a = load16(act);
   }
@@ -58,20 +73,20 @@ MOECC_INLINE vf backward16(const uint16_t* gate, const uint16_t* up, const float
   const vf d_gate = ga * u * s * (1.0f + g * (1.0f - s)), d_up = ga * g * s;
   store16(dg, d_gate);
   store16(du, d_up);
-  store16<Bf16>(dg_bf16, d_gate);
-  store16<Bf16>(du_bf16, d_up);
+  put16<Bf16, kStream>(dg_bf16, d_gate);
+  put16<Bf16, kStream>(du_bf16, d_up);
   return a * grad;
 }
 
-template <typename Bf16, bool kWriteAct>
+template <typename Bf16, bool kWriteAct, bool kStream>
 MOECC_INLINE float backward_row(const uint16_t* gate, const uint16_t* up, const float* grad_act, float w,
                                 uint16_t* act, float* dg, float* du, uint16_t* dg_bf16, uint16_t* du_bf16,
                                 int64_t n) {
   vf dot{};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    dot += backward16<Bf16, kWriteAct>(gate + i, up + i, grad_act + i, w, act + i, dg + i, du + i, dg_bf16 + i,
-                                 du_bf16 + i);
+    dot += backward16<Bf16, kWriteAct, kStream>(gate + i, up + i, grad_act + i, w, act + i, dg + i, du + i,
+                                                dg_bf16 + i, du_bf16 + i);
   }
   if (i < n) {  // the last columns through the same code, zero-padded (they add 0 to the dot)
     const int64_t rest = n - i;
@@ -112,9 +127,13 @@ MOECC_INLINE void forward_row(const uint16_t* gate, const uint16_t* up, uint16_t
 template <typename Bf16>
 MOECC_INLINE float backward_any(const uint16_t* gate, const uint16_t* up, const float* grad_act, float w,
                                 bool write_act, uint16_t* act, float* dg, float* du, uint16_t* dg_bf16,
-                                uint16_t* du_bf16, int64_t n) {
-  return write_act ? backward_row<Bf16, true>(gate, up, grad_act, w, act, dg, du, dg_bf16, du_bf16, n)
-                   : backward_row<Bf16, false>(gate, up, grad_act, w, act, dg, du, dg_bf16, du_bf16, n);
+                                uint16_t* du_bf16, int64_t n, bool stream) {
+  if (stream) {
+    return write_act ? backward_row<Bf16, true, true>(gate, up, grad_act, w, act, dg, du, dg_bf16, du_bf16, n)
+                     : backward_row<Bf16, false, true>(gate, up, grad_act, w, act, dg, du, dg_bf16, du_bf16, n);
+  }
+  return write_act ? backward_row<Bf16, true, false>(gate, up, grad_act, w, act, dg, du, dg_bf16, du_bf16, n)
+                   : backward_row<Bf16, false, false>(gate, up, grad_act, w, act, dg, du, dg_bf16, du_bf16, n);
 }
 
 // Built for AVX512 and the baseline ISA with integer rounding, and for AVX512-BF16 with its own.
@@ -126,13 +145,13 @@ MOECC_BF16_TARGET void forward_native(const uint16_t* gate, const uint16_t* up, 
 }
 MOECC_VECTOR_CLONES float backward_portable(const uint16_t* gate, const uint16_t* up, const float* grad_act,
                                             float w, bool write_act, uint16_t* act, float* dg, float* du,
-                                            uint16_t* dg_bf16, uint16_t* du_bf16, int64_t n) {
-  return backward_any<PortableBf16>(gate, up, grad_act, w, write_act, act, dg, du, dg_bf16, du_bf16, n);
+                                            uint16_t* dg_bf16, uint16_t* du_bf16, int64_t n, bool stream) {
+  return backward_any<PortableBf16>(gate, up, grad_act, w, write_act, act, dg, du, dg_bf16, du_bf16, n, stream);
 }
 MOECC_BF16_TARGET float backward_native(const uint16_t* gate, const uint16_t* up, const float* grad_act, float w,
                                         bool write_act, uint16_t* act, float* dg, float* du, uint16_t* dg_bf16,
-                                        uint16_t* du_bf16, int64_t n) {
-  return backward_any<NativeBf16>(gate, up, grad_act, w, write_act, act, dg, du, dg_bf16, du_bf16, n);
+                                        uint16_t* du_bf16, int64_t n, bool stream) {
+  return backward_any<NativeBf16>(gate, up, grad_act, w, write_act, act, dg, du, dg_bf16, du_bf16, n, stream);
 }
 
 }  // namespace
@@ -142,9 +161,12 @@ void swiglu_forward_row(const uint16_t* gate, const uint16_t* up, uint16_t* act,
 }
 
 float swiglu_backward_row(const uint16_t* gate, const uint16_t* up, const float* grad_act, float w, bool write_act,
-                          uint16_t* act, float* dg, float* du, uint16_t* dg_bf16, uint16_t* du_bf16, int64_t n) {
+                          uint16_t* act, float* dg, float* du, uint16_t* dg_bf16, uint16_t* du_bf16, int64_t n,
+                          bool stream) {
+  const auto aligned = [](const uint16_t* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
+  stream = stream && aligned(dg_bf16) && aligned(du_bf16) && (!write_act || aligned(act));
   return (native_bf16() ? backward_native : backward_portable)(gate, up, grad_act, w, write_act, act, dg, du,
-                                                              dg_bf16, du_bf16, n);
+                                                              dg_bf16, du_bf16, n, stream);
 }
 
 }  // namespace moecc::kernels

@@ -13,8 +13,10 @@ void swiglu_forward_row(const uint16_t* gate, const uint16_t* up, uint16_t* act,
 
 // The SwiGLU backward of n columns for the weighted act gradient w * grad_act: act again into `act` when
 // write_act (as the forward rounds it), else read from it; d gate and d up into dg, du (float32) and their bf16
-// copies dg_bf16, du_bf16. Returns act . grad_act (unweighted), the routing weight's gradient.
+// copies dg_bf16, du_bf16. Returns act . grad_act (unweighted), the routing weight's gradient. With `stream`, and
+// the bf16 rows 16-byte aligned, their whole 16-column vectors leave with non-temporal stores (the caller fences).
 float swiglu_backward_row(const uint16_t* gate, const uint16_t* up, const float* grad_act, float w, bool write_act,
-                          uint16_t* act, float* dg, float* du, uint16_t* dg_bf16, uint16_t* du_bf16, int64_t n);
+                          uint16_t* act, float* dg, float* du, uint16_t* dg_bf16, uint16_t* du_bf16, int64_t n,
+                          bool stream = false);
 
 }  // namespace moecc::kernels
