@@ -223,6 +223,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_streaming_copies", &moecc::kernels::set_streaming_copies, py::arg("on"),
         "Whether the grouped copies of token rows use non-temporal stores (default, with AVX512BW) or plain ones "
         "(the same results); returns the previous setting. For benchmarks and tests.");
+  m.def("set_fused_activation", &moecc::kernels::set_fused_activation, py::arg("on"),
+        "Whether the forward's activation runs in the gate/up product's epilogue (off by default); returns the "
+        "previous setting. For benchmarks and tests.");
   m.def("set_streaming_outputs", &moecc::kernels::set_streaming_outputs, py::arg("mask"),
         "Which bf16 outputs are written with non-temporal stores: 1 per-pair rows (default), 2 the gate/up output, "
         "4 the activation rows, 8 the down input gradient's rows (the same results); returns the previous mask. "

@@ -752,3 +752,61 @@ def test_streaming_output_mask_is_checked():
     with pytest.raises(ValueError, match="streaming outputs"):
         _C.set_streaming_outputs(16)
     assert _C.set_streaming_outputs(1) == 1
+
+
+@pytest.fixture
+def fused_activation():
+    """Turns the forward's fused activation on for a test and off again after it."""
+    from moecc import _C
+
+    assert _C.set_fused_activation(True) is False  # off by default
+    yield
+    assert _C.set_fused_activation(False) is True
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("problem", [(130, 5, 96, 24, 2, 8), (130, 4, 64, 300, 2, 4), (37, 6, 48, 40, 3, 1),
+                                     (64, 8, 64, 32, 2, 0), (50, 5, 80, 40, 2, 12)],
+                         ids=["r8", "I300-three-chunks", "r1", "no-lora", "r12"])
+def test_fused_activation_matches_the_separate_pass(isa, problem, task_shape):
+    """The forward's activation in the gate/up product's epilogue (each task the same columns of gate and up) gives
+    the separate pass's results within float32 rounding (act A_down is summed over column chunks), bit for bit
+    where act fits one chunk; with chunks of 16 columns too (4-panel tasks, I = 300 in 10 chunks, the last one
+    partial), and matches the reference. The backward's own activation pass (the forward's LoRA inner products
+    dropped) sums act A_down the same way: kept and recomputed agree bit for bit."""
+    from moecc import _C
+
+    for panels in (16, 4):
+        task_shape(panels, 256)
+        separate = _backward_results(isa, problem, seed=3)
+        _C.set_fused_activation(True)
+        try:
+            fused = _backward_results(isa, problem, seed=3)
+            if problem[5]:
+                kept, recomputed = _backward_with_kept_and_recomputed_inner(isa, problem, seed=3)
+                for a, b in zip(kept, recomputed):
+                    assert torch.equal(a, b)
+            test_native_matches_reference(isa, (*problem, True))
+        finally:
+            _C.set_fused_activation(False)
+        one_chunk = problem[3] <= panels // 2 * 16
+        for a, b in zip(separate, fused):
+            assert torch.equal(a, b) if one_chunk else rel_err(b.float(), a.float()) < 1e-5
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("inter", [40, 48], ids=["I40-unpanelled-up-half", "I48"])
+def test_fused_activation_reads_a_packed_copy_like_its_own_slices(isa, inter, fused_activation):
+    """With a packed copy of the weights the fused activation reads its gate and up panels from it when the up half
+    starts on a panel (I = 48), and otherwise (I = 40) falls back to the separate pass; either way the forward
+    equals the one that packs its slices per task."""
+    import types
+
+    weights, x, index, w, gate_up, down = _problem(130, 5, 96, inter, 2, 4, seed=7, skew=True)
+    weights.cache_owner = types.SimpleNamespace()
+    expected, saved = NativeExperts(isa).forward(weights, x, index, w, gate_up, down)
+    expected_inner = [t.clone() for t in saved.lora_inner]
+    out, saved = NativeExperts(isa, prepack=True).forward(weights, x, index, w, gate_up, down)
+    assert torch.equal(out, expected)
+    for a, b in zip(saved.lora_inner, expected_inner):
+        assert torch.equal(a, b)

@@ -220,6 +220,10 @@ void rank_dots(const float* row, const float* factors, int64_t factor_ld, int64_
                float* out) {
   dots_f32(row, factors, factor_ld, rank, n, scale, out);
 }
+void rank_dots(const uint16_t* row, const float* factors, int64_t factor_ld, int64_t rank, int64_t n, float scale,
+               float* out) {
+  dots_bf16(row, factors, factor_ld, rank, n, scale, out);
+}
 void rank_combine(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
                   float* row) {
   combine_f32(coef, scale, factors, ld, rank, n, row);

@@ -14,6 +14,8 @@ void rank_dots(const float* row, const float* factors, int64_t rank, int64_t n, 
 // The same over n columns of factors whose rows are factor_ld apart (a column range of wider factors).
 void rank_dots(const float* row, const float* factors, int64_t factor_ld, int64_t rank, int64_t n, float scale,
                float* out);
+void rank_dots(const uint16_t* row, const float* factors, int64_t factor_ld, int64_t rank, int64_t n, float scale,
+               float* out);
 
 // row[c] += sum_{j < rank} (scale * coef[j]) * factors[j * ld + c] for c < n, in one pass over the row (the LoRA
 // term of a product's output row, rank-major factors), each term added in j order as r separate passes did, with
