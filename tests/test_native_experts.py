@@ -716,34 +716,36 @@ def _backward_results(isa, problem, seed):
 def test_streamed_rows_give_the_same_results(isa, problem):
     """Non-temporal stores (the grouped copies of hidden and output-gradient rows where the CPU has AVX512BW; the
     per-pair product rows, and optionally the gate/up output, the activation rows and the down input gradient's
-    act and d gate / d up rows) give the same results bit for bit as plain stores:
-    H a multiple of 32 and not (a row's last line partly padding; per-pair rows of 200 bytes, every other one not
-    16-byte aligned and so stored plainly), and match the reference."""
+    act and d gate / d up rows) give the same results bit for bit as plain stores: H a multiple of 32 and not (a
+    row's last line partly padding; per-pair rows of 200 bytes, every other one not 16-byte aligned and so stored
+    plainly), and match the reference. Before the streamed run a problem of another H leaves non-zero values where
+    this one's row padding lies in the shared scratch, so a partial last line the streamed copies failed to zero
+    (columns the products read, up to the padded K) would show."""
     from moecc import _C
 
     assert _C.set_streaming_copies(False) is True  # on by default
-    assert _C.set_streaming_outputs(0) == 1  # per-pair rows by default
     try:
-        plain = _backward_results(isa, problem, seed=9)
+        assert _C.set_streaming_outputs(0) == 1  # per-pair rows by default
+        try:
+            plain = _backward_results(isa, problem, seed=9)
+        finally:
+            _C.set_streaming_outputs(1)
     finally:
-        assert _C.set_streaming_copies(True) is False
+        _C.set_streaming_copies(True)
+    _C.set_streaming_outputs(15)  # and the gate/up output, the activation rows, the down input gradient's rows
     try:
-        _C.set_streaming_outputs(15)  # and the gate/up output, the activation rows, the down input gradient's rows
+        _backward_results(isa, (60, 4, problem[2] + 24, problem[3] + 8, 2, 4), seed=2)  # dirties the scratch
         streamed = _backward_results(isa, problem, seed=9)
+        if problem[5]:  # the backward's own activation pass (the forward's LoRA inner products dropped), streamed
+            kept, recomputed = _backward_with_kept_and_recomputed_inner(isa, problem, seed=9)
+            for a, b in zip(kept, recomputed):
+                assert torch.equal(a, b)
     finally:
         assert _C.set_streaming_outputs(1) == 15
     for a, b in zip(plain, streamed):
         assert torch.equal(a, b)
     assert torch.equal(_backward_results(isa, problem, seed=9)[1], streamed[1])  # the default mask, too
     test_native_matches_reference(isa, (*problem, False))
-    if problem[5]:  # the backward's own activation pass (the forward's LoRA inner products dropped), streamed
-        _C.set_streaming_outputs(15)
-        try:
-            kept, recomputed = _backward_with_kept_and_recomputed_inner(isa, problem, seed=9)
-        finally:
-            _C.set_streaming_outputs(1)
-        for a, b in zip(kept, recomputed):
-            assert torch.equal(a, b)
 
 
 def test_streaming_output_mask_is_checked():
@@ -779,9 +781,12 @@ def test_fused_activation_matches_the_separate_pass(isa, problem, task_shape):
     for panels in (16, 4):
         task_shape(panels, 256)
         separate = _backward_results(isa, problem, seed=3)
+        assert "activate" in dict(_C.last_phase_times(False))
         _C.set_fused_activation(True)
         try:
             fused = _backward_results(isa, problem, seed=3)
+            phases = dict(_C.last_phase_times(False))
+            assert "gate_up_activate" in phases and "activate" not in phases  # the fused path ran
             if problem[5]:
                 kept, recomputed = _backward_with_kept_and_recomputed_inner(isa, problem, seed=3)
                 for a, b in zip(kept, recomputed):
@@ -796,17 +801,22 @@ def test_fused_activation_matches_the_separate_pass(isa, problem, task_shape):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("inter", [40, 48], ids=["I40-unpanelled-up-half", "I48"])
-def test_fused_activation_reads_a_packed_copy_like_its_own_slices(isa, inter, fused_activation):
+@pytest.mark.parametrize("panels", [16, 2], ids=["one-task", "16-column-tasks"])
+def test_fused_activation_reads_a_packed_copy_like_its_own_slices(isa, inter, panels, task_shape, fused_activation):
     """With a packed copy of the weights the fused activation reads its gate and up panels from it when the up half
-    starts on a panel (I = 48), and otherwise (I = 40) falls back to the separate pass; either way the forward
-    equals the one that packs its slices per task."""
+    starts on a panel (I = 48), at the first columns and further in (tasks of 2 panels: one of gate, one of up),
+    and otherwise (I = 40) falls back to the separate pass, summing act A_down over the same column chunks; either
+    way the forward equals the one that packs its slices per task, bit for bit."""
     import types
+    from moecc import _C
 
+    task_shape(panels, 256)
     weights, x, index, w, gate_up, down = _problem(130, 5, 96, inter, 2, 4, seed=7, skew=True)
     weights.cache_owner = types.SimpleNamespace()
     expected, saved = NativeExperts(isa).forward(weights, x, index, w, gate_up, down)
     expected_inner = [t.clone() for t in saved.lora_inner]
     out, saved = NativeExperts(isa, prepack=True).forward(weights, x, index, w, gate_up, down)
+    assert ("gate_up_activate" in dict(_C.last_phase_times(False))) == (inter % 16 == 0)
     assert torch.equal(out, expected)
     for a, b in zip(saved.lora_inner, expected_inner):
         assert torch.equal(a, b)

@@ -131,18 +131,20 @@ struct Dims {
 std::atomic<bool> streaming_copies{true};
 
 // dst[0, n) = src[0, n) and dst[n, padded) = 0 (bf16; dst 64-byte aligned, padded a multiple of 32), in whole
-// cache lines of non-temporal stores; masked loads read nothing past src[n).
+// cache lines of non-temporal stores; the partial line's masked load reads nothing past src[n), and no pointer past
+// it is formed.
 __attribute__((target("avx512f,avx512bw"))) void stream_row(const uint16_t* src, int64_t n, uint16_t* dst,
                                                            int64_t padded) {
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
   }
-  for (; i < padded; i += 32) {
-    const int64_t rest = n - i;
-    const __mmask32 mask = rest >= 32 ? ~__mmask32{0} : rest > 0 ? (__mmask32{1} << rest) - 1 : 0;
+  if (i < n) {
+    const __mmask32 mask = (__mmask32{1} << (n - i)) - 1;
     _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_maskz_loadu_epi16(mask, src + i));
+    i += 32;
   }
+  for (; i < padded; i += 32) _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_setzero_si512());
 }
 
 // Copies a row into its zero-padded grouped row (ld values), streamed when `stream` and the CPU has AVX512BW (then
@@ -456,14 +458,17 @@ void forward_product(const PanelGemm& gemm, const Task& task, int64_t block_rows
   fence_streamed(stream);
 }
 
-// Columns per chunk of the fused activation (half a forward task's panels, for each of gate and up), or 0 when it
-// is off or cannot run: a packed copy whose up half does not start on a panel (I not a multiple of 16).
-int64_t fused_activation_columns(const Dims& d, bool packed) {
-  if (!fused_activation.load() || (packed && d.I % kPanelRows != 0)) return 0;
-  return std::max<int64_t>(1, panels_per_task.load() / 2) * kPanelRows;
+// Columns per chunk of act A_down when the fused activation is on (max(1, half a forward task's panels), for each
+// of gate and up), else 0. The forward's activation pass (where the fused one cannot run: a packed copy whose up
+// half does not start on a panel) and the backward's sum act A_down over the same chunks, so the forward's kept
+// inner products and the backward's recomputed ones agree bit for bit, as long as neither this knob nor the task
+// shape changes between the two.
+int64_t fused_activation_columns() {
+  return fused_activation.load() ? std::max<int64_t>(1, panels_per_task.load() / 2) * kPanelRows : 0;
 }
 
-// A forward gate/up task with the activation in its epilogue (fused_activation): gate panels [task.col0,
+// A forward gate/up task with the activation in its epilogue (fused_activation; the gate/up output and act are
+// stored plainly here whatever streaming_outputs says, as they are read back at once): gate panels [task.col0,
 // task.col1) of W_gate and the same panels of W_up (each an [I, H] half of W_gate_up; `packed`: the expert's packed
 // [2I, H] copy, whose up panels start at I / 16, or null) against the grouped rows x, so each row's epilogue has
 // the gate and up columns of one range: it writes them (with their LoRA terms, in bf16) to the gate/up output, then
@@ -571,8 +576,8 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   clock.mark("gather");
 
   PartClocks gu_clocks;
-  const int64_t fused_chunk = fused_activation_columns(d, weights.packed_gate_up != nullptr);
-  if (fused_chunk > 0) {
+  const int64_t fused_chunk = fused_activation_columns();
+  if (fused_chunk > 0 && !(weights.packed_gate_up && d.I % kPanelRows != 0)) {
     const int64_t chunk_panels = fused_chunk / kPanelRows, gate_panels = padded_rows(d.I) / kPanelRows;
     const int64_t chunks = (gate_panels + chunk_panels - 1) / chunk_panels;
     float* const parts = down_lora.a ? scratch.inner_down_parts.get(d.pairs * chunks * down_lora.rank) : nullptr;
@@ -585,7 +590,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
                                gu_clocks);
     });
     record_parts(forward_parts, "gate_up", gu_clocks);
-    clock.mark("gate_up");
+    clock.mark("gate_up_activate");
     if (down_lora.a) {  // act A from its chunk parts, in chunk order (as chunked_inner adds them)
       const int64_t rank = down_lora.rank;
       run_tasks(pool, rows, [&](const Task& task) {
@@ -598,7 +603,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
         }
       });
     }
-    clock.mark("activate");
+    clock.mark("activation_sums");
   } else {
     const int64_t gu_panels = padded_rows(2 * d.I) / kPanelRows;
     const std::vector<Task> gu_tasks =
@@ -610,7 +615,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
     });
     record_parts(forward_parts, "gate_up", gu_clocks);
     clock.mark("gate_up");
-    activate(d, io.gate_up_out, down_lora, rows, act, inner_down, pool);
+    activate(d, io.gate_up_out, down_lora, rows, act, inner_down, pool, fused_chunk);
     clock.mark("activate");
   }
 
@@ -757,8 +762,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   // The activation again as whole rows only where the forward did not keep act A_down (it needs all of I); else
   // the fused input-gradient tasks below write act chunk by chunk.
   if (recompute_down) {
-    activate(d, io.gate_up_out, down_lora, rows, act, inner_down_scratch, pool,
-             fused_activation_columns(d, weights.packed_gate_up != nullptr));
+    activate(d, io.gate_up_out, down_lora, rows, act, inner_down_scratch, pool, fused_activation_columns());
   }
   clock.mark("activate");
   // Unweighted output gradient per grouped row in bf16 (zero-padded), and its down-LoRA inner product s dy B
