@@ -249,14 +249,18 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "peak_flops",
       [](const std::string& isa, int64_t iterations, int threads) {
-        return rate(threads, [&]() {
-          return isa == "amx" ? moecc::kernels::peak_flops_amx(iterations)
-                              : moecc::kernels::peak_flops_avx512bf16(iterations);
-        });
+        double (*one)(int64_t) = isa == "amx"           ? moecc::kernels::peak_flops_amx
+                                 : isa == "avx512_bf16" ? moecc::kernels::peak_flops_avx512bf16
+                                 : isa == "avx512_fma"  ? moecc::kernels::peak_flops_avx512fma
+                                                        : nullptr;
+        if (one == nullptr) {
+          throw std::invalid_argument("peak_flops: unknown unit '" + isa + "' (amx, avx512_bf16 or avx512_fma)");
+        }
+        return rate(threads, [&]() { return one(iterations); });
       },
       py::arg("isa"), py::arg("iterations"), py::arg("threads") = 1, py::call_guard<py::gil_scoped_release>(),
-      "Register-only bf16 FLOP/s of one thread (threads=1) or the sum over the pool's threads "
-      "('avx512_bf16' or 'amx'); ValueError if the CPU cannot run it.");
+      "Register-only FLOP/s of one thread (threads=1) or the sum over the pool's threads: bf16 for 'amx' and "
+      "'avx512_bf16', float32 FMA for 'avx512_fma'; ValueError if the CPU cannot run it or the unit is unknown.");
 
   m.def(
       "panel_gemm_flops",

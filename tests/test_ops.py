@@ -109,3 +109,11 @@ def test_peak_rate_micro_benchmark():
     if not features["os_amx"]:
         with pytest.raises(ValueError, match="AMX"):
             _C.peak_flops("amx", 10)
+    if features["avx512f"] and features["os_avx512"]:
+        fma = _C.peak_flops("avx512_fma", 100_000)
+        assert 1e9 < fma < 1e12  # float32 FMA of one core: tens to hundreds of GFLOP/s
+    else:
+        with pytest.raises(ValueError, match="AVX512F"):
+            _C.peak_flops("avx512_fma", 10)
+    with pytest.raises(ValueError, match="unknown unit 'avx2'"):
+        _C.peak_flops("avx2", 10)

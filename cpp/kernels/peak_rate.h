@@ -10,6 +10,9 @@ namespace moecc::kernels {
 
 // bf16 FLOP/s of one thread running `iterations` rounds of independent VDPBF16PS (16 accumulators).
 double peak_flops_avx512bf16(int64_t iterations);
+// fp32 FLOP/s of one thread running `iterations` rounds of independent 512-bit FMAs (16 accumulators): not a
+// matrix unit, the ceiling of the epilogues' vector arithmetic. Throws std::invalid_argument without AVX512F.
+double peak_flops_avx512fma(int64_t iterations);
 // bf16 FLOP/s of one thread running `iterations` rounds of TDPBF16PS on 4 accumulator tiles.
 // Throws std::invalid_argument if AMX is unavailable (see cpu_features()).
 double peak_flops_amx(int64_t iterations);
