@@ -20,6 +20,14 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// Uses the sum of a register loop's 16 accumulators, so the loop is not optimised away.
+__attribute__((target("avx512f"))) void keep_accumulators(const __m512* acc) {
+  float sink = 0.0f;
+  for (int i = 0; i < 16; ++i) sink += _mm512_reduce_add_ps(acc[i]);
+  volatile float keep = sink;
+  (void)keep;
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) double avx512bf16_loop(int64_t iterations) {
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
@@ -30,10 +38,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) double avx512bf1
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
   }
   const double elapsed = seconds_since(start);
-  float sink = 0.0f;
-  for (int i = 0; i < 16; ++i) sink += _mm512_reduce_add_ps(acc[i]);
-  volatile float keep = sink;  // the loop's result is used, so it is not optimised away
-  (void)keep;
+  keep_accumulators(acc);
   return static_cast<double>(iterations) * 16 * 16 * 2 * 2 / elapsed;  // 16 lanes x 2 pairs-products x 2 flops
 }
 
@@ -49,10 +54,7 @@ __attribute__((target("avx512f"))) double avx512fma_loop(int64_t iterations) {
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
   }
   const double elapsed = seconds_since(start);
-  float sink = 0.0f;
-  for (int i = 0; i < 16; ++i) sink += _mm512_reduce_add_ps(acc[i]);
-  volatile float keep = sink;  // the loop's result is used, so it is not optimised away
-  (void)keep;
+  keep_accumulators(acc);
   return static_cast<double>(iterations) * 16 * 16 * 2 / elapsed;  // 16 registers x 16 lanes x 2 flops
 }
 
