@@ -437,6 +437,21 @@ const uint16_t* weight_slice(const PanelGemm& gemm, const uint16_t* w, const uin
   return slice;
 }
 
+// The LoRA term and bf16 rounding of a block's tile rows (rows_ld apart) into out(g) for its grouped rows g, a few
+// rows a call (rank_combine_bf16_rows: the factors loaded once for them). coef: the inner products [g][coef_ld].
+template <typename OutOf>
+void combine_rows(const Task& rows_block, const float* coef, int64_t coef_ld, float scale, const float* factors,
+                  int64_t ld, int64_t rank, int64_t n, const float* tile, int64_t rows_ld, OutOf out_of, bool stream) {
+  constexpr int64_t kRows = 16;
+  uint16_t* outs[kRows];
+  for (int64_t g0 = rows_block.begin; g0 < rows_block.end; g0 += kRows) {
+    const int64_t count = std::min(kRows, rows_block.end - g0);
+    for (int64_t r = 0; r < count; ++r) outs[r] = out_of(g0 + r);
+    rank_combine_bf16_rows(coef ? coef + g0 * coef_ld : nullptr, coef_ld, scale, factors, ld, rank, n,
+                           tile + (g0 - rows_block.begin) * rows_ld, rows_ld, outs, count, stream);
+  }
+}
+
 // A forward product task: the task's panels of W [n, k] (from `packed`, or packed now) against the grouped rows
 // x by row blocks (set_task_shape), each block's tile getting its LoRA term and leaving in bf16 at
 // out_row(g) + the task's first column.
@@ -460,11 +475,8 @@ void forward_product(const PanelGemm& gemm, const Task& task, int64_t block_rows
                    width);
     });
     timed(clocks.epilogue, [&] {
-      for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
-        const float* row = tile + (g - rows_block.begin) * width;
-        rank_combine_bf16(b_t ? inner + g * lora.rank : nullptr, lora.scaling, b_t, n, b_t ? lora.rank : 0,
-                          col1 - col0, row, out_row(g) + col0, stream);
-      }
+      combine_rows(rows_block, b_t ? inner : nullptr, lora.rank, lora.scaling, b_t, n, b_t ? lora.rank : 0,
+                   col1 - col0, tile, width, [&](int64_t g) { return out_row(g) + col0; }, stream);
     });
   });
   fence_streamed(stream);
@@ -878,12 +890,9 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
     const float* a = gate_up_lora.a ? gate_up_lora.a + task.expert * gate_up_lora.rank * d.H : nullptr;
     input_grad_product(gemm, task, block_rows, grad_gu_bf16, d.ld_dgu, weights.gate_up + task.expert * d.gu_size,
                        2 * d.I, d.H, hidden_clocks, [&](const Task& rows_block, float* tile, int64_t ld) {
-      for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
-        float* row = tile + (g - rows_block.begin) * ld;
-        uint16_t* const out = per_pair + routing.order[g] * d.H + task.col0;
-        rank_combine_bf16(a ? grad_inner_gu + g * gate_up_lora.rank : nullptr, 1.0f, a ? a + task.col0 : nullptr,
-                          d.H, a ? gate_up_lora.rank : 0, width, row, out, stream_hidden);
-      }
+      combine_rows(rows_block, a ? grad_inner_gu : nullptr, gate_up_lora.rank, 1.0f, a ? a + task.col0 : nullptr, d.H,
+                   a ? gate_up_lora.rank : 0, width, tile, ld,
+                   [&](int64_t g) { return per_pair + routing.order[g] * d.H + task.col0; }, stream_hidden);
     });
     fence_streamed(stream_hidden);
   });

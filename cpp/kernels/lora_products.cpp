@@ -3,6 +3,8 @@
 // in groups of up to 8 so the accumulators stay in registers whatever r is.
 #include "lora_products.h"
 
+#include <algorithm>
+
 #include "panel_gemm.h"  // float_to_bf16
 #include "vector16.h"
 
@@ -165,6 +167,69 @@ MOECC_INLINE void combine(const float* coef, float scale, const float* factors, 
   }
 }
 
+// combine<Bf16, uint16_t, kStream> for R rows at once (row r: coef + r * coef_ld, rows + r * rows_ld, outs[r]):
+// each factor vector is loaded once for the R rows instead of once a row. The same operations per element in the
+// same order, so the same bits.
+template <typename Bf16, bool kStream, int R>
+MOECC_INLINE void combine_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
+                               int64_t rank, int64_t n, const float* rows, int64_t rows_ld, uint16_t* const* outs) {
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) {
+    vf acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = load16(rows + r * rows_ld + c);
+    for (int64_t j = 0; j < rank; ++j) {
+      const vf f = load16(factors + j * ld + c);
+      for (int r = 0; r < R; ++r) acc[r] += (scale * coef[r * coef_ld + j]) * f;
+    }
+    for (int r = 0; r < R; ++r) {
+      if constexpr (kStream) {
+        const vh h = Bf16::narrow(acc[r]);
+        __m128i halves[2];
+        std::memcpy(halves, &h, sizeof(h));
+        _mm_stream_si128(reinterpret_cast<__m128i*>(outs[r] + c), halves[0]);
+        _mm_stream_si128(reinterpret_cast<__m128i*>(outs[r] + c + 8), halves[1]);
+      } else {
+        store16<Bf16>(outs[r] + c, acc[r]);
+      }
+    }
+  }
+  for (; c < n; ++c) {
+    for (int r = 0; r < R; ++r) {
+      float acc = rows[r * rows_ld + c];
+      for (int64_t j = 0; j < rank; ++j) acc += (scale * coef[r * coef_ld + j]) * factors[j * ld + c];
+      put(outs[r] + c, acc);
+    }
+  }
+}
+
+constexpr int kCombineRows = 4;
+
+template <typename Bf16, bool kStream>
+MOECC_INLINE void combine_rows_any(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
+                                   int64_t rank, int64_t n, const float* rows, int64_t rows_ld, uint16_t* const* outs,
+                                   int count) {
+  switch (count) {
+    case 4: return combine_rows<Bf16, kStream, 4>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
+    case 3: return combine_rows<Bf16, kStream, 3>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
+    case 2: return combine_rows<Bf16, kStream, 2>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
+    default: return combine_rows<Bf16, kStream, 1>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
+  }
+}
+
+MOECC_VECTOR_CLONES void combine_rows_portable(const float* coef, int64_t coef_ld, float scale, const float* factors,
+                                               int64_t ld, int64_t rank, int64_t n, const float* rows,
+                                               int64_t rows_ld, uint16_t* const* outs, int count, bool stream) {
+  stream ? combine_rows_any<PortableBf16, true>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs, count)
+         : combine_rows_any<PortableBf16, false>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs,
+                                                 count);
+}
+MOECC_BF16_TARGET void combine_rows_native(const float* coef, int64_t coef_ld, float scale, const float* factors,
+                                           int64_t ld, int64_t rank, int64_t n, const float* rows, int64_t rows_ld,
+                                           uint16_t* const* outs, int count, bool stream) {
+  stream ? combine_rows_any<NativeBf16, true>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs, count)
+         : combine_rows_any<NativeBf16, false>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs, count);
+}
+
 MOECC_VECTOR_CLONES void combine_f32(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank,
                                      int64_t n, float* row) {
   combine<PortableBf16>(coef, scale, factors, ld, rank, n, row, row);
@@ -235,6 +300,18 @@ void rank_combine_bf16(const float* coef, float scale, const float* factors, int
     return;
   }
   (native_bf16() ? combine_bf16_native : combine_bf16)(coef, scale, factors, ld, rank, n, row, out);
+}
+void rank_combine_bf16_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
+                            int64_t rank, int64_t n, const float* rows, int64_t rows_ld, uint16_t* const* outs,
+                            int64_t count, bool stream) {
+  const auto combine = native_bf16() ? combine_rows_native : combine_rows_portable;
+  for (int64_t r0 = 0; r0 < count; r0 += kCombineRows) {
+    const int group = static_cast<int>(std::min<int64_t>(kCombineRows, count - r0));
+    bool aligned = true;
+    for (int r = 0; r < group; ++r) aligned = aligned && reinterpret_cast<std::uintptr_t>(outs[r0 + r]) % 16 == 0;
+    combine(rank > 0 ? coef + r0 * coef_ld : coef, coef_ld, scale, factors, ld, rank, n, rows + r0 * rows_ld, rows_ld,
+            outs + r0, group, stream && aligned);
+  }
 }
 void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const uint16_t* rows, int64_t ld,
                            int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld) {

@@ -28,6 +28,13 @@ void rank_combine(const float* coef, float scale, const float* factors, int64_t 
 void rank_combine_bf16(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
                        const float* row, uint16_t* out, bool stream = false);
 
+// rank_combine_bf16 for `count` rows: row r's coefficients at coef + r * coef_ld, its float row at rows + r * rows_ld,
+// its output at outs[r]; the factors are loaded once for several rows. Streams a group of rows only where all of
+// its outputs are 16-byte aligned. The same results as a call per row.
+void rank_combine_bf16_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
+                            int64_t rank, int64_t n, const float* rows, int64_t rows_ld, uint16_t* const* outs,
+                            int64_t count, bool stream = false);
+
 // out[j * out_ld + c] += scale * sum_{g < count} coef[g * rank + j] * row_scale[g] * rows[g * ld + c] for
 // j < rank and c0 <= c < c1; row_scale may be null (all 1). rows: bf16 bits (every factor gradient reads the
 // bf16 rows the matrix products use).
