@@ -827,33 +827,46 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   PartClocks down_grad_clocks;
   const bool stream_rows = (streaming_outputs.load() & 8) != 0;
   run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, chunk_columns, task_rows), [&](const Task& task) {
-    thread_local AlignedBuffer<float> dg_pair;
+    // Rows go in groups of kGroup: the LoRA terms of a group (the A side before the SwiGLU backward, the B-side
+    // dots after it) load each factor vector once for its rows (rank_combine_rows, rank_dots_rows).
+    constexpr int64_t kGroup = 4;
+    thread_local AlignedBuffer<float> dg_rows;
     const int64_t width = task.col1 - task.col0, chunk = task.col0 / chunk_columns;
-    const bool last = task.col1 == d.I;        // writes the rows' zero padding
-    float* const dg = dg_pair.get(2 * width);  // one row's d gate, d up for the chunk
+    const bool last = task.col1 == d.I;               // writes the rows' zero padding
+    float* const dg = dg_rows.get(kGroup * 2 * width);  // the group's d gate, d up for the chunk, a row each
     const float* a = down_lora.a ? down_lora.a + task.expert * down_lora.rank * d.I + task.col0 : nullptr;
     const float* b_t = gate_up_lora.a ? gate_up_lora.b + task.expert * gate_up_lora.rank * 2 * d.I : nullptr;
     input_grad_product(gemm, task, block_rows, dy_bf16, d.ld_dy, weights.down + task.expert * d.down_size, d.H, d.I,
                        down_grad_clocks, [&](const Task& rows_block, float* tile, int64_t ld) {
-      for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
-        float* const grad_act = tile + (g - rows_block.begin) * ld;
-        if (a) rank_combine(grad_inner_down + g * down_lora.rank, 1.0f, a, d.I, down_lora.rank, width, grad_act);
-        const uint16_t* gate = io.gate_up_out + g * 2 * d.I + task.col0;
-        const uint16_t* up = gate + d.I;
-        uint16_t* const act_row = act + g * d.ld_act;
-        uint16_t* const dg_row = grad_gu_bf16 + g * d.ld_dgu;
-        // act is written here unless activate wrote the whole rows
-        routing_parts[g * chunks + chunk] =
-            swiglu_backward_row(gate, up, grad_act, routing.weights[routing.order[g]], !recompute_down,
-                                act_row + task.col0, dg, dg + width, dg_row + task.col0, dg_row + d.I + task.col0,
-                                width, stream_rows);
-        if (last && !recompute_down) std::fill(act_row + d.I, act_row + d.ld_act, uint16_t{0});
-        if (last) std::fill(dg_row + 2 * d.I, dg_row + d.ld_dgu, uint16_t{0});
+      for (int64_t g0 = rows_block.begin; g0 < rows_block.end; g0 += kGroup) {
+        const int64_t count = std::min(kGroup, rows_block.end - g0);
+        float* const grad_act = tile + (g0 - rows_block.begin) * ld;
+        if (a) {
+          rank_combine_rows(grad_inner_down + g0 * down_lora.rank, down_lora.rank, 1.0f, a, d.I, down_lora.rank,
+                            width, grad_act, ld, count);
+        }
+        for (int64_t r = 0; r < count; ++r) {
+          const int64_t g = g0 + r;
+          const uint16_t* gate = io.gate_up_out + g * 2 * d.I + task.col0;
+          const uint16_t* up = gate + d.I;
+          uint16_t* const act_row = act + g * d.ld_act;
+          uint16_t* const dg_row = grad_gu_bf16 + g * d.ld_dgu;
+          float* const dg_r = dg + r * 2 * width;
+          // act is written here unless activate wrote the whole rows
+          routing_parts[g * chunks + chunk] =
+              swiglu_backward_row(gate, up, grad_act + r * ld, routing.weights[routing.order[g]], !recompute_down,
+                                  act_row + task.col0, dg_r, dg_r + width, dg_row + task.col0,
+                                  dg_row + d.I + task.col0, width, stream_rows);
+          if (last && !recompute_down) std::fill(act_row + d.I, act_row + d.ld_act, uint16_t{0});
+          if (last) std::fill(dg_row + 2 * d.I, dg_row + d.ld_dgu, uint16_t{0});
+        }
         if (b_t) {
-          const int64_t rank = gate_up_lora.rank;
-          float* const parts = inner_gu_parts + (g * chunks + chunk) * 2 * rank;
-          rank_dots(dg, b_t + task.col0, 2 * d.I, rank, width, gate_up_lora.scaling, parts);
-          rank_dots(dg + width, b_t + d.I + task.col0, 2 * d.I, rank, width, gate_up_lora.scaling, parts + rank);
+          const int64_t rank = gate_up_lora.rank, out_ld = chunks * 2 * rank;
+          float* const parts = inner_gu_parts + (g0 * chunks + chunk) * 2 * rank;
+          rank_dots_rows(dg, 2 * width, b_t + task.col0, 2 * d.I, rank, width, gate_up_lora.scaling, parts, out_ld,
+                         count);
+          rank_dots_rows(dg + width, 2 * width, b_t + d.I + task.col0, 2 * d.I, rank, width, gate_up_lora.scaling,
+                         parts + rank, out_ld, count);
         }
       }
     });

@@ -167,6 +167,93 @@ MOECC_INLINE void combine(const float* coef, float scale, const float* factors, 
   }
 }
 
+// dots for R rows and G ranks at once (row r at rows + r * rows_ld, its dots at out + r * out_ld): each factor
+// vector loaded once for the R rows. Each (row, rank) sum runs over the columns as dots_group's does, so the same
+// bits whatever the grouping.
+template <int R, int G>
+MOECC_INLINE void dots_rows_group(const float* rows, int64_t rows_ld, const float* factors, int64_t ld, int64_t n,
+                                  float scale, float* out, int64_t out_ld) {
+  vf acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < G; ++j) acc[r][j] = vf{};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    vf x[R];
+    for (int r = 0; r < R; ++r) x[r] = load16(rows + r * rows_ld + i);
+    for (int j = 0; j < G; ++j) {
+      const vf f = load16(factors + j * ld + i);
+      for (int r = 0; r < R; ++r) acc[r][j] += x[r] * f;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < G; ++j) {
+      float s = lane_sum(acc[r][j]);
+      for (int64_t t = i; t < n; ++t) s += rows[r * rows_ld + t] * factors[j * ld + t];
+      out[r * out_ld + j] = scale * s;
+    }
+  }
+}
+
+template <int R>
+MOECC_INLINE void dots_rows(const float* rows, int64_t rows_ld, const float* factors, int64_t ld, int64_t rank,
+                            int64_t n, float scale, float* out, int64_t out_ld) {
+  constexpr int kRanks = 4;  // R x 4 accumulators: 16 registers for 4 rows
+  for (int64_t j0 = 0; j0 < rank; j0 += kRanks) {
+    const float* f = factors + j0 * ld;
+    float* o = out + j0;
+    switch (rank - j0 < kRanks ? rank - j0 : kRanks) {
+      case 4: dots_rows_group<R, 4>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
+      case 3: dots_rows_group<R, 3>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
+      case 2: dots_rows_group<R, 2>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
+      default: dots_rows_group<R, 1>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
+    }
+  }
+}
+
+MOECC_VECTOR_CLONES void dots_rows_f32(const float* rows, int64_t rows_ld, const float* factors, int64_t ld,
+                                       int64_t rank, int64_t n, float scale, float* out, int64_t out_ld, int count) {
+  switch (count) {
+    case 4: return dots_rows<4>(rows, rows_ld, factors, ld, rank, n, scale, out, out_ld);
+    case 3: return dots_rows<3>(rows, rows_ld, factors, ld, rank, n, scale, out, out_ld);
+    case 2: return dots_rows<2>(rows, rows_ld, factors, ld, rank, n, scale, out, out_ld);
+    default: return dots_rows<1>(rows, rows_ld, factors, ld, rank, n, scale, out, out_ld);
+  }
+}
+
+// combine<PortableBf16, float> (in place) for R rows at once: each factor vector loaded once for the R rows.
+template <int R>
+MOECC_INLINE void combine_rows_f32(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
+                                   int64_t rank, int64_t n, float* rows, int64_t rows_ld) {
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) {
+    vf acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = load16(rows + r * rows_ld + c);
+    for (int64_t j = 0; j < rank; ++j) {
+      const vf f = load16(factors + j * ld + c);
+      for (int r = 0; r < R; ++r) acc[r] += (scale * coef[r * coef_ld + j]) * f;
+    }
+    for (int r = 0; r < R; ++r) store16(rows + r * rows_ld + c, acc[r]);
+  }
+  for (; c < n; ++c) {
+    for (int r = 0; r < R; ++r) {
+      float acc = rows[r * rows_ld + c];
+      for (int64_t j = 0; j < rank; ++j) acc += (scale * coef[r * coef_ld + j]) * factors[j * ld + c];
+      rows[r * rows_ld + c] = acc;
+    }
+  }
+}
+
+MOECC_VECTOR_CLONES void combine_rows_f32_any(const float* coef, int64_t coef_ld, float scale, const float* factors,
+                                              int64_t ld, int64_t rank, int64_t n, float* rows, int64_t rows_ld,
+                                              int count) {
+  switch (count) {
+    case 4: return combine_rows_f32<4>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld);
+    case 3: return combine_rows_f32<3>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld);
+    case 2: return combine_rows_f32<2>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld);
+    default: return combine_rows_f32<1>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld);
+  }
+}
+
 // combine<Bf16, uint16_t, kStream> for R rows at once (row r: coef + r * coef_ld, rows + r * rows_ld, outs[r]):
 // each factor vector is loaded once for the R rows instead of once a row. The same operations per element in the
 // same order, so the same bits.
@@ -311,6 +398,20 @@ void rank_combine_bf16_rows(const float* coef, int64_t coef_ld, float scale, con
     for (int r = 0; r < group; ++r) aligned = aligned && reinterpret_cast<std::uintptr_t>(outs[r0 + r]) % 16 == 0;
     combine(rank > 0 ? coef + r0 * coef_ld : coef, coef_ld, scale, factors, ld, rank, n, rows + r0 * rows_ld, rows_ld,
             outs + r0, group, stream && aligned);
+  }
+}
+void rank_combine_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld, int64_t rank,
+                       int64_t n, float* rows, int64_t rows_ld, int64_t count) {
+  for (int64_t r0 = 0; r0 < count; r0 += kCombineRows) {
+    combine_rows_f32_any(coef + r0 * coef_ld, coef_ld, scale, factors, ld, rank, n, rows + r0 * rows_ld, rows_ld,
+                         static_cast<int>(std::min<int64_t>(kCombineRows, count - r0)));
+  }
+}
+void rank_dots_rows(const float* rows, int64_t rows_ld, const float* factors, int64_t factor_ld, int64_t rank,
+                    int64_t n, float scale, float* out, int64_t out_ld, int64_t count) {
+  for (int64_t r0 = 0; r0 < count; r0 += kCombineRows) {
+    dots_rows_f32(rows + r0 * rows_ld, rows_ld, factors, factor_ld, rank, n, scale, out + r0 * out_ld, out_ld,
+                  static_cast<int>(std::min<int64_t>(kCombineRows, count - r0)));
   }
 }
 void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const uint16_t* rows, int64_t ld,
