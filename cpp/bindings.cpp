@@ -12,6 +12,7 @@
 
 #include "kernels/cpu_features.h"
 #include "kernels/expert_ffn.h"
+#include "kernels/lora_products.h"
 #include "kernels/peak_rate.h"
 #include "kernels/token_grouping.h"
 #include "kernels/vector16.h"
@@ -56,6 +57,49 @@ void round_bf16_test(std::uintptr_t src_address, std::uintptr_t dst_address, int
     round_native(src, dst, n);
   } else {
     for (int64_t i = 0; i < n; i += kLanes) store16<PortableBf16>(dst + i, load16(src + i));
+  }
+}
+
+// Test hook: the rank-r LoRA terms of `count` rows, one call a row (grouped = false) or through the grouped-row
+// functions (lora_products.h), so tests can compare the two. op: "combine_bf16" (float rows -> bf16 out),
+// "combine_f32" (float rows, in place) or "dots" (float rows -> float out).
+void lora_rows_test(const std::string& op, std::uintptr_t coef_address, int64_t coef_ld, float scale,
+                    std::uintptr_t factors_address, int64_t ld, int64_t rank, int64_t n, std::uintptr_t rows_address,
+                    int64_t rows_ld, std::uintptr_t out_address, int64_t out_ld, int64_t count, bool grouped) {
+  using namespace moecc::kernels;
+  const float* coef = as_pointer<const float>(coef_address);
+  const float* factors = as_pointer<const float>(factors_address);
+  float* rows = as_pointer<float>(rows_address);
+  if (op == "combine_bf16") {
+    uint16_t* out = as_pointer<uint16_t>(out_address);
+    std::vector<uint16_t*> outs;
+    for (int64_t r = 0; r < count; ++r) outs.push_back(out + r * out_ld);
+    if (grouped) {
+      rank_combine_bf16_rows(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs.data(), count);
+    } else {
+      for (int64_t r = 0; r < count; ++r) {
+        rank_combine_bf16(coef + r * coef_ld, scale, factors, ld, rank, n, rows + r * rows_ld, outs[r]);
+      }
+    }
+  } else if (op == "combine_f32") {
+    if (grouped) {
+      rank_combine_rows(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, count);
+    } else {
+      for (int64_t r = 0; r < count; ++r) {
+        rank_combine(coef + r * coef_ld, scale, factors, ld, rank, n, rows + r * rows_ld);
+      }
+    }
+  } else if (op == "dots") {
+    float* out = as_pointer<float>(out_address);
+    if (grouped) {
+      rank_dots_rows(rows, rows_ld, factors, ld, rank, n, scale, out, out_ld, count);
+    } else {
+      for (int64_t r = 0; r < count; ++r) {
+        rank_dots(rows + r * rows_ld, factors, ld, rank, n, scale, out + r * out_ld);
+      }
+    }
+  } else {
+    throw std::invalid_argument("_lora_rows_test: op must be combine_bf16, combine_f32 or dots");
   }
 }
 
@@ -289,6 +333,9 @@ PYBIND11_MODULE(_C, m) {
         "L1). Returns the previous pair. For benchmarks and tests.");
 
   m.def("_round_bf16_test", &round_bf16_test, py::arg("src"), py::arg("dst"), py::arg("n"), py::arg("native"));
+  m.def("_lora_rows_test", &lora_rows_test, py::arg("op"), py::arg("coef"), py::arg("coef_ld"), py::arg("scale"),
+        py::arg("factors"), py::arg("ld"), py::arg("rank"), py::arg("n"), py::arg("rows"), py::arg("rows_ld"),
+        py::arg("out"), py::arg("out_ld"), py::arg("count"), py::arg("grouped"));
   m.def("native_bf16", &moecc::kernels::v16::native_bf16,
         "Whether the epilogues round to bf16 with AVX512-BF16's instruction (the CPU has it).");
   m.def("_pool_fill_test", &pool_fill_test, py::call_guard<py::gil_scoped_release>());

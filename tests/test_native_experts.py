@@ -820,3 +820,49 @@ def test_fused_activation_reads_a_packed_copy_like_its_own_slices(isa, inter, pa
     assert torch.equal(out, expected)
     for a, b in zip(saved.lora_inner, expected_inner):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("op", ["combine_bf16", "combine_f32", "dots"])
+@pytest.mark.parametrize("rank", [0, 1, 4, 7, 8, 12])
+@pytest.mark.parametrize("n", [256, 40, 27], ids=["n256", "n40-tail8", "n27-tail11"])
+def test_grouped_lora_rows_agree_with_one_call_a_row(op, rank, n):
+    """The epilogues' grouped-row LoRA terms (up to 4 rows share each factor load) against the per-row functions
+    they replaced, over 1-11 rows (groups of 4 and a remainder), ranks 0-12 and column tails: the same bits where
+    every column is in a whole 16-lane vector; within float32 rounding in a scalar tail (a compiler may fuse its
+    multiply-adds differently in the two)."""
+    from moecc import _C
+
+    if op == "dots" and rank == 0:
+        rank = 2  # dots need a rank; rank 0 of the combines is rounding only
+    g = torch.Generator().manual_seed(rank * 100 + n)
+    for count in (1, 3, 4, 5, 11):
+        ld, rows_ld, coef_ld = n + 9, n + 5, rank + 2  # factor, row and coefficient strides wider than needed
+        coef = torch.randn(count * max(coef_ld, 1), generator=g)
+        factors = torch.randn(max(rank, 1) * ld, generator=g)
+        rows = torch.randn(count * rows_ld, generator=g)
+        results = []
+        for grouped in (False, True):
+            r = rows.clone()
+            # outputs start as a sentinel (1232.0, exact in bf16) that must survive in their padding
+            if op == "combine_bf16":
+                out, out_ld = torch.full((count * (n + 3),), 1232.0).bfloat16().view(torch.int16), n + 3
+            elif op == "dots":
+                out, out_ld = torch.full((count * (rank + 1),), 1232.0), rank + 1
+            else:
+                out, out_ld = torch.zeros(1), 0
+            _C._lora_rows_test(op, coef.data_ptr(), coef_ld, 1.25, factors.data_ptr(), ld, rank, n, r.data_ptr(),
+                               rows_ld, out.data_ptr(), out_ld, count, grouped)
+            results.append(r if op == "combine_f32" else out)
+        per_row, grouped = results
+        if op == "combine_bf16":
+            per_row, grouped = per_row.view(torch.bfloat16).float(), grouped.view(torch.bfloat16).float()
+        if op == "dots":  # every dot written, the padding not
+            written = grouped.view(count, rank + 1)
+            assert (written[:, :rank] != 1232.0).all() and (written[:, rank] == 1232.0).all()
+        elif op == "combine_bf16":
+            written = grouped.view(count, n + 3)
+            assert (written[:, n:] == 1232.0).all()
+        if n % 16 == 0:
+            assert torch.equal(per_row, grouped)
+        else:
+            assert rel_err(grouped, per_row) < (1e-2 if op == "combine_bf16" else 1e-6)

@@ -403,12 +403,13 @@ void rank_combine_bf16_rows(const float* coef, int64_t coef_ld, float scale, con
 void rank_combine_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld, int64_t rank,
                        int64_t n, float* rows, int64_t rows_ld, int64_t count) {
   for (int64_t r0 = 0; r0 < count; r0 += kCombineRows) {
-    combine_rows_f32_any(coef + r0 * coef_ld, coef_ld, scale, factors, ld, rank, n, rows + r0 * rows_ld, rows_ld,
-                         static_cast<int>(std::min<int64_t>(kCombineRows, count - r0)));
+    combine_rows_f32_any(rank > 0 ? coef + r0 * coef_ld : coef, coef_ld, scale, factors, ld, rank, n,
+                         rows + r0 * rows_ld, rows_ld, static_cast<int>(std::min<int64_t>(kCombineRows, count - r0)));
   }
 }
 void rank_dots_rows(const float* rows, int64_t rows_ld, const float* factors, int64_t factor_ld, int64_t rank,
                     int64_t n, float scale, float* out, int64_t out_ld, int64_t count) {
+  if (rank <= 0) return;  // no dots (and out may be null)
   for (int64_t r0 = 0; r0 < count; r0 += kCombineRows) {
     dots_rows_f32(rows + r0 * rows_ld, rows_ld, factors, factor_ld, rank, n, scale, out + r0 * out_ld, out_ld,
                   static_cast<int>(std::min<int64_t>(kCombineRows, count - r0)));
