@@ -256,7 +256,7 @@ MOECC_VECTOR_CLONES void combine_rows_f32_any(const float* coef, int64_t coef_ld
 
 // combine<Bf16, uint16_t, kStream> for R rows at once (row r: coef + r * coef_ld, rows + r * rows_ld, outs[r]):
 // each factor vector is loaded once for the R rows instead of once a row. The same operations per element in the
-// same order, so the same bits.
+// same order (lora_products.h says where the bits may still differ).
 template <typename Bf16, bool kStream, int R>
 MOECC_INLINE void combine_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
                                int64_t rank, int64_t n, const float* rows, int64_t rows_ld, uint16_t* const* outs) {

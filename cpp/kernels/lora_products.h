@@ -30,14 +30,16 @@ void rank_combine_bf16(const float* coef, float scale, const float* factors, int
 
 // rank_combine_bf16 for `count` rows: row r's coefficients at coef + r * coef_ld, its float row at rows + r * rows_ld,
 // its output at outs[r]; the factors are loaded once for several rows. Streams a group of rows only where all of
-// its outputs are 16-byte aligned. The same results as a call per row.
+// its outputs are 16-byte aligned. The same operations per element in the same order as a call per row: the same
+// bits on whole 16-column vectors; a compiler may fuse the multiply-adds of a scalar tail (n % 16 columns)
+// differently in the two, so those may differ in the last bit.
 void rank_combine_bf16_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
                             int64_t rank, int64_t n, const float* rows, int64_t rows_ld, uint16_t* const* outs,
                             int64_t count, bool stream = false);
 
 // rank_combine (float rows, in place) and rank_dots (float rows, factor_ld) for `count` rows, rows_ld apart (their
-// coefficients coef_ld apart, their dots out_ld apart), the factors loaded once for several rows. The same results
-// as a call per row.
+// coefficients coef_ld apart, their dots out_ld apart), the factors loaded once for several rows; results as with
+// rank_combine_bf16_rows against a call per row.
 void rank_combine_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld, int64_t rank,
                        int64_t n, float* rows, int64_t rows_ld, int64_t count);
 void rank_dots_rows(const float* rows, int64_t rows_ld, const float* factors, int64_t factor_ld, int64_t rank,
