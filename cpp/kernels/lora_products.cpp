@@ -168,8 +168,8 @@ MOECC_INLINE void combine(const float* coef, float scale, const float* factors, 
 }
 
 // dots for R rows and G ranks at once (row r at rows + r * rows_ld, its dots at out + r * out_ld): each factor
-// vector loaded once for the R rows. Each (row, rank) sum runs over the columns as dots_group's does, so the same
-// bits whatever the grouping.
+// vector loaded once for the R rows. Each (row, rank) sum runs over the columns as dots_group's does, whatever the
+// grouping of rows and ranks (lora_products.h says where the bits may still differ).
 template <int R, int G>
 MOECC_INLINE void dots_rows_group(const float* rows, int64_t rows_ld, const float* factors, int64_t ld, int64_t n,
                                   float scale, float* out, int64_t out_ld) {
