@@ -251,12 +251,6 @@ void activate(const Dims& d, const uint16_t* gate_up_out, const LoraFactors& lor
   });
 }
 
-// out[t] = sum over the token's k slots (in slot order) of per_pair[t*k + j] (bf16) times its routing weight
-// (1 without `weights`), into float32 `out` or, when it is null, rounded once into bf16 `out_bf16` (the model's
-// dtype: no float32 copy for the caller to convert). The per-pair rows are bf16, as a bf16 pipeline rounds each
-// expert's product, which halves the traffic of the largest buffer of a call (per pair a whole hidden row: 0.5 GB
-// in float32 at 8192 tokens for Qwen3-30B-A3B); the forward's weighting here is the same float32 product it was
-// when applied per pair.
 // One token's sum (sum_slots): 16 columns at a time over its k rows (ld apart) in registers, where a float32 row
 // in memory took k passes over it. Each product is rounded to float32 before its sum, as when the forward applied
 // the routing weight per pair: GCC contracts C++ into FMAs by default, so contraction is off here.
@@ -284,6 +278,12 @@ __attribute__((optimize("fp-contract=off"))) MOECC_VECTOR_CLONES void sum_token_
   }
 }
 
+// out[t] = sum over the token's k slots (in slot order) of per_pair[t*k + j] (bf16) times its routing weight
+// (1 without `weights`), into float32 `out` or, when it is null, rounded once into bf16 `out_bf16` (the model's
+// dtype: no float32 copy for the caller to convert). The per-pair rows are bf16, as a bf16 pipeline rounds each
+// expert's product, which halves the traffic of the largest buffer of a call (per pair a whole hidden row: 0.5 GB
+// in float32 at 8192 tokens for Qwen3-30B-A3B); the forward's weighting here is the same float32 product it was
+// when applied per pair.
 void sum_slots(const Dims& d, const uint16_t* per_pair, const float* weights, float* out, uint16_t* out_bf16,
                moecc::pool::ThreadPool& pool) {
   const int64_t chunk = 16;
