@@ -137,34 +137,51 @@ MOECC_INLINE void outer(const float* coef, const float* row_scale, float scale, 
   }
 }
 
-// out[c] = row[c] + sum_j (scale * coef[j]) * factors[j * ld + c]; Out float (out may be row) or bf16 bits (rounded
-// by Bf16 in whole vectors; the last n % 16 columns by float_to_bf16, which differs only on float32 denormals).
-// kStream (bf16 out, 16-byte aligned): whole vectors leave with non-temporal stores.
-template <typename Bf16, typename Out, bool kStream = false>
-MOECC_INLINE void combine(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
-                          const float* row, Out* out) {
+// outs[r][c] = rows[r][c] + sum_j (scale * coef[r][j]) * factors[j * ld + c] for R rows at once (row r's
+// coefficients at coef + r * coef_ld, its row at rows + r * rows_ld): each factor vector loaded once for the R rows.
+// Out float (an output may be its row) or bf16 bits (rounded by Bf16 in whole vectors; the last n % 16 columns by
+// float_to_bf16, which differs only on float32 denormals). kStream (bf16 out, 16-byte aligned): whole vectors leave
+// with non-temporal stores.
+template <typename Bf16, typename Out, bool kStream, int R>
+MOECC_INLINE void combine_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
+                               int64_t rank, int64_t n, const float* rows, int64_t rows_ld, Out* const* outs) {
   int64_t c = 0;
   for (; c + kLanes <= n; c += kLanes) {
-    vf acc = load16(row + c);
-    for (int64_t j = 0; j < rank; ++j) acc += (scale * coef[j]) * load16(factors + j * ld + c);
-    if constexpr (sizeof(Out) == sizeof(float)) {
-      store16(out + c, acc);
-    } else if constexpr (kStream) {
-      // Two 16-byte halves: SSE2's non-temporal store exists in every build (the baseline ISA has no wider one).
-      const vh h = Bf16::narrow(acc);
-      __m128i halves[2];
-      std::memcpy(halves, &h, sizeof(h));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(out + c), halves[0]);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(out + c + 8), halves[1]);
-    } else {
-      store16<Bf16>(out + c, acc);
+    vf acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = load16(rows + r * rows_ld + c);
+    for (int64_t j = 0; j < rank; ++j) {
+      const vf f = load16(factors + j * ld + c);
+      for (int r = 0; r < R; ++r) acc[r] += (scale * coef[r * coef_ld + j]) * f;
+    }
+    for (int r = 0; r < R; ++r) {
+      if constexpr (sizeof(Out) == sizeof(float)) {
+        store16(outs[r] + c, acc[r]);
+      } else if constexpr (kStream) {
+        // Two 16-byte halves: SSE2's non-temporal store exists in every build (the baseline ISA has no wider one).
+        const vh h = Bf16::narrow(acc[r]);
+        __m128i halves[2];
+        std::memcpy(halves, &h, sizeof(h));
+        _mm_stream_si128(reinterpret_cast<__m128i*>(outs[r] + c), halves[0]);
+        _mm_stream_si128(reinterpret_cast<__m128i*>(outs[r] + c + 8), halves[1]);
+      } else {
+        store16<Bf16>(outs[r] + c, acc[r]);
+      }
     }
   }
   for (; c < n; ++c) {
-    float acc = row[c];
-    for (int64_t j = 0; j < rank; ++j) acc += (scale * coef[j]) * factors[j * ld + c];
-    put(out + c, acc);
+    for (int r = 0; r < R; ++r) {
+      float acc = rows[r * rows_ld + c];
+      for (int64_t j = 0; j < rank; ++j) acc += (scale * coef[r * coef_ld + j]) * factors[j * ld + c];
+      put(outs[r] + c, acc);
+    }
   }
+}
+
+// One row of combine_rows.
+template <typename Bf16, typename Out = uint16_t, bool kStream = false>
+MOECC_INLINE void combine(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
+                          const float* row, Out* out) {
+  combine_rows<Bf16, Out, kStream, 1>(coef, 0, scale, factors, ld, rank, n, row, 0, &out);
 }
 
 // dots for R rows and G ranks at once (row r at rows + r * rows_ld, its dots at out + r * out_ld): each factor
@@ -220,86 +237,35 @@ MOECC_VECTOR_CLONES void dots_rows_f32(const float* rows, int64_t rows_ld, const
   }
 }
 
-// combine<PortableBf16, float> (in place) for R rows at once: each factor vector loaded once for the R rows.
-template <int R>
-MOECC_INLINE void combine_rows_f32(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
-                                   int64_t rank, int64_t n, float* rows, int64_t rows_ld) {
-  int64_t c = 0;
-  for (; c + kLanes <= n; c += kLanes) {
-    vf acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = load16(rows + r * rows_ld + c);
-    for (int64_t j = 0; j < rank; ++j) {
-      const vf f = load16(factors + j * ld + c);
-      for (int r = 0; r < R; ++r) acc[r] += (scale * coef[r * coef_ld + j]) * f;
-    }
-    for (int r = 0; r < R; ++r) store16(rows + r * rows_ld + c, acc[r]);
-  }
-  for (; c < n; ++c) {
-    for (int r = 0; r < R; ++r) {
-      float acc = rows[r * rows_ld + c];
-      for (int64_t j = 0; j < rank; ++j) acc += (scale * coef[r * coef_ld + j]) * factors[j * ld + c];
-      rows[r * rows_ld + c] = acc;
-    }
-  }
-}
+constexpr int kCombineRows = 4;
 
+// combine_rows in place on float rows, for count <= kCombineRows of them.
 MOECC_VECTOR_CLONES void combine_rows_f32_any(const float* coef, int64_t coef_ld, float scale, const float* factors,
                                               int64_t ld, int64_t rank, int64_t n, float* rows, int64_t rows_ld,
                                               int count) {
+  float* outs[kCombineRows];
+  for (int r = 0; r < count; ++r) outs[r] = rows + r * rows_ld;
   switch (count) {
-    case 4: return combine_rows_f32<4>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld);
-    case 3: return combine_rows_f32<3>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld);
-    case 2: return combine_rows_f32<2>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld);
-    default: return combine_rows_f32<1>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld);
+    case 4: return combine_rows<PortableBf16, float, false, 4>(coef, coef_ld, scale, factors, ld, rank, n, rows,
+                                                               rows_ld, outs);
+    case 3: return combine_rows<PortableBf16, float, false, 3>(coef, coef_ld, scale, factors, ld, rank, n, rows,
+                                                               rows_ld, outs);
+    case 2: return combine_rows<PortableBf16, float, false, 2>(coef, coef_ld, scale, factors, ld, rank, n, rows,
+                                                               rows_ld, outs);
+    default: return combine_rows<PortableBf16, float, false, 1>(coef, coef_ld, scale, factors, ld, rank, n, rows,
+                                                                rows_ld, outs);
   }
 }
-
-// combine<Bf16, uint16_t, kStream> for R rows at once (row r: coef + r * coef_ld, rows + r * rows_ld, outs[r]):
-// each factor vector is loaded once for the R rows instead of once a row. The same operations per element in the
-// same order (lora_products.h says where the bits may still differ).
-template <typename Bf16, bool kStream, int R>
-MOECC_INLINE void combine_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
-                               int64_t rank, int64_t n, const float* rows, int64_t rows_ld, uint16_t* const* outs) {
-  int64_t c = 0;
-  for (; c + kLanes <= n; c += kLanes) {
-    vf acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = load16(rows + r * rows_ld + c);
-    for (int64_t j = 0; j < rank; ++j) {
-      const vf f = load16(factors + j * ld + c);
-      for (int r = 0; r < R; ++r) acc[r] += (scale * coef[r * coef_ld + j]) * f;
-    }
-    for (int r = 0; r < R; ++r) {
-      if constexpr (kStream) {
-        const vh h = Bf16::narrow(acc[r]);
-        __m128i halves[2];
-        std::memcpy(halves, &h, sizeof(h));
-        _mm_stream_si128(reinterpret_cast<__m128i*>(outs[r] + c), halves[0]);
-        _mm_stream_si128(reinterpret_cast<__m128i*>(outs[r] + c + 8), halves[1]);
-      } else {
-        store16<Bf16>(outs[r] + c, acc[r]);
-      }
-    }
-  }
-  for (; c < n; ++c) {
-    for (int r = 0; r < R; ++r) {
-      float acc = rows[r * rows_ld + c];
-      for (int64_t j = 0; j < rank; ++j) acc += (scale * coef[r * coef_ld + j]) * factors[j * ld + c];
-      put(outs[r] + c, acc);
-    }
-  }
-}
-
-constexpr int kCombineRows = 4;
 
 template <typename Bf16, bool kStream>
 MOECC_INLINE void combine_rows_any(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
                                    int64_t rank, int64_t n, const float* rows, int64_t rows_ld, uint16_t* const* outs,
                                    int count) {
   switch (count) {
-    case 4: return combine_rows<Bf16, kStream, 4>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
-    case 3: return combine_rows<Bf16, kStream, 3>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
-    case 2: return combine_rows<Bf16, kStream, 2>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
-    default: return combine_rows<Bf16, kStream, 1>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
+    case 4: return combine_rows<Bf16, uint16_t, kStream, 4>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
+    case 3: return combine_rows<Bf16, uint16_t, kStream, 3>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
+    case 2: return combine_rows<Bf16, uint16_t, kStream, 2>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
+    default: return combine_rows<Bf16, uint16_t, kStream, 1>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
   }
 }
 
