@@ -62,7 +62,7 @@ void round_bf16_test(std::uintptr_t src_address, std::uintptr_t dst_address, int
 
 // Test hook: the rank-r LoRA terms of `count` rows, one call a row (grouped = false) or through the grouped-row
 // functions (lora_products.h), so tests can compare the two. op: "combine_bf16" (float rows -> bf16 out),
-// "combine_f32" (float rows, in place) or "dots" (float rows -> float out).
+// "combine_f32" (float rows, in place), "dots" (float rows -> float out) or "dots_bf16" (bf16 rows -> float out).
 void lora_rows_test(const std::string& op, std::uintptr_t coef_address, int64_t coef_ld, float scale,
                     std::uintptr_t factors_address, int64_t ld, int64_t rank, int64_t n, std::uintptr_t rows_address,
                     int64_t rows_ld, std::uintptr_t out_address, int64_t out_ld, int64_t count, bool grouped) {
@@ -98,8 +98,18 @@ void lora_rows_test(const std::string& op, std::uintptr_t coef_address, int64_t 
         rank_dots(rows + r * rows_ld, factors, ld, rank, n, scale, out + r * out_ld);
       }
     }
+  } else if (op == "dots_bf16") {  // rows: bf16 bits
+    const uint16_t* bf16_rows = as_pointer<const uint16_t>(rows_address);
+    float* out = as_pointer<float>(out_address);
+    if (grouped) {
+      rank_dots_rows(bf16_rows, rows_ld, factors, ld, rank, n, scale, out, out_ld, count);
+    } else {
+      for (int64_t r = 0; r < count; ++r) {
+        rank_dots(bf16_rows + r * rows_ld, factors, ld, rank, n, scale, out + r * out_ld);
+      }
+    }
   } else {
-    throw std::invalid_argument("_lora_rows_test: op must be combine_bf16, combine_f32 or dots");
+    throw std::invalid_argument("_lora_rows_test: op must be combine_bf16, combine_f32, dots or dots_bf16");
   }
 }
 

@@ -822,7 +822,7 @@ def test_fused_activation_reads_a_packed_copy_like_its_own_slices(isa, inter, pa
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("op", ["combine_bf16", "combine_f32", "dots"])
+@pytest.mark.parametrize("op", ["combine_bf16", "combine_f32", "dots", "dots_bf16"])
 @pytest.mark.parametrize("rank", [0, 1, 4, 7, 8, 12])
 @pytest.mark.parametrize("n", [256, 40, 27], ids=["n256", "n40-tail8", "n27-tail11"])
 def test_grouped_lora_rows_agree_with_one_call_a_row(op, rank, n):
@@ -832,7 +832,7 @@ def test_grouped_lora_rows_agree_with_one_call_a_row(op, rank, n):
     multiply-adds differently in the two)."""
     from moecc import _C
 
-    if op == "dots" and rank == 0:
+    if op.startswith("dots") and rank == 0:
         rank = 2  # dots need a rank; rank 0 of the combines is rounding only
     g = torch.Generator().manual_seed(rank * 100 + n)
     for count in (1, 3, 4, 5, 11):
@@ -840,13 +840,15 @@ def test_grouped_lora_rows_agree_with_one_call_a_row(op, rank, n):
         coef = torch.randn(count * max(coef_ld, 1), generator=g)
         factors = torch.randn(max(rank, 1) * ld, generator=g)
         rows = torch.randn(count * rows_ld, generator=g)
+        if op == "dots_bf16":
+            rows = rows.bfloat16().view(torch.int16)
         results = []
         for grouped in (False, True):
             r = rows.clone()
             # outputs start as a sentinel (1232.0, exact in bf16) that must survive in their padding
             if op == "combine_bf16":
                 out, out_ld = torch.full((count * (n + 3),), 1232.0).bfloat16().view(torch.int16), n + 3
-            elif op == "dots":
+            elif op.startswith("dots"):
                 out, out_ld = torch.full((count * (rank + 1),), 1232.0), rank + 1
             else:
                 out, out_ld = torch.zeros(1), 0
@@ -856,7 +858,7 @@ def test_grouped_lora_rows_agree_with_one_call_a_row(op, rank, n):
         per_row, grouped = results
         if op == "combine_bf16":
             per_row, grouped = per_row.view(torch.bfloat16).float(), grouped.view(torch.bfloat16).float()
-        if op == "dots":  # every dot written, the padding not
+        if op.startswith("dots"):  # every dot written, the padding not
             written = grouped.view(count, rank + 1)
             assert (written[:, :rank] != 1232.0).all() and (written[:, rank] == 1232.0).all()
         elif op == "combine_bf16":

@@ -98,10 +98,11 @@ void lora_inner(const LoraFactors& lora, int64_t expert, int64_t in_features, co
     rank_dots(row_of(g), a, lora.rank, in_features, 1.0f, inner + g * lora.rank);
   }
 }
-// ... from rows with leading dimension ld (a gathered copy).
+// ... from rows with leading dimension ld (a gathered copy), several rows sharing each factor load.
 void lora_inner(const LoraFactors& lora, int64_t expert, int64_t in_features, const Task& task, const uint16_t* rows,
                 int64_t ld, float* inner) {
-  lora_inner(lora, expert, in_features, task, [=](int64_t g) { return rows + g * ld; }, inner);
+  rank_dots_rows(rows + task.begin * ld, ld, lora.a + expert * lora.rank * in_features, in_features, lora.rank,
+                 in_features, 1.0f, inner + task.begin * lora.rank, lora.rank, task.end - task.begin);
 }
 
 // Row strides of the grouped activation buffers are padded K plus one cache line: rows a multiple of 4 KB apart

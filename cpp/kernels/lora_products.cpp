@@ -187,8 +187,8 @@ MOECC_INLINE void combine(const float* coef, float scale, const float* factors, 
 // dots for R rows and G ranks at once (row r at rows + r * rows_ld, its dots at out + r * out_ld): each factor
 // vector loaded once for the R rows. Each (row, rank) sum runs over the columns as dots_group's does, whatever the
 // grouping of rows and ranks (lora_products.h says where the bits may still differ).
-template <int R, int G>
-MOECC_INLINE void dots_rows_group(const float* rows, int64_t rows_ld, const float* factors, int64_t ld, int64_t n,
+template <int R, int G, typename T>
+MOECC_INLINE void dots_rows_group(const T* rows, int64_t rows_ld, const float* factors, int64_t ld, int64_t n,
                                   float scale, float* out, int64_t out_ld) {
   vf acc[R][G];
   for (int r = 0; r < R; ++r)
@@ -205,14 +205,14 @@ MOECC_INLINE void dots_rows_group(const float* rows, int64_t rows_ld, const floa
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < G; ++j) {
       float s = lane_sum(acc[r][j]);
-      for (int64_t t = i; t < n; ++t) s += rows[r * rows_ld + t] * factors[j * ld + t];
+      for (int64_t t = i; t < n; ++t) s += widen(rows[r * rows_ld + t]) * factors[j * ld + t];
       out[r * out_ld + j] = scale * s;
     }
   }
 }
 
-template <int R>
-MOECC_INLINE void dots_rows(const float* rows, int64_t rows_ld, const float* factors, int64_t ld, int64_t rank,
+template <int R, typename T>
+MOECC_INLINE void dots_rows(const T* rows, int64_t rows_ld, const float* factors, int64_t ld, int64_t rank,
                             int64_t n, float scale, float* out, int64_t out_ld) {
   constexpr int kRanks = 4;  // R x 4 accumulators: 16 registers for 4 rows
   for (int64_t j0 = 0; j0 < rank; j0 += kRanks) {
@@ -227,14 +227,24 @@ MOECC_INLINE void dots_rows(const float* rows, int64_t rows_ld, const float* fac
   }
 }
 
-MOECC_VECTOR_CLONES void dots_rows_f32(const float* rows, int64_t rows_ld, const float* factors, int64_t ld,
-                                       int64_t rank, int64_t n, float scale, float* out, int64_t out_ld, int count) {
+template <typename T>
+MOECC_INLINE void dots_rows_any(const T* rows, int64_t rows_ld, const float* factors, int64_t ld, int64_t rank,
+                                int64_t n, float scale, float* out, int64_t out_ld, int count) {
   switch (count) {
     case 4: return dots_rows<4>(rows, rows_ld, factors, ld, rank, n, scale, out, out_ld);
     case 3: return dots_rows<3>(rows, rows_ld, factors, ld, rank, n, scale, out, out_ld);
     case 2: return dots_rows<2>(rows, rows_ld, factors, ld, rank, n, scale, out, out_ld);
     default: return dots_rows<1>(rows, rows_ld, factors, ld, rank, n, scale, out, out_ld);
   }
+}
+
+MOECC_VECTOR_CLONES void dots_rows_f32(const float* rows, int64_t rows_ld, const float* factors, int64_t ld,
+                                       int64_t rank, int64_t n, float scale, float* out, int64_t out_ld, int count) {
+  dots_rows_any(rows, rows_ld, factors, ld, rank, n, scale, out, out_ld, count);
+}
+MOECC_VECTOR_CLONES void dots_rows_bf16(const uint16_t* rows, int64_t rows_ld, const float* factors, int64_t ld,
+                                        int64_t rank, int64_t n, float scale, float* out, int64_t out_ld, int count) {
+  dots_rows_any(rows, rows_ld, factors, ld, rank, n, scale, out, out_ld, count);
 }
 
 constexpr int kCombineRows = 4;
@@ -379,6 +389,14 @@ void rank_dots_rows(const float* rows, int64_t rows_ld, const float* factors, in
   for (int64_t r0 = 0; r0 < count; r0 += kCombineRows) {
     dots_rows_f32(rows + r0 * rows_ld, rows_ld, factors, factor_ld, rank, n, scale, out + r0 * out_ld, out_ld,
                   static_cast<int>(std::min<int64_t>(kCombineRows, count - r0)));
+  }
+}
+void rank_dots_rows(const uint16_t* rows, int64_t rows_ld, const float* factors, int64_t factor_ld, int64_t rank,
+                    int64_t n, float scale, float* out, int64_t out_ld, int64_t count) {
+  if (rank <= 0) return;
+  for (int64_t r0 = 0; r0 < count; r0 += kCombineRows) {
+    dots_rows_bf16(rows + r0 * rows_ld, rows_ld, factors, factor_ld, rank, n, scale, out + r0 * out_ld, out_ld,
+                   static_cast<int>(std::min<int64_t>(kCombineRows, count - r0)));
   }
 }
 void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const uint16_t* rows, int64_t ld,

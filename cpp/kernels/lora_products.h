@@ -37,12 +37,14 @@ void rank_combine_bf16_rows(const float* coef, int64_t coef_ld, float scale, con
                             int64_t rank, int64_t n, const float* rows, int64_t rows_ld, uint16_t* const* outs,
                             int64_t count, bool stream = false);
 
-// rank_combine (float rows, in place) and rank_dots (float rows, factor_ld) for `count` rows, rows_ld apart (their
+// rank_combine (float rows, in place) and rank_dots (float or bf16 rows, factor_ld) for `count` rows, rows_ld apart (their
 // coefficients coef_ld apart, their dots out_ld apart), the factors loaded once for several rows; results as with
 // rank_combine_bf16_rows against a call per row.
 void rank_combine_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld, int64_t rank,
                        int64_t n, float* rows, int64_t rows_ld, int64_t count);
 void rank_dots_rows(const float* rows, int64_t rows_ld, const float* factors, int64_t factor_ld, int64_t rank,
+                    int64_t n, float scale, float* out, int64_t out_ld, int64_t count);
+void rank_dots_rows(const uint16_t* rows, int64_t rows_ld, const float* factors, int64_t factor_ld, int64_t rank,
                     int64_t n, float scale, float* out, int64_t out_ld, int64_t count);
 
 // out[j * out_ld + c] += scale * sum_{g < count} coef[g * rank + j] * row_scale[g] * rows[g * ld + c] for
