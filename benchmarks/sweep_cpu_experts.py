@@ -13,7 +13,6 @@ A setting is NAME:KNOB=VALUES[/KNOB=VALUES...], the knobs being the extension's 
   pack=ROWS_AHEAD,TO_L2                          (moecc._C.set_pack_prefetch; AVX512 and AMX)
   task=PANELS,GRAD_COLUMNS,ROWS,BLOCK_ROWS       (moecc._C.set_task_shape)
   copies=ON                                      (moecc._C.set_streaming_copies: non-temporal row copies)
-  activation=ON                                  (moecc._C.set_fused_activation: in the gate/up epilogue)
   outputs=MASK                                   (moecc._C.set_streaming_outputs: 1 per-pair rows, 2 gate/up,
                                                   4 activation rows, 8 the down input gradient's rows)
 Knobs a setting leaves out keep their built-in values.
@@ -38,8 +37,7 @@ from tqdm import tqdm  # noqa: E402
 from moecc import _C, _ops  # noqa: E402
 from moecc.native_experts import NativeExperts  # noqa: E402
 
-KNOBS = {"amx": 4, "group": 1, "task": 4, "next": 1, "pack": 2, "copies": 1, "outputs": 1,
-         "activation": 1}  # knob -> how many values it takes
+KNOBS = {"amx": 4, "group": 1, "task": 4, "next": 1, "pack": 2, "copies": 1, "outputs": 1}
 
 
 def parse_setting(text: str) -> tuple[str, dict[str, list[int]]]:
@@ -67,7 +65,7 @@ def built_in() -> dict[str, list[int]]:
     current = {"amx": list(_C.set_amx_tuning(0, 0, 0, 0)), "task": list(_C.set_task_shape(1, 16, 1, 0)),
                "group": [_C.set_amx_token_group(0)], "next": [_C.set_amx_prefetch_next(0)],
                "pack": list(_C.set_pack_prefetch(0, 0)), "copies": [int(_C.set_streaming_copies(False))],
-               "outputs": [_C.set_streaming_outputs(0)], "activation": [int(_C.set_fused_activation(False))]}
+               "outputs": [_C.set_streaming_outputs(0)]}
     apply(current)
     return current
 
@@ -80,7 +78,6 @@ def apply(knobs: dict[str, list[int]]) -> None:
     _C.set_pack_prefetch(*knobs["pack"])
     _C.set_streaming_copies(bool(knobs["copies"][0]))
     _C.set_streaming_outputs(*knobs["outputs"])
-    _C.set_fused_activation(bool(knobs["activation"][0]))
 
 
 def score(best: dict, name: str, tokens: list[int]) -> float:
@@ -131,7 +128,7 @@ def main() -> None:
              f"{_ops.num_threads()} threads, {args.shape}, {args.routing} routing, best of {args.reps} interleaved "
              f"reps; default = amx {defaults['amx']}, task {defaults['task']}, group {defaults['group'][0]}, "
              f"next {defaults['next'][0]}, pack {defaults['pack']}, copies {defaults['copies'][0]}, "
-             f"outputs {defaults['outputs'][0]}, activation {defaults['activation'][0]})", "",
+             f"outputs {defaults['outputs'][0]})", "",
              "| setting | tokens | forward ms | backward ms | sum | median sum | score |",
              "|---|---|---|---|---|---|---|"]
     for name in settings:

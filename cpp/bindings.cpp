@@ -89,24 +89,21 @@ void lora_rows_test(const std::string& op, std::uintptr_t coef_address, int64_t 
         rank_combine(coef + r * coef_ld, scale, factors, ld, rank, n, rows + r * rows_ld);
       }
     }
-  } else if (op == "dots") {
+  } else if (op == "dots" || op == "dots_bf16") {  // dots_bf16: rows are bf16 bits
     float* out = as_pointer<float>(out_address);
-    if (grouped) {
-      rank_dots_rows(rows, rows_ld, factors, ld, rank, n, scale, out, out_ld, count);
-    } else {
-      for (int64_t r = 0; r < count; ++r) {
-        rank_dots(rows + r * rows_ld, factors, ld, rank, n, scale, out + r * out_ld);
+    const auto dots = [&](const auto* typed_rows) {
+      if (grouped) {
+        rank_dots_rows(typed_rows, rows_ld, factors, ld, rank, n, scale, out, out_ld, count);
+      } else {
+        for (int64_t r = 0; r < count; ++r) {
+          rank_dots(typed_rows + r * rows_ld, factors, ld, rank, n, scale, out + r * out_ld);
+        }
       }
-    }
-  } else if (op == "dots_bf16") {  // rows: bf16 bits
-    const uint16_t* bf16_rows = as_pointer<const uint16_t>(rows_address);
-    float* out = as_pointer<float>(out_address);
-    if (grouped) {
-      rank_dots_rows(bf16_rows, rows_ld, factors, ld, rank, n, scale, out, out_ld, count);
+    };
+    if (op == "dots") {
+      dots(static_cast<const float*>(rows));
     } else {
-      for (int64_t r = 0; r < count; ++r) {
-        rank_dots(bf16_rows + r * rows_ld, factors, ld, rank, n, scale, out + r * out_ld);
-      }
+      dots(as_pointer<const uint16_t>(rows_address));
     }
   } else {
     throw std::invalid_argument("_lora_rows_test: op must be combine_bf16, combine_f32, dots or dots_bf16");
@@ -277,9 +274,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_streaming_copies", &moecc::kernels::set_streaming_copies, py::arg("on"),
         "Whether the grouped copies of token rows use non-temporal stores (default, with AVX512BW) or plain ones "
         "(the same results); returns the previous setting. For benchmarks and tests.");
-  m.def("set_fused_activation", &moecc::kernels::set_fused_activation, py::arg("on"),
-        "Whether the forward's activation runs in the gate/up product's epilogue (off by default); returns the "
-        "previous setting. For benchmarks and tests.");
   m.def("set_streaming_outputs", &moecc::kernels::set_streaming_outputs, py::arg("mask"),
         "Which bf16 outputs are written with non-temporal stores: 1 per-pair rows (default), 2 the gate/up output, "
         "4 the activation rows, 8 the down input gradient's rows (the same results); returns the previous mask. "

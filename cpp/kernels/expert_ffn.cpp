@@ -161,11 +161,6 @@ inline void copy_row(const uint16_t* src, int64_t n, uint16_t* dst, int64_t ld, 
   std::fill(dst + n, dst + ld, uint16_t{0});
 }
 
-// Whether the forward's activation runs in the gate/up product's epilogue (see gate_up_activate_product) instead
-// of a pass of its own over the gate/up output (201 MB at 8192 tokens for Qwen3-30B-A3B). Off until the AMX host
-// has measured it.
-std::atomic<bool> fused_activation{false};
-
 // Which bf16 outputs leave with non-temporal stores (bits): 1 the per-pair rows of the forward's down product and
 // of the gate/up input gradient (a hidden row per pair each, 268 MB at 8192 tokens for Qwen3-30B-A3B, read back
 // once by the slot sums), 2 the forward's gate/up output (read back by the activation), 4 the activation rows
@@ -202,38 +197,11 @@ void gather_hidden(const Dims& d, const Routing& routing, const uint16_t* hidden
 }
 
 // act = round(round(silu(gate)) * up) in bf16, as a bf16 pipeline computes it, plus its down LoRA inner product.
-// inner[j] = sum over column chunks of `chunk` columns (in order) of the chunk's dot of the bf16 row with a[j] (rows
-// ld apart): how the fused activation (gate_up_activate_product) forms act A, chunk by chunk in its tasks.
-void chunked_inner(const uint16_t* row, const float* a, int64_t ld, int64_t rank, int64_t n, int64_t chunk,
-                   float* inner) {
-  thread_local AlignedBuffer<float> parts;
-  float* const part = parts.get(rank);
-  for (int64_t j = 0; j < rank; ++j) inner[j] = 0.0f;
-  for (int64_t c = 0; c < n; c += chunk) {
-    rank_dots(row + c, a + c, ld, rank, std::min(chunk, n - c), 1.0f, part);
-    for (int64_t j = 0; j < rank; ++j) inner[j] += part[j];
-  }
-}
-
 // With streaming_outputs bit 4 each row is computed into a cached thread-local row, its LoRA inner product taken
-// from there, and the row streamed out (the same values). chunk > 0: act A summed over column chunks of that many
-// columns, as the fused activation sums it (chunked_inner).
+// from there, and the row streamed out (the same values).
 void activate(const Dims& d, const uint16_t* gate_up_out, const LoraFactors& lora, const std::vector<Task>& rows,
-              uint16_t* act, float* inner, moecc::pool::ThreadPool& pool, int64_t chunk = 0) {
+              uint16_t* act, float* inner, moecc::pool::ThreadPool& pool) {
   const bool stream = (streaming_outputs.load() & 4) != 0;
-  if (chunk > 0 && lora.a) {
-    run_tasks(pool, rows, [&](const Task& task) {
-      const float* a = lora.a + task.expert * lora.rank * d.I;
-      for (int64_t g = task.begin; g < task.end; ++g) {
-        const uint16_t* gu = gate_up_out + g * 2 * d.I;
-        uint16_t* const row = act + g * d.ld_act;
-        swiglu_forward_row(gu, gu + d.I, row, d.I);
-        std::fill(row + d.I, row + d.ld_act, uint16_t{0});
-        chunked_inner(row, a, d.I, lora.rank, d.I, chunk, inner + g * lora.rank);
-      }
-    });
-    return;
-  }
   run_tasks(pool, rows, [&](const Task& task) {
     if (stream) {
       thread_local AlignedBuffer<uint16_t> staged;
@@ -409,7 +377,7 @@ struct Scratch {
   std::mutex mutex;
   AlignedBuffer<uint16_t> xg, act, dy_bf16, grad_gu_bf16, per_pair;
   AlignedBuffer<float> inner_gu, inner_down, grad_inner_gu, grad_inner_down, routing_parts, inner_gu_parts,
-      inner_down_parts,
+
       row_weight, b_gu, b_down, grad_b_gu, grad_b_down;
 };
 
@@ -474,76 +442,6 @@ void forward_product(const PanelGemm& gemm, const Task& task, int64_t block_rows
   fence_streamed(stream);
 }
 
-// Columns per chunk of act A_down when the fused activation is on (max(1, half a forward task's panels), for each
-// of gate and up), else 0. The forward's activation pass (where the fused one cannot run: a packed copy whose up
-// half does not start on a panel) and the backward's sum act A_down over the same chunks, so the forward's kept
-// inner products and the backward's recomputed ones agree bit for bit, as long as neither this knob nor the task
-// shape changes between the two.
-int64_t fused_activation_columns() {
-  return fused_activation.load() ? std::max<int64_t>(1, panels_per_task.load() / 2) * kPanelRows : 0;
-}
-
-// A forward gate/up task with the activation in its epilogue (fused_activation; the gate/up output and act are
-// stored plainly here whatever streaming_outputs says, as they are read back at once): gate panels [task.col0,
-// task.col1) of W_gate and the same panels of W_up (each an [I, H] half of W_gate_up; `packed`: the expert's packed
-// [2I, H] copy, whose up panels start at I / 16, or null) against the grouped rows x, so each row's epilogue has
-// the gate and up columns of one range: it writes them (with their LoRA terms, in bf16) to the gate/up output, then
-// act for the range from the bf16 values just written, as the activation pass computes it, and act's dots with the
-// range of A_down into parts[g][chunk] (summed in chunk order afterwards: chunked_inner).
-void gate_up_activate_product(const PanelGemm& gemm, const Task& task, int64_t block_rows, const Dims& d,
-                              const uint16_t* x, const uint16_t* w, const uint16_t* packed,
-                              const LoraFactors& gate_up, const float* inner_gu, const LoraFactors& down,
-                              float* parts, int64_t chunk_panels, int64_t chunks, uint16_t* gate_up_out,
-                              uint16_t* act, PartClocks& clocks) {
-  thread_local AlignedBuffer<float> block;
-  thread_local AlignedBuffer<uint16_t> panels;
-  const int64_t m = task.col1 - task.col0, half = m * kPanelRows, width = 2 * half, k_padded = padded_k(d.H);
-  const int64_t c0 = task.col0 * kPanelRows, c1 = std::min(d.I, task.col1 * kPanelRows);
-  const int64_t chunk = task.col0 / chunk_panels;
-  const bool last = c1 == d.I;
-  const uint16_t *gate_slice = nullptr, *up_slice = nullptr;
-  timed(clocks.pack, [&] {
-    if (packed) {
-      gate_slice = packed + c0 * k_padded;
-      up_slice = packed + (d.I + c0) * k_padded;
-    } else {
-      uint16_t* const slice = panels.get(width * k_padded);
-      gemm.pack_rows(w, d.I, d.H, task.col0, task.col1, slice);
-      gemm.pack_rows(w + d.I * d.H, d.I, d.H, task.col0, task.col1, slice + half * k_padded);
-      gate_slice = slice;
-      up_slice = slice + half * k_padded;
-    }
-  });
-  const float* const b_t = gate_up.a ? gate_up.b + task.expert * gate_up.rank * 2 * d.I : nullptr;
-  const float* const a_down = down.a ? down.a + task.expert * down.rank * d.I : nullptr;
-  const int64_t r_gu = b_t ? gate_up.rank : 0;
-  for_row_blocks(task, block_rows, [&](const Task& rows_block) {
-    const int64_t rows = rows_block.end - rows_block.begin;
-    float* const tile = block.get(rows * width);
-    timed(clocks.gemm, [&] {
-      gemm.forward(x + rows_block.begin * d.ld_x, d.ld_x, rows, gate_slice, k_padded, 0, m, tile, width);
-      gemm.forward(x + rows_block.begin * d.ld_x, d.ld_x, rows, up_slice, k_padded, 0, m, tile + half, width);
-    });
-    timed(clocks.epilogue, [&] {
-      for (int64_t g = rows_block.begin; g < rows_block.end; ++g) {
-        const float* row = tile + (g - rows_block.begin) * width;
-        uint16_t* const gu = gate_up_out + g * 2 * d.I;
-        const float* coef = b_t ? inner_gu + g * gate_up.rank : nullptr;
-        rank_combine_bf16(coef, gate_up.scaling, b_t ? b_t + c0 : nullptr, 2 * d.I, r_gu, c1 - c0, row, gu + c0);
-        rank_combine_bf16(coef, gate_up.scaling, b_t ? b_t + d.I + c0 : nullptr, 2 * d.I, r_gu, c1 - c0,
-                          row + half, gu + d.I + c0);
-        uint16_t* const act_row = act + g * d.ld_act;
-        swiglu_forward_row(gu + c0, gu + d.I + c0, act_row + c0, c1 - c0);
-        if (last) std::fill(act_row + d.I, act_row + d.ld_act, uint16_t{0});
-        if (a_down) {
-          rank_dots(act_row + c0, a_down + c0, d.I, down.rank, c1 - c0, 1.0f,
-                    parts + (g * chunks + chunk) * down.rank);
-        }
-      }
-    });
-  });
-}
-
 // An input-gradient task: W's [n, k] columns [task.col0, task.col1) packed once, then dx = dy W for them by row
 // blocks, each block's tile (rows x ld floats, ld the columns rounded up to 16; column 0 = W's column col0) handed
 // to epilogue(rows_block, tile, ld).
@@ -591,49 +489,19 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool, io.hidden_copy);
   clock.mark("gather");
 
+  const int64_t gu_panels = padded_rows(2 * d.I) / kPanelRows;
+  const std::vector<Task> gu_tasks = make_tasks(routing.offsets, d.E, gu_panels, panels_per_task.load(), task_rows);
   PartClocks gu_clocks;
-  const int64_t fused_chunk = fused_activation_columns();
-  if (fused_chunk > 0 && !(weights.packed_gate_up && d.I % kPanelRows != 0)) {
-    const int64_t chunk_panels = fused_chunk / kPanelRows, gate_panels = padded_rows(d.I) / kPanelRows;
-    const int64_t chunks = (gate_panels + chunk_panels - 1) / chunk_panels;
-    float* const parts = down_lora.a ? scratch.inner_down_parts.get(d.pairs * chunks * down_lora.rank) : nullptr;
-    run_tasks(pool, make_tasks(routing.offsets, d.E, gate_panels, chunk_panels, task_rows), [&](const Task& task) {
-      gate_up_activate_product(gemm, task, block_rows, d, xg, weights.gate_up + task.expert * d.gu_size,
-                               weights.packed_gate_up
-                                   ? weights.packed_gate_up + task.expert * packed_elements(2 * d.I, d.H)
-                                   : nullptr,
-                               gate_up_lora, inner_gu, down_lora, parts, chunk_panels, chunks, io.gate_up_out, act,
-                               gu_clocks);
-    });
-    record_parts(forward_parts, "gate_up", gu_clocks);
-    clock.mark("gate_up_activate");
-    if (down_lora.a) {  // act A from its chunk parts, in chunk order (as chunked_inner adds them)
-      const int64_t rank = down_lora.rank;
-      run_tasks(pool, rows, [&](const Task& task) {
-        for (int64_t g = task.begin; g < task.end; ++g) {
-          for (int64_t j = 0; j < rank; ++j) {
-            float sum = 0.0f;
-            for (int64_t c = 0; c < chunks; ++c) sum += parts[(g * chunks + c) * rank + j];
-            inner_down[g * rank + j] = sum;
-          }
-        }
-      });
-    }
-    clock.mark("activation_sums");
-  } else {
-    const int64_t gu_panels = padded_rows(2 * d.I) / kPanelRows;
-    const std::vector<Task> gu_tasks =
-        make_tasks(routing.offsets, d.E, gu_panels, panels_per_task.load(), task_rows);
-    run_tasks(pool, gu_tasks, [&](const Task& task) {
-      forward_product(gemm, task, block_rows, xg, d.ld_x, weights.gate_up + task.expert * d.gu_size,
-                      weights.packed_gate_up, 2 * d.I, d.H, gate_up_lora, inner_gu, (stream_outputs & 2) != 0,
-                      gu_clocks, [&](int64_t g) { return io.gate_up_out + g * 2 * d.I; });
-    });
-    record_parts(forward_parts, "gate_up", gu_clocks);
-    clock.mark("gate_up");
-    activate(d, io.gate_up_out, down_lora, rows, act, inner_down, pool, fused_chunk);
-    clock.mark("activate");
-  }
+  run_tasks(pool, gu_tasks, [&](const Task& task) {
+    forward_product(gemm, task, block_rows, xg, d.ld_x, weights.gate_up + task.expert * d.gu_size,
+                    weights.packed_gate_up, 2 * d.I, d.H, gate_up_lora, inner_gu, (stream_outputs & 2) != 0, gu_clocks,
+                    [&](int64_t g) { return io.gate_up_out + g * 2 * d.I; });
+  });
+  record_parts(forward_parts, "gate_up", gu_clocks);
+
+  clock.mark("gate_up");
+  activate(d, io.gate_up_out, down_lora, rows, act, inner_down, pool);
+  clock.mark("activate");
 
   const int64_t down_panels = padded_rows(d.H) / kPanelRows;
   const std::vector<Task> down_tasks =
@@ -777,9 +645,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   }
   // The activation again as whole rows only where the forward did not keep act A_down (it needs all of I); else
   // the fused input-gradient tasks below write act chunk by chunk.
-  if (recompute_down) {
-    activate(d, io.gate_up_out, down_lora, rows, act, inner_down_scratch, pool, fused_activation_columns());
-  }
+  if (recompute_down) activate(d, io.gate_up_out, down_lora, rows, act, inner_down_scratch, pool);
   clock.mark("activate");
   // Unweighted output gradient per grouped row in bf16 (zero-padded), and its down-LoRA inner product s dy B
   // from the token's own row (float32 as given, or the bf16 row read as it is).
@@ -921,8 +787,6 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
 }
 
 bool set_streaming_copies(bool on) { return streaming_copies.exchange(on); }
-
-bool set_fused_activation(bool on) { return fused_activation.exchange(on); }
 
 int64_t set_streaming_outputs(int64_t mask) {
   if (mask < 0 || mask > 15) {

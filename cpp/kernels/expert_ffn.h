@@ -117,12 +117,6 @@ std::array<int64_t, 4> set_task_shape(int64_t panels_per_task, int64_t grad_colu
 // previous setting. For benchmarks and tests.
 bool set_streaming_copies(bool on);
 
-// Whether the forward's activation runs in the gate/up product's epilogue (each task holding the same columns of
-// gate and up) instead of a pass of its own; off by default. act and the gate/up output are the same either way;
-// act A_down is summed over column chunks (half a forward task's panels), so it, and what depends on it, may
-// differ in the last bits. Returns the previous setting. For benchmarks and tests.
-bool set_fused_activation(bool on);
-
 // Which bf16 outputs leave with non-temporal stores: a mask of 1 (the per-pair rows of the forward's down product
 // and of the gate/up input gradient; default), 2 (the forward's gate/up output), 4 (the activation rows) and 8
 // (the down input gradient's act and d gate / d up rows). The results are the same. Returns the previous mask;
