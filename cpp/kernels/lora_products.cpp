@@ -249,48 +249,51 @@ MOECC_VECTOR_CLONES void dots_rows_bf16(const uint16_t* rows, int64_t rows_ld, c
 
 constexpr int kCombineRows = 4;
 
-// combine_rows in place on float rows, for count <= kCombineRows of them.
+// combine_rows for count <= kCombineRows rows, R picked at run time.
+template <typename Bf16, typename Out, bool kStream>
+MOECC_INLINE void combine_rows_any(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
+                                   int64_t rank, int64_t n, const float* rows, int64_t rows_ld, Out* const* outs,
+                                   int count) {
+  // Calls, not pointers to the always-inline instances: those must be inlined into their targeted callers.
+  switch (count) {
+    case 4: return combine_rows<Bf16, Out, kStream, 4>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
+    case 3: return combine_rows<Bf16, Out, kStream, 3>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
+    case 2: return combine_rows<Bf16, Out, kStream, 2>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
+    default: return combine_rows<Bf16, Out, kStream, 1>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld,
+                                                        outs);
+  }
+}
+
+// combine_rows in place on float rows.
 MOECC_VECTOR_CLONES void combine_rows_f32_any(const float* coef, int64_t coef_ld, float scale, const float* factors,
                                               int64_t ld, int64_t rank, int64_t n, float* rows, int64_t rows_ld,
                                               int count) {
   float* outs[kCombineRows];
   for (int r = 0; r < count; ++r) outs[r] = rows + r * rows_ld;
-  switch (count) {
-    case 4: return combine_rows<PortableBf16, float, false, 4>(coef, coef_ld, scale, factors, ld, rank, n, rows,
-                                                               rows_ld, outs);
-    case 3: return combine_rows<PortableBf16, float, false, 3>(coef, coef_ld, scale, factors, ld, rank, n, rows,
-                                                               rows_ld, outs);
-    case 2: return combine_rows<PortableBf16, float, false, 2>(coef, coef_ld, scale, factors, ld, rank, n, rows,
-                                                               rows_ld, outs);
-    default: return combine_rows<PortableBf16, float, false, 1>(coef, coef_ld, scale, factors, ld, rank, n, rows,
-                                                                rows_ld, outs);
-  }
-}
-
-template <typename Bf16, bool kStream>
-MOECC_INLINE void combine_rows_any(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
-                                   int64_t rank, int64_t n, const float* rows, int64_t rows_ld, uint16_t* const* outs,
-                                   int count) {
-  switch (count) {
-    case 4: return combine_rows<Bf16, uint16_t, kStream, 4>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
-    case 3: return combine_rows<Bf16, uint16_t, kStream, 3>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
-    case 2: return combine_rows<Bf16, uint16_t, kStream, 2>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
-    default: return combine_rows<Bf16, uint16_t, kStream, 1>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
-  }
+  combine_rows_any<PortableBf16, float, false>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs, count);
 }
 
 MOECC_VECTOR_CLONES void combine_rows_portable(const float* coef, int64_t coef_ld, float scale, const float* factors,
                                                int64_t ld, int64_t rank, int64_t n, const float* rows,
                                                int64_t rows_ld, uint16_t* const* outs, int count, bool stream) {
-  stream ? combine_rows_any<PortableBf16, true>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs, count)
-         : combine_rows_any<PortableBf16, false>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs,
-                                                 count);
+  if (stream) {
+    combine_rows_any<PortableBf16, uint16_t, true>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs,
+                                                   count);
+  } else {
+    combine_rows_any<PortableBf16, uint16_t, false>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs,
+                                                    count);
+  }
 }
 MOECC_BF16_TARGET void combine_rows_native(const float* coef, int64_t coef_ld, float scale, const float* factors,
                                            int64_t ld, int64_t rank, int64_t n, const float* rows, int64_t rows_ld,
                                            uint16_t* const* outs, int count, bool stream) {
-  stream ? combine_rows_any<NativeBf16, true>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs, count)
-         : combine_rows_any<NativeBf16, false>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs, count);
+  if (stream) {
+    combine_rows_any<NativeBf16, uint16_t, true>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs,
+                                                 count);
+  } else {
+    combine_rows_any<NativeBf16, uint16_t, false>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs,
+                                                  count);
+  }
 }
 
 MOECC_VECTOR_CLONES void combine_f32(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank,

@@ -37,9 +37,9 @@ void rank_combine_bf16_rows(const float* coef, int64_t coef_ld, float scale, con
                             int64_t rank, int64_t n, const float* rows, int64_t rows_ld, uint16_t* const* outs,
                             int64_t count, bool stream = false);
 
-// rank_combine (float rows, in place) and rank_dots (float or bf16 rows, factor_ld) for `count` rows, rows_ld apart (their
-// coefficients coef_ld apart, their dots out_ld apart), the factors loaded once for several rows; results as with
-// rank_combine_bf16_rows against a call per row.
+// rank_combine (float rows, in place) and rank_dots (float or bf16 rows, factor_ld) for `count` rows, rows_ld apart
+// (their coefficients coef_ld apart, their dots out_ld apart), the factors loaded once for several rows; results as
+// with rank_combine_bf16_rows against a call per row.
 void rank_combine_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld, int64_t rank,
                        int64_t n, float* rows, int64_t rows_ld, int64_t count);
 void rank_dots_rows(const float* rows, int64_t rows_ld, const float* factors, int64_t factor_ld, int64_t rank,
