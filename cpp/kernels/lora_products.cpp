@@ -178,10 +178,10 @@ MOECC_INLINE void combine_rows(const float* coef, int64_t coef_ld, float scale, 
 }
 
 // One row of combine_rows.
-template <typename Bf16, typename Out = uint16_t, bool kStream = false>
+template <typename Bf16, typename Out>
 MOECC_INLINE void combine(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
                           const float* row, Out* out) {
-  combine_rows<Bf16, Out, kStream, 1>(coef, 0, scale, factors, ld, rank, n, row, 0, &out);
+  combine_rows<Bf16, Out, false, 1>(coef, 0, scale, factors, ld, rank, n, row, 0, &out);
 }
 
 // dots for R rows and G ranks at once (row r at rows + r * rows_ld, its dots at out + r * out_ld): each factor
@@ -308,14 +308,6 @@ MOECC_BF16_TARGET void combine_bf16_native(const float* coef, float scale, const
                                            int64_t rank, int64_t n, const float* row, uint16_t* out) {
   combine<NativeBf16>(coef, scale, factors, ld, rank, n, row, out);
 }
-MOECC_VECTOR_CLONES void combine_bf16_stream(const float* coef, float scale, const float* factors, int64_t ld,
-                                             int64_t rank, int64_t n, const float* row, uint16_t* out) {
-  combine<PortableBf16, uint16_t, true>(coef, scale, factors, ld, rank, n, row, out);
-}
-MOECC_BF16_TARGET void combine_bf16_native_stream(const float* coef, float scale, const float* factors, int64_t ld,
-                                                  int64_t rank, int64_t n, const float* row, uint16_t* out) {
-  combine<NativeBf16, uint16_t, true>(coef, scale, factors, ld, rank, n, row, out);
-}
 
 MOECC_VECTOR_CLONES void dots_bf16(const uint16_t* row, const float* factors, int64_t ld, int64_t rank, int64_t n,
                                    float scale, float* out) {
@@ -360,11 +352,7 @@ void rank_combine(const float* coef, float scale, const float* factors, int64_t 
   combine_f32(coef, scale, factors, ld, rank, n, row);
 }
 void rank_combine_bf16(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
-                       const float* row, uint16_t* out, bool stream) {
-  if (stream && reinterpret_cast<std::uintptr_t>(out) % 16 == 0) {
-    (native_bf16() ? combine_bf16_native_stream : combine_bf16_stream)(coef, scale, factors, ld, rank, n, row, out);
-    return;
-  }
+                       const float* row, uint16_t* out) {
   (native_bf16() ? combine_bf16_native : combine_bf16)(coef, scale, factors, ld, rank, n, row, out);
 }
 void rank_combine_bf16_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,

@@ -23,14 +23,14 @@ void rank_dots(const uint16_t* row, const float* factors, int64_t factor_ld, int
 void rank_combine(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
                   float* row);
 // The same into bf16: out[c] = bf16(row[c] + sum_j ...), rounded to nearest even (NaN kept quiet); row is not
-// written; rank 0 rounds only. The products' epilogues: one pass instead of r passes and a rounding pass. With
-// `stream` and out 16-byte aligned, whole 16-column vectors leave with non-temporal stores (the caller fences).
+// written; rank 0 rounds only. One pass instead of r passes and a rounding pass.
 void rank_combine_bf16(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
-                       const float* row, uint16_t* out, bool stream = false);
+                       const float* row, uint16_t* out);
 
 // rank_combine_bf16 for `count` rows: row r's coefficients at coef + r * coef_ld, its float row at rows + r * rows_ld,
-// its output at outs[r]; the factors are loaded once for several rows. Streams a group of rows only where all of
-// its outputs are 16-byte aligned. The same operations per element in the same order as a call per row: the same
+// its output at outs[r]; the factors are loaded once for several rows. With `stream`, whole 16-column vectors
+// leave with non-temporal stores (the caller fences), for a group of rows only where all of its outputs are 16-byte
+// aligned. The same operations per element in the same order as a call per row: the same
 // bits on whole 16-column vectors; a compiler may fuse the multiply-adds of a scalar tail (n % 16 columns)
 // differently in the two, so those may differ in the last bit.
 void rank_combine_bf16_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
