@@ -20,41 +20,6 @@ MOECC_INLINE void put(uint16_t* p, float v) { *p = float_to_bf16(v); }
 MOECC_INLINE float widen(float v) { return v; }
 MOECC_INLINE float widen(uint16_t bits) { return bf16_to_float(bits); }
 
-template <int G, typename T>
-MOECC_INLINE void dots_group(const T* row, const float* factors, int64_t ld, int64_t n, float scale, float* out) {
-  vf acc[G];
-  for (int j = 0; j < G; ++j) acc[j] = vf{};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const vf x = load16(row + i);
-    for (int j = 0; j < G; ++j) acc[j] += x * load16(factors + j * ld + i);
-  }
-  for (int j = 0; j < G; ++j) {
-    float s = lane_sum(acc[j]);
-    for (int64_t t = i; t < n; ++t) s += widen(row[t]) * factors[j * ld + t];
-    out[j] = scale * s;
-  }
-}
-
-template <typename T>
-MOECC_INLINE void dots(const T* row, const float* factors, int64_t ld, int64_t rank, int64_t n, float scale,
-                       float* out) {
-  for (int64_t j0 = 0; j0 < rank; j0 += kGroup) {
-    const float* f = factors + j0 * ld;
-    float* o = out + j0;
-    switch (rank - j0 < kGroup ? rank - j0 : kGroup) {
-      case 8: dots_group<8>(row, f, ld, n, scale, o); break;
-      case 7: dots_group<7>(row, f, ld, n, scale, o); break;
-      case 6: dots_group<6>(row, f, ld, n, scale, o); break;
-      case 5: dots_group<5>(row, f, ld, n, scale, o); break;
-      case 4: dots_group<4>(row, f, ld, n, scale, o); break;
-      case 3: dots_group<3>(row, f, ld, n, scale, o); break;
-      case 2: dots_group<2>(row, f, ld, n, scale, o); break;
-      default: dots_group<1>(row, f, ld, n, scale, o); break;
-    }
-  }
-}
-
 // Rows in chunks of kRowChunk, and within a chunk columns in steps of 2 x 16 (2G accumulators), then 16, then
 // one at a time. A chunk's factors are computed once, and its rows (at most 32 x 256 bf16 = 16 KB for the
 // 256-column tasks of expert_ffn.cpp) stay in L1 while every column step reads them; the next chunk's rows are
@@ -156,15 +121,8 @@ MOECC_INLINE void combine_rows(const float* coef, int64_t coef_ld, float scale, 
     for (int r = 0; r < R; ++r) {
       if constexpr (sizeof(Out) == sizeof(float)) {
         store16(outs[r] + c, acc[r]);
-      } else if constexpr (kStream) {
-        // Two 16-byte halves: SSE2's non-temporal store exists in every build (the baseline ISA has no wider one).
-        const vh h = Bf16::narrow(acc[r]);
-        __m128i halves[2];
-        std::memcpy(halves, &h, sizeof(h));
-        _mm_stream_si128(reinterpret_cast<__m128i*>(outs[r] + c), halves[0]);
-        _mm_stream_si128(reinterpret_cast<__m128i*>(outs[r] + c + 8), halves[1]);
       } else {
-        store16<Bf16>(outs[r] + c, acc[r]);
+        put16<Bf16, kStream>(outs[r] + c, acc[r]);
       }
     }
   }
@@ -185,8 +143,9 @@ MOECC_INLINE void combine(const float* coef, float scale, const float* factors, 
 }
 
 // dots for R rows and G ranks at once (row r at rows + r * rows_ld, its dots at out + r * out_ld): each factor
-// vector loaded once for the R rows. Each (row, rank) sum runs over the columns as dots_group's does, whatever the
-// grouping of rows and ranks (lora_products.h says where the bits may still differ).
+// vector loaded once for the R rows. Each (row, rank) sum runs over the columns in order in 16 lanes, a tree lane
+// sum, then the scalar tail, whatever the grouping of rows and ranks (lora_products.h says where the bits may still
+// differ between groupings).
 template <int R, int G, typename T>
 MOECC_INLINE void dots_rows_group(const T* rows, int64_t rows_ld, const float* factors, int64_t ld, int64_t n,
                                   float scale, float* out, int64_t out_ld) {
@@ -211,20 +170,33 @@ MOECC_INLINE void dots_rows_group(const T* rows, int64_t rows_ld, const float* f
   }
 }
 
+// Ranks in groups of kRanks: R x kRanks accumulators, 16 registers for 4 rows, 8 for one row (whose row vector is
+// then loaded once for 8 ranks).
 template <int R, typename T>
 MOECC_INLINE void dots_rows(const T* rows, int64_t rows_ld, const float* factors, int64_t ld, int64_t rank,
                             int64_t n, float scale, float* out, int64_t out_ld) {
-  constexpr int kRanks = 4;  // R x 4 accumulators: 16 registers for 4 rows
+  constexpr int kRanks = R == 1 ? kGroup : 4;
   for (int64_t j0 = 0; j0 < rank; j0 += kRanks) {
     const float* f = factors + j0 * ld;
     float* o = out + j0;
     switch (rank - j0 < kRanks ? rank - j0 : kRanks) {
+      case 8: if constexpr (kRanks >= 8) dots_rows_group<R, 8>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
+      case 7: if constexpr (kRanks >= 7) dots_rows_group<R, 7>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
+      case 6: if constexpr (kRanks >= 6) dots_rows_group<R, 6>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
+      case 5: if constexpr (kRanks >= 5) dots_rows_group<R, 5>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
       case 4: dots_rows_group<R, 4>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
       case 3: dots_rows_group<R, 3>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
       case 2: dots_rows_group<R, 2>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
       default: dots_rows_group<R, 1>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
     }
   }
+}
+
+// One row of dots_rows.
+template <typename T>
+MOECC_INLINE void dots(const T* row, const float* factors, int64_t ld, int64_t rank, int64_t n, float scale,
+                       float* out) {
+  dots_rows<1>(row, 0, factors, ld, rank, n, scale, out, 0);
 }
 
 template <typename T>

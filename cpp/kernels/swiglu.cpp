@@ -42,21 +42,6 @@ MOECC_INLINE vf act16(vf g, vf u, vf s) {
   return round16<Bf16>(round16<Bf16>(g * s) * u);
 }
 
-// 16 lanes rounded to bf16 into p, with a non-temporal store when kStream (p 16-byte aligned): two 16-byte halves,
-// as SSE2's is the widest non-temporal store every build has.
-template <typename Bf16, bool kStream>
-MOECC_INLINE void put16(uint16_t* p, vf v) {
-  if constexpr (kStream) {
-    const vh h = Bf16::narrow(v);
-    __m128i halves[2];
-    std::memcpy(halves, &h, sizeof(h));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(p), halves[0]);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(p + 8), halves[1]);
-  } else {
-    store16<Bf16>(p, v);
-  }
-}
-
 // One vector of the backward; returns act . grad_act's 16 lane products.
 template <typename Bf16, bool kWriteAct, bool kStream = false>
 MOECC_INLINE vf backward16(const uint16_t* gate, const uint16_t* up, const float* grad_act, float w, uint16_t* act,

@@ -98,6 +98,20 @@ MOECC_INLINE void store16(uint16_t* p, vf v) {
   const vh h = Bf16::narrow(v);
   std::memcpy(p, &h, sizeof(h));
 }
+// store16 with a non-temporal store when kStream (p 16-byte aligned; the caller fences): two 16-byte halves, as
+// SSE2's is the widest non-temporal store every build has.
+template <typename Bf16, bool kStream>
+MOECC_INLINE void put16(uint16_t* p, vf v) {
+  if constexpr (kStream) {
+    const vh h = Bf16::narrow(v);
+    __m128i halves[2];
+    std::memcpy(halves, &h, sizeof(h));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), halves[0]);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p + 8), halves[1]);
+  } else {
+    store16<Bf16>(p, v);
+  }
+}
 template <typename Bf16 = PortableBf16>
 MOECC_INLINE vf round16(vf v) {  // to the nearest bf16 value
   return widen16(Bf16::narrow(v));
