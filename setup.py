@@ -4,7 +4,7 @@ The extension is plain C++17 bound with pybind11; it does not link libtorch, so 
 """
 from pathlib import Path
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import Pybind11Extension, build_ext, has_flag
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent
@@ -21,6 +21,22 @@ extension = Pybind11Extension(
     extra_link_args=["-pthread"],
 )
 
+# GCC 13's generic tuning leaves a multiply-add unfused where it ends a loop-carried chain (GCC 12 fuses it), and
+# decides that per function: the same source then rounds differently in two instances (a row alone or in a group;
+# plain or streamed stores). Zero turns the heuristic off, so every build fuses alike and those give the same bits.
+FMA_FLAG = "--param=avoid-fma-max-bits=0"
+
+
+class BuildExt(build_ext):
+    """build_ext that adds FMA_FLAG where the compiler takes it (GCC; others go without)."""
+
+    def build_extensions(self) -> None:
+        if has_flag(self.compiler, FMA_FLAG):
+            for ext in self.extensions:
+                ext.extra_compile_args.append(FMA_FLAG)
+        super().build_extensions()
+
+
 setup(
     name="moecc",
     version="0.1.0",
@@ -31,7 +47,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["moecc", "moecc.*"]),
     ext_modules=[extension],
-    cmdclass={"build_ext": build_ext},
+    cmdclass={"build_ext": BuildExt},
     install_requires=[
         "torch>=2.4",
         "numpy",

@@ -275,8 +275,9 @@ PYBIND11_MODULE(_C, m) {
         "Whether the grouped copies of token rows use non-temporal stores (default, with AVX512BW) or plain ones "
         "(the same results); returns the previous setting. For benchmarks and tests.");
   m.def("set_streaming_outputs", &moecc::kernels::set_streaming_outputs, py::arg("mask"),
-        "Which bf16 outputs are written with non-temporal stores: 1 per-pair rows (default), 2 the gate/up output, "
-        "4 the activation rows, 8 the down input gradient's rows (the same results); returns the previous mask. "
+        "Which bf16 outputs are written with non-temporal stores: 1 per-pair rows, 2 the gate/up output, 4 the "
+        "activation rows, 8 the down input gradient's rows (default 13: all but 2; the same results); returns the "
+        "previous mask. "
         "For benchmarks and tests.");
   m.def("last_phase_times", &moecc::kernels::last_phase_times, py::arg("backward"),
         "[(phase, seconds)] of the latest expert_ffn_forward (backward=False) or expert_ffn_backward call.");

@@ -725,11 +725,11 @@ def test_streamed_rows_give_the_same_results(isa, problem):
 
     assert _C.set_streaming_copies(False) is True  # on by default
     try:
-        assert _C.set_streaming_outputs(0) == 1  # per-pair rows by default
+        assert _C.set_streaming_outputs(0) == 13  # all but the gate/up output by default
         try:
             plain = _backward_results(isa, problem, seed=9)
         finally:
-            _C.set_streaming_outputs(1)
+            _C.set_streaming_outputs(13)
     finally:
         _C.set_streaming_copies(True)
     _C.set_streaming_outputs(15)  # and the gate/up output, the activation rows, the down input gradient's rows
@@ -741,7 +741,7 @@ def test_streamed_rows_give_the_same_results(isa, problem):
             for a, b in zip(kept, recomputed):
                 assert torch.equal(a, b)
     finally:
-        assert _C.set_streaming_outputs(1) == 15
+        assert _C.set_streaming_outputs(13) == 15
     for a, b in zip(plain, streamed):
         assert torch.equal(a, b)
     assert torch.equal(_backward_results(isa, problem, seed=9)[1], streamed[1])  # the default mask, too
@@ -753,7 +753,7 @@ def test_streaming_output_mask_is_checked():
 
     with pytest.raises(ValueError, match="streaming outputs"):
         _C.set_streaming_outputs(16)
-    assert _C.set_streaming_outputs(1) == 1
+    assert _C.set_streaming_outputs(13) == 13
 
 
 @pytest.mark.parametrize("op", ["combine_bf16", "combine_f32", "dots", "dots_bf16"])
@@ -761,9 +761,10 @@ def test_streaming_output_mask_is_checked():
 @pytest.mark.parametrize("n", [256, 40, 27], ids=["n256", "n40-tail8", "n27-tail11"])
 def test_grouped_lora_rows_agree_with_one_call_a_row(op, rank, n):
     """The epilogues' grouped-row LoRA terms (up to 4 rows share each factor load) against the per-row functions
-    they replaced, over 1-11 rows (groups of 4 and a remainder), ranks 0-12 and column tails: the same bits where
-    every column is in a whole 16-lane vector; within float32 rounding in a scalar tail (a compiler may fuse its
-    multiply-adds differently in the two)."""
+    they replaced and a float64 reference, over 1-11 rows (groups of 4 and a remainder), ranks 0-12 and column
+    tails: within float32 rounding (one bf16 step for bf16 outputs), and nothing written past a row. Bit equality
+    with the per-row calls is not asserted: GCC 12 gives it, but a compiler may fuse the multiply-adds of the two
+    differently (GCC 13 on the accelerator host does)."""
     from moecc import _C
 
     if op.startswith("dots") and rank == 0:
@@ -776,6 +777,11 @@ def test_grouped_lora_rows_agree_with_one_call_a_row(op, rank, n):
         rows = torch.randn(count * rows_ld, generator=g)
         if op == "dots_bf16":
             rows = rows.bfloat16().view(torch.int16)
+        # float64 reference: row r's first n columns, its coefficients and the rank-major factors
+        x = (rows.view(torch.bfloat16) if op == "dots_bf16" else rows).double().view(count, rows_ld)[:, :n]
+        k = coef.double().view(count, -1)[:, :rank] if rank else torch.zeros(count, 0, dtype=torch.float64)
+        f = factors.double().view(-1, ld)[:rank, :n]
+        expected = 1.25 * x @ f.T if op.startswith("dots") else x + (1.25 * k) @ f
         results = []
         for grouped in (False, True):
             r = rows.clone()
@@ -788,17 +794,25 @@ def test_grouped_lora_rows_agree_with_one_call_a_row(op, rank, n):
                 out, out_ld = torch.zeros(1), 0
             _C._lora_rows_test(op, coef.data_ptr(), coef_ld, 1.25, factors.data_ptr(), ld, rank, n, r.data_ptr(),
                                rows_ld, out.data_ptr(), out_ld, count, grouped)
-            results.append(r if op == "combine_f32" else out)
+            if op == "combine_f32":  # in place: the columns past n untouched
+                r = r.view(count, rows_ld)
+                assert torch.equal(r[:, n:], rows.view(count, rows_ld)[:, n:])
+                results.append(r[:, :n])
+            elif op == "combine_bf16":
+                written = out.view(torch.bfloat16).float().view(count, n + 3)
+                assert (written[:, n:] == 1232.0).all()
+                results.append(written[:, :n])
+            else:  # every dot written, the padding not
+                written = out.view(count, rank + 1)
+                assert (written[:, :rank] != 1232.0).all() and (written[:, rank] == 1232.0).all()
+                results.append(written[:, :rank])
+        for result in results:
+            if op == "combine_bf16":  # bf16 rounding (at most half a step: 2^-8 of the value) plus float32's
+                assert ((result.double() - expected).abs() <= expected.abs() * 2.0**-8 * (1 + 1e-5) + 1e-6).all()
+            else:
+                assert rel_err(result, expected) < 1e-6
         per_row, grouped = results
         if op == "combine_bf16":
-            per_row, grouped = per_row.view(torch.bfloat16).float(), grouped.view(torch.bfloat16).float()
-        if op.startswith("dots"):  # every dot written, the padding not
-            written = grouped.view(count, rank + 1)
-            assert (written[:, :rank] != 1232.0).all() and (written[:, rank] == 1232.0).all()
-        elif op == "combine_bf16":
-            written = grouped.view(count, n + 3)
-            assert (written[:, n:] == 1232.0).all()
-        if n % 16 == 0:
-            assert torch.equal(per_row, grouped)
+            assert ((grouped - per_row).abs() <= per_row.abs() * 2.0**-7).all()
         else:
-            assert rel_err(grouped, per_row) < (1e-2 if op == "combine_bf16" else 1e-6)
+            assert rel_err(grouped, per_row) < 1e-6

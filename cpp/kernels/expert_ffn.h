@@ -118,8 +118,8 @@ std::array<int64_t, 4> set_task_shape(int64_t panels_per_task, int64_t grad_colu
 bool set_streaming_copies(bool on);
 
 // Which bf16 outputs leave with non-temporal stores: a mask of 1 (the per-pair rows of the forward's down product
-// and of the gate/up input gradient; default), 2 (the forward's gate/up output), 4 (the activation rows) and 8
-// (the down input gradient's act and d gate / d up rows). The results are the same. Returns the previous mask;
+// and of the gate/up input gradient), 2 (the forward's gate/up output), 4 (the activation rows) and 8 (the down
+// input gradient's act and d gate / d up rows); default 13 (all but 2). The results are the same. Returns the previous mask;
 // throws std::invalid_argument outside 0-15. For benchmarks and tests.
 int64_t set_streaming_outputs(int64_t mask);
 

@@ -36,4 +36,4 @@ def test_sweep_times_every_setting_and_writes_its_table(tmp_path):
     assert all(float(r[4]) > 0 for r in rows)  # best forward + backward, ms
     assert rows[0][-1] == "1.000 |"  # the defaults' score against themselves
     assert ", next " in table[0] and ", pack [" in table[0]  # every knob's built-in value in the header
-    assert ", copies 1, outputs 1)" in table[0]
+    assert ", copies 1, outputs 13)" in table[0]
