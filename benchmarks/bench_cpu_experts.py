@@ -119,6 +119,26 @@ def describe_cpu_peaks(isa: str, rates: dict[int, float]) -> str:
             + (", ".join(f"CPU {cpu} ({rates[cpu] / 1e12:.2f})" for cpu in slow) or "none") + ".")
 
 
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """Bytes per second, read plus written, of the fastest of ``reps`` copies of ``nbytes`` between two float32
+    tensors on torch's threads: how fast the host's memory answers right now. Taken before and after the cases,
+    beside the register-only peaks, because the shared AMX host has run whole tables 1.5x slower in every phase,
+    memory-bound copies included, with the peaks read before them unchanged (2026-11-30)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    times = rep_times(lambda: dst.copy_(src), reps)
+    return 2 * nbytes / min(times)
+
+
+def describe_host_state(before: dict[str, float], after: dict[str, float]) -> str:
+    """One line: the host's copy bandwidth and all-thread peaks before and after the cases (dicts of
+    copy_bandwidth under "copy" and measure_peaks' entries)."""
+    parts = [f"memory copy {before['copy'] / 1e9:.0f} / {after['copy'] / 1e9:.0f} GB/s"] if "copy" in before else []
+    parts += [f"{key} {before[key] / 1e12:.2f} / {after[key] / 1e12:.2f} TFLOP/s"
+              for key in before if key.endswith("_all") and key in after]
+    return "Host state before / after the cases: " + "; ".join(parts) + "."
+
+
 def rep_times(fn, reps: int, setup=None) -> list[float]:
     """Seconds of ``fn()`` in each of ``reps`` runs after a warm-up; ``setup()`` runs untimed before each."""
     if setup:
@@ -318,11 +338,14 @@ def main() -> None:
     print(cpu_text)
     peaks = measure_peaks()
     print("register-only peaks, TFLOP/s:", {k: round(v / 1e12, 3) for k, v in peaks.items()})
+    state_before = {"copy": copy_bandwidth(), **peaks}
     rows = []
     for shape, tokens, kind in cases:
         row = run_case(shape, tokens, kind, args.rank, args.reps, native, baseline)
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    state_text = describe_host_state(state_before, {"copy": copy_bandwidth(), **measure_peaks()})
+    print(state_text)
     for row in rows:
         uniform = [r for r in rows if r["shape"] == row["shape"] and r["tokens"] == row["tokens"]
                    and r["routing"] == "uniform"]
@@ -356,6 +379,7 @@ def main() -> None:
              f"Register-only peaks (bf16; avx512_fma: float32): {peak_text}. efficiency = best pass TFLOP/s / the "
              f"{isa} all-thread peak.",
              *([cpu_text] if cpu_text else []),
+             state_text,
              "weights_gb: the layer's expert weights, read in place (no packed or transposed copy"
              + ("; with --prepack a packed copy of the same size besides, not in scratch_gb" if args.prepack else "")
              + "); scratch_gb: resident memory the kernels added (scratch per routed pair, shared by all layers, "

@@ -27,6 +27,7 @@ def test_bench_writes_its_table_with_the_command_and_each_cpus_peak(tmp_path):
     parts = rows[0]["forward_product_parts_thread_ms"] | rows[0]["backward_product_parts_thread_ms"]
     assert sorted(parts) == ["down", "down_input_grad", "gate_up", "gate_up_input_grad"]
     assert all(p["pack"] > 0 and p["gemm"] > 0 and p["epilogue"] >= 0 for p in parts.values())
+    assert "Host state before / after the cases: memory copy " in table
     if rows[0]["isa"] != "portable":  # the matrix unit's peak, CPU by CPU
         assert "peak per CPU (each alone): min " in table
 
@@ -37,3 +38,13 @@ def test_cpu_peaks_line_names_the_slow_cpus():
     assert "min 0.96 TFLOP/s (CPU 6)" in line and "median 2.15" in line
     assert line.endswith("below 0.8 of the median: CPU 6 (0.96).")
     assert module.describe_cpu_peaks("amx", {0: 2.0e12, 1: 1.9e12}).endswith("below 0.8 of the median: none.")
+
+
+def test_host_state_line_pairs_before_and_after():
+    module = load_benchmark("bench_cpu_experts")
+    before = {"copy": 80e9, "amx_core": 2.2e12, "amx_all": 20e12, "avx512_fma_all": 2.5e12}
+    after = {"copy": 54e9, "amx_core": 1.0e12, "amx_all": 13.5e12, "avx512_fma_all": 1.6e12}
+    assert module.describe_host_state(before, after) == (
+        "Host state before / after the cases: memory copy 80 / 54 GB/s; amx_all 20.00 / 13.50 TFLOP/s; "
+        "avx512_fma_all 2.50 / 1.60 TFLOP/s.")
+    assert module.copy_bandwidth(1 << 20, 2) > 1e8  # a 1 MiB copy moves more than 100 MB/s anywhere
