@@ -16,6 +16,7 @@
 #include "kernels/peak_rate.h"
 #include "kernels/token_grouping.h"
 #include "kernels/vector16.h"
+#include "kernels/weight_fetch.h"
 #include "kernels/weight_packing.h"
 #include "pool/thread_pool.h"
 
@@ -58,6 +59,24 @@ void round_bf16_test(std::uintptr_t src_address, std::uintptr_t dst_address, int
   } else {
     for (int64_t i = 0; i < n; i += kLanes) store16<PortableBf16>(dst + i, load16(src + i));
   }
+}
+
+// Test hook: walks a WeightFetch over `rows` rows of `row_bytes` bytes, `stride` apart (in a buffer of its own),
+// one step() at a time until it has nothing left, and returns after each step (lines issued so far, the current
+// row's byte offset from the first, the offset within it).
+std::vector<std::tuple<int64_t, int64_t, int64_t>> weight_fetch_walk_test(int64_t rows, int64_t row_bytes,
+                                                                          int64_t stride, int64_t lines_per_step) {
+  if (rows < 1 || row_bytes < 1 || stride < 0 || lines_per_step < 1 || (rows > 1 && stride < row_bytes)) {
+    throw std::invalid_argument("_weight_fetch_walk_test: rows, row_bytes, lines_per_step >= 1; stride >= row_bytes");
+  }
+  std::vector<char> buffer(static_cast<size_t>((rows - 1) * stride + row_bytes));
+  moecc::kernels::WeightFetch fetch{buffer.data(), row_bytes, stride, rows, 0, lines_per_step, 0};
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> walk;
+  while (fetch.active()) {
+    fetch.step();
+    walk.emplace_back(fetch.issued, fetch.row - buffer.data(), fetch.offset);
+  }
+  return walk;
 }
 
 // Test hook: the rank-r LoRA terms of `count` rows, one call a row (grouped = false) or through the grouped-row
@@ -274,6 +293,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_streaming_copies", &moecc::kernels::set_streaming_copies, py::arg("on"),
         "Whether the grouped copies of token rows use non-temporal stores (default, with AVX512BW) or plain ones "
         "(the same results); returns the previous setting. For benchmarks and tests.");
+  m.def("set_weight_fetch", &moecc::kernels::set_weight_fetch, py::arg("distance"),
+        "Background weight fetch: each product task asks, from inside its products' loops, for the weights of the "
+        "task `distance` places further down the list (0: off, the default); the same results. Returns the previous "
+        "distance. For benchmarks and tests.");
+  m.def("last_weight_fetch_lines", &moecc::kernels::last_weight_fetch_lines,
+        "Cache lines the background weight fetch asked for in the latest expert forward or backward call.");
   m.def("set_streaming_outputs", &moecc::kernels::set_streaming_outputs, py::arg("mask"),
         "Which bf16 outputs are written with non-temporal stores: 1 per-pair rows, 2 the gate/up output, 4 the "
         "activation rows, 8 the down input gradient's rows (default 13: all but 2; the same results); returns the "
@@ -337,6 +362,8 @@ PYBIND11_MODULE(_C, m) {
         "Prefetch of the input gradients' column packing (panel_gemm.h): rows ahead (0: none) and into L2 (else "
         "L1). Returns the previous pair. For benchmarks and tests.");
 
+  m.def("_weight_fetch_walk_test", &weight_fetch_walk_test, py::arg("rows"), py::arg("row_bytes"), py::arg("stride"),
+        py::arg("lines_per_step"));
   m.def("_round_bf16_test", &round_bf16_test, py::arg("src"), py::arg("dst"), py::arg("n"), py::arg("native"));
   m.def("_lora_rows_test", &lora_rows_test, py::arg("op"), py::arg("coef"), py::arg("coef_ld"), py::arg("scale"),
         py::arg("factors"), py::arg("ld"), py::arg("rank"), py::arg("n"), py::arg("rows"), py::arg("rows_ld"),

@@ -748,6 +748,65 @@ def test_streamed_rows_give_the_same_results(isa, problem):
     test_native_matches_reference(isa, (*problem, False))
 
 
+def _forward_backward_with_fetch_lines(isa, problem, seed):
+    """_backward_results' results, and the lines the weight fetch asked for in the forward and in the backward."""
+    weights, x, index, w, gate_up, down = _problem(*problem, seed=seed, skew=True)
+    grad_out = torch.randn(problem[0], problem[2], generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    native = NativeExperts(isa)
+    from moecc import _C
+
+    out, saved = native.forward(weights, x, index, w, gate_up, down)
+    forward_lines = _C.last_weight_fetch_lines()
+    grad_hidden, grad_weights, grads = native.backward(weights, saved, grad_out, gate_up, down)
+    results = [out.clone(), grad_hidden, grad_weights, grads.gate_up_A, grads.gate_up_B, grads.down_A, grads.down_B]
+    return results, forward_lines, _C.last_weight_fetch_lines()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("problem", [(130, 5, 96, 24, 2, 8), (300, 6, 100, 56, 3, 4)], ids=["H96", "H100-I56"])
+def test_weight_fetch_gives_the_same_results_and_runs(isa, problem):
+    """The background weight fetch (each product task asking, from inside its products' loops, for the weights of
+    a task further down the list) changes no bit of any result, and it runs where the kernels step it: lines asked
+    for in the forward and in the backward (none by the portable kernels, none with the fetch off)."""
+    from moecc import _C
+
+    assert _C.set_weight_fetch(0) == 0  # off by default
+    plain, forward_lines, backward_lines = _forward_backward_with_fetch_lines(isa, problem, seed=5)
+    assert forward_lines == backward_lines == 0
+    for distance in (1, 3):
+        _C.set_weight_fetch(distance)
+        try:
+            fetched, forward_lines, backward_lines = _forward_backward_with_fetch_lines(isa, problem, seed=5)
+        finally:
+            assert _C.set_weight_fetch(0) == distance
+        for a, b in zip(plain, fetched):
+            assert torch.equal(a, b)
+        if isa == "portable":
+            assert forward_lines == backward_lines == 0
+        else:
+            assert forward_lines > 0 and backward_lines > 0
+    with pytest.raises(ValueError, match="weight fetch"):
+        _C.set_weight_fetch(-1)
+
+
+@pytest.mark.parametrize("rows, row_bytes, stride, per_step", [(1, 4096, 0, 16), (1, 100, 0, 1), (5, 72, 200, 2),
+                                                               (3, 64, 64, 7), (4, 1, 8, 3)])
+def test_weight_fetch_walks_each_row_line_by_line_and_stops(rows, row_bytes, stride, per_step):
+    """A fetch asks for every line of every row once, per_step lines a step, row after row, and stops at the last
+    row without moving past it."""
+    from moecc import _C
+
+    walk = _C._weight_fetch_walk_test(rows, row_bytes, stride, per_step)
+    lines = rows * -(-row_bytes // 64)
+    assert len(walk) == -(-lines // per_step)
+    assert [issued for issued, _, _ in walk] == [min(lines, per_step * (i + 1)) for i in range(len(walk))]
+    for issued, row, offset in walk[:-1]:  # where the walk stands: row issued // lines-per-row, line within it
+        assert (row, offset) == (issued // -(-row_bytes // 64) * stride, issued % -(-row_bytes // 64) * 64)
+    assert walk[-1][1:] == ((rows - 1) * stride, 0)  # ends on the last row, not past it
+    with pytest.raises(ValueError, match="stride"):
+        _C._weight_fetch_walk_test(2, 128, 64, 1)
+
+
 def test_streaming_output_mask_is_checked():
     from moecc import _C
 

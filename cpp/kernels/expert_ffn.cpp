@@ -22,6 +22,7 @@
 #include "lora_products.h"
 #include "swiglu.h"
 #include "vector16.h"
+#include "weight_fetch.h"
 #include "weight_packing.h"
 
 namespace moecc::kernels {
@@ -79,6 +80,52 @@ std::vector<Task> make_tasks(const int64_t* offsets, int64_t experts, int64_t co
 template <typename Fn>
 void run_tasks(moecc::pool::ThreadPool& pool, const std::vector<Task>& tasks, Fn&& fn) {
   pool.run(static_cast<int64_t>(tasks.size()), [&](int64_t i, int) { fn(tasks[i]); });
+}
+
+// Background weight fetch (weight_fetch.h): tasks ahead of the running one whose weight slice it asks for (0: off),
+// and the lines asked for in the latest forward or backward call.
+std::atomic<int64_t> weight_fetch_distance{0};
+std::atomic<int64_t> weight_fetch_lines{0};
+
+// Where a product task's weight slice lies in the model's matrix: `rows` rows of `row_bytes` bytes, `stride` apart.
+struct WeightRange {
+  const uint16_t* first;
+  int64_t rows, row_bytes, stride;
+};
+
+// Runs a product phase's tasks. With a fetch distance D, task i first starts its thread's fetch of task i + D's
+// slice (range_of), spread over the steps its own products take (steps_of), and stops it when done: what is left
+// unasked is dropped.
+template <typename RangeOf, typename StepsOf, typename Fn>
+void run_product_tasks(moecc::pool::ThreadPool& pool, const std::vector<Task>& tasks, RangeOf&& range_of,
+                       StepsOf&& steps_of, Fn&& fn) {
+  const int64_t distance = weight_fetch_distance.load(), n = static_cast<int64_t>(tasks.size());
+  pool.run(n, [&](int64_t i, int) {
+    WeightFetch& fetch = thread_weight_fetch();
+    const int64_t steps = distance > 0 && i + distance < n ? steps_of(tasks[i]) : 0;
+    if (steps > 0) {
+      const WeightRange range = range_of(tasks[i + distance]);
+      const int64_t lines = range.rows * ((range.row_bytes + 63) / 64);
+      // At most 16 lines a step: a burst beyond that waits on the core's outstanding-miss slots.
+      fetch = WeightFetch{reinterpret_cast<const char*>(range.first), range.row_bytes, range.stride, range.rows, 0,
+                          std::min<int64_t>(16, (lines + steps - 1) / steps), 0};
+    }
+    fn(tasks[i]);
+    if (steps > 0) {
+      weight_fetch_lines += fetch.issued;
+      fetch = WeightFetch{};
+    }
+  });
+}
+
+// The slices the two kinds of product task pack: output rows [16 col0, 16 col1) of W [n, k] (pack_rows; one
+// contiguous range), or its columns [col0, col1) (pack_columns; a piece of every row).
+WeightRange row_panels(const uint16_t* w, int64_t n, int64_t k, const Task& task) {
+  const int64_t r0 = task.col0 * kPanelRows, r1 = std::min(n, task.col1 * kPanelRows);
+  return {w + r0 * k, 1, (r1 - r0) * k * 2, 0};
+}
+WeightRange column_slice(const uint16_t* w, int64_t n, int64_t k, const Task& task) {
+  return {w + task.col0, n, (std::min(k, task.col1) - task.col0) * 2, k * 2};
 }
 
 // Vector primitives for the elementwise steps, built with MOECC_VECTOR_CLONES (vector16.h): an AVX512 and a
@@ -493,7 +540,14 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   const int64_t gu_panels = padded_rows(2 * d.I) / kPanelRows;
   const std::vector<Task> gu_tasks = make_tasks(routing.offsets, d.E, gu_panels, panels_per_task.load(), task_rows);
   PartClocks gu_clocks;
-  run_tasks(pool, gu_tasks, [&](const Task& task) {
+  weight_fetch_lines = 0;
+  const bool fetch_gu = weights.packed_gate_up == nullptr, fetch_down = weights.packed_down == nullptr;
+  run_product_tasks(pool, gu_tasks,
+                    [&](const Task& t) { return row_panels(weights.gate_up + t.expert * d.gu_size, 2 * d.I, d.H, t); },
+                    [&](const Task& t) {
+                      return fetch_gu ? gemm.fetch_steps(t.end - t.begin, t.col1 - t.col0, padded_k(d.H)) : 0;
+                    },
+                    [&](const Task& task) {
     forward_product(gemm, task, block_rows, xg, d.ld_x, weights.gate_up + task.expert * d.gu_size,
                     weights.packed_gate_up, 2 * d.I, d.H, gate_up_lora, inner_gu, (stream_outputs & 2) != 0, gu_clocks,
                     [&](int64_t g) { return io.gate_up_out + g * 2 * d.I; });
@@ -508,7 +562,12 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   const std::vector<Task> down_tasks =
       make_tasks(routing.offsets, d.E, down_panels, panels_per_task.load(), task_rows);
   PartClocks down_clocks;
-  run_tasks(pool, down_tasks, [&](const Task& task) {
+  run_product_tasks(pool, down_tasks,
+                    [&](const Task& t) { return row_panels(weights.down + t.expert * d.down_size, d.H, d.I, t); },
+                    [&](const Task& t) {
+                      return fetch_down ? gemm.fetch_steps(t.end - t.begin, t.col1 - t.col0, padded_k(d.I)) : 0;
+                    },
+                    [&](const Task& task) {
     forward_product(gemm, task, block_rows, act, d.ld_act, weights.down + task.expert * d.down_size,
                     weights.packed_down, d.H, d.I, down_lora, inner_down, (stream_outputs & 1) != 0, down_clocks,
                     [&](int64_t g) { return per_pair + routing.order[g] * d.H; });
@@ -685,7 +744,13 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
       gate_up_lora.a ? scratch.inner_gu_parts.get(d.pairs * chunks * 2 * gate_up_lora.rank) : nullptr;
   PartClocks down_grad_clocks;
   const bool stream_rows = (streaming_outputs.load() & 8) != 0;
-  run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, chunk_columns, task_rows), [&](const Task& task) {
+  weight_fetch_lines = 0;
+  run_product_tasks(pool, make_tasks(routing.offsets, d.E, d.I, chunk_columns, task_rows),
+                    [&](const Task& t) { return column_slice(weights.down + t.expert * d.down_size, d.H, d.I, t); },
+                    [&](const Task& t) {
+                      return gemm.fetch_steps(t.end - t.begin, column_chunks(t.col0, t.col1), padded_k(d.H));
+                    },
+                    [&](const Task& task) {
     // Rows go in groups of kGroup: the LoRA terms of a group (the A side before the SwiGLU backward, the B-side
     // dots after it) load each factor vector once for its rows (rank_combine_rows, rank_dots_rows).
     constexpr int64_t kGroup = 4;
@@ -757,7 +822,14 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
       make_tasks(routing.offsets, d.E, d.H, grad_columns_per_task.load(), task_rows);
   PartClocks hidden_clocks;
   const bool stream_hidden = (streaming_outputs.load() & 1) != 0;
-  run_tasks(pool, hidden_tasks, [&](const Task& task) {
+  run_product_tasks(pool, hidden_tasks,
+                    [&](const Task& t) {
+                      return column_slice(weights.gate_up + t.expert * d.gu_size, 2 * d.I, d.H, t);
+                    },
+                    [&](const Task& t) {
+                      return gemm.fetch_steps(t.end - t.begin, column_chunks(t.col0, t.col1), padded_k(2 * d.I));
+                    },
+                    [&](const Task& task) {
     const int64_t width = task.col1 - task.col0;
     const float* a = gate_up_lora.a ? gate_up_lora.a + task.expert * gate_up_lora.rank * d.H : nullptr;
     input_grad_product(gemm, task, block_rows, grad_gu_bf16, d.ld_dgu, weights.gate_up + task.expert * d.gu_size,
@@ -788,6 +860,15 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
 }
 
 bool set_streaming_copies(bool on) { return streaming_copies.exchange(on); }
+
+int64_t set_weight_fetch(int64_t distance) {
+  if (distance < 0 || distance > (int64_t{1} << 20)) {
+    throw std::invalid_argument("weight fetch: the distance in tasks must be in [0, 2^20] (0: off)");
+  }
+  return weight_fetch_distance.exchange(distance);
+}
+
+int64_t last_weight_fetch_lines() { return weight_fetch_lines.load(); }
 
 int64_t set_streaming_outputs(int64_t mask) {
   if (mask < 0 || mask > 15) {

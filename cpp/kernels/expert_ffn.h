@@ -119,8 +119,16 @@ bool set_streaming_copies(bool on);
 
 // Which bf16 outputs leave with non-temporal stores: a mask of 1 (the per-pair rows of the forward's down product
 // and of the gate/up input gradient), 2 (the forward's gate/up output), 4 (the activation rows) and 8 (the down
-// input gradient's act and d gate / d up rows); default 13 (all but 2). The results are the same. Returns the previous mask;
-// throws std::invalid_argument outside 0-15. For benchmarks and tests.
+// input gradient's act and d gate / d up rows); default 13 (all but 2). The results are the same. Returns the
+// previous mask; throws std::invalid_argument outside 0-15. For benchmarks and tests.
 int64_t set_streaming_outputs(int64_t mask);
+
+// Background weight fetch (weight_fetch.h): each product task asks, from inside its products' loops, for the
+// weight slice of the task `distance` places further down the list (0: off, the default until the AMX host has
+// measured it; the portable kernels never fetch, nor do products that read a packed copy). The results are the
+// same. Returns the previous distance; throws std::invalid_argument outside [0, 2^20]. For benchmarks and tests.
+int64_t set_weight_fetch(int64_t distance);
+// Cache lines the background fetch asked for in the latest expert_ffn_forward or expert_ffn_backward call.
+int64_t last_weight_fetch_lines();
 
 }  // namespace moecc::kernels

@@ -30,9 +30,10 @@ void rank_combine_bf16(const float* coef, float scale, const float* factors, int
 // rank_combine_bf16 for `count` rows: row r's coefficients at coef + r * coef_ld, its float row at rows + r * rows_ld,
 // its output at outs[r]; the factors are loaded once for several rows. With `stream`, whole 16-column vectors
 // leave with non-temporal stores (the caller fences), for a group of rows only where all of its outputs are 16-byte
-// aligned. The same operations per element in the same order as a call per row: the same
-// bits on whole 16-column vectors; a compiler may fuse the multiply-adds of a scalar tail (n % 16 columns)
-// differently in the two, so those may differ in the last bit.
+// aligned. The same operations per element in the same order as a call per row: the same bits on whole
+// 16-column vectors as long as the compiler fuses the multiply-adds of both alike (setup.py turns GCC 13's
+// FMA-chain heuristic off for that: with it the host's build fused the grouped rows and not a lone row); a scalar
+// tail (n % 16 columns) may still differ in the last bit.
 void rank_combine_bf16_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
                             int64_t rank, int64_t n, const float* rows, int64_t rows_ld, uint16_t* const* outs,
                             int64_t count, bool stream = false);

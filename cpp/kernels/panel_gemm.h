@@ -35,6 +35,9 @@ struct PanelGemm {
   // @param dx     fp32 [tokens, ld_dx], ld_dx >= 16 * chunks; written, not accumulated.
   void (*input_grad)(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* columns, int64_t n,
                      int64_t chunks, float* dx, int64_t ld_dx);
+  // Times forward (or input_grad, with chunks as panels and padded_k(n)) steps the calling thread's weight fetch
+  // (weight_fetch.h) for `tokens` rows, `panels` panels and K padded to k_padded; 0 where it never does.
+  int64_t (*fetch_steps)(int64_t tokens, int64_t panels, int64_t k_padded);
 };
 
 const PanelGemm& panel_gemm_portable();

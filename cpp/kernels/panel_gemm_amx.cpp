@@ -12,6 +12,7 @@
 #include <stdexcept>
 
 #include "panel_gemm.h"
+#include "weight_fetch.h"
 #include "weight_packing.h"
 
 #define MOECC_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -79,11 +80,12 @@ int64_t prefetch_next = 1;
 // out[t][j] (+)= x[t][k0:k1] . W[j][k0:k1] for TWO_A ? 32 : rows0 tokens and TWO_B ? 32 : 16 outputs; `rows`
 // (the block's real token count) bounds the A prefetches, so none points past the activations.
 // When `next` is set, rows stripe, stripe + stripes, ... (below next_rows) of the next block (leading dimension ldx)
-// are prefetched into L2 over [k0, k1), one line per row per K step.
+// are prefetched into L2 over [k0, k1), one line per row per K step. `fetch` (or null): the thread's weight fetch,
+// stepped once per K step.
 template <bool TWO_A, bool TWO_B>
 MOECC_AMX void block(const uint16_t* x, int64_t ldx, int rows, const uint16_t* panel0, int64_t k_padded, int64_t k0,
                      int64_t k1, bool accumulate, float* out, int64_t ldo, const uint16_t* next, int next_rows,
-                     int stripe, int stripes) {
+                     int stripe, int stripes, WeightFetch* fetch) {
   const int64_t x_stride = ldx * static_cast<int64_t>(sizeof(uint16_t));
   const int64_t out_stride = ldo * static_cast<int64_t>(sizeof(float));
   const uint16_t* panel1 = panel0 + kPanelRows * k_padded;
@@ -117,6 +119,7 @@ MOECC_AMX void block(const uint16_t* x, int64_t ldx, int rows, const uint16_t* p
         _mm_prefetch(reinterpret_cast<const char*>(next + r * ldx + k), _MM_HINT_T1);
       }
     }
+    if (fetch) fetch->step();
     const int64_t b_offset = k * kPanelRows;  // 16 pair rows of 32 bf16 per 32 values of K
     _tile_loadd(4, x + k, x_stride);
     _tile_loadd(6, panel0 + b_offset, 64);
@@ -141,14 +144,14 @@ MOECC_AMX void block(const uint16_t* x, int64_t ldx, int rows, const uint16_t* p
 // next block's first row and its row count, its rows striped over the panel pairs for prefetch_next.
 MOECC_AMX void block_row(const uint16_t* xt, int64_t ldx, int rows0, int rows1, const uint16_t* packed,
                          int64_t k_padded, int64_t p0, int64_t p1, int64_t k0, int64_t k1, float* out, int64_t ldo,
-                         const uint16_t* next, int next_rows) {
+                         const uint16_t* next, int next_rows, WeightFetch* fetch) {
   const int stripes = static_cast<int>((p1 - p0 + 1) / 2);
   for (int64_t p = p0; p < p1; p += 2) {
     const bool two_b = p + 1 < p1;
     const auto kernel = rows1 > 0 ? (two_b ? block<true, true> : block<true, false>)
                                   : (two_b ? block<false, true> : block<false, false>);
     kernel(xt, ldx, rows0 + rows1, packed + p * kPanelRows * k_padded, k_padded, k0, k1, k0 > 0,
-           out + (p - p0) * kPanelRows, ldo, next, next_rows, static_cast<int>((p - p0) / 2), stripes);
+           out + (p - p0) * kPanelRows, ldo, next, next_rows, static_cast<int>((p - p0) / 2), stripes, fetch);
   }
 }
 
@@ -177,6 +180,7 @@ MOECC_AMX void forward_in_passes(const uint16_t* x, int64_t ldx, int64_t tokens,
       configured1 = rows1;
     }
   };
+  WeightFetch* const fetch = active_weight_fetch();
   const int64_t step = pass > 0 ? round_up(pass, kKAlign) : k_padded;
   const int64_t group_rows = group > 0 ? round_up(group, 32) : round_up(tokens, 32);
   for (int64_t g0 = 0; g0 < tokens; g0 += group_rows) {
@@ -191,10 +195,10 @@ MOECC_AMX void forward_in_passes(const uint16_t* x, int64_t ldx, int64_t tokens,
         // 32. With several passes and larger groups (or group 0) a group's last block fetches rows that wait a
         // pass, and the first block of the next pass is not fetched: a miss, not an error.
         const int64_t n0 = t0 + 32;
-        const bool fetch = prefetch_next != 0 && n0 < tokens;
-        const int next_rows = fetch ? static_cast<int>(tokens - n0 < 32 ? tokens - n0 : 32) : 0;
+        const bool fetch_next = prefetch_next != 0 && n0 < tokens;
+        const int next_rows = fetch_next ? static_cast<int>(tokens - n0 < 32 ? tokens - n0 : 32) : 0;
         block_row(x + t0 * ldx, ldx, rows0, rows1, packed, k_padded, p0, p1, k0, k1, out + t0 * ldo, ldo,
-                  fetch ? x + n0 * ldx : nullptr, next_rows);
+                  fetch_next ? x + n0 * ldx : nullptr, next_rows, fetch);
       }
     }
   }
@@ -221,6 +225,11 @@ MOECC_AMX void pack_columns(const uint16_t* w, int64_t n, int64_t k, int64_t k0,
 MOECC_AMX void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* columns, int64_t n,
                           int64_t chunks, float* dx, int64_t ld_dx) {
   forward_for_input_grad(dy, ld_dy, tokens, columns, padded_k(n), 0, chunks, dx, ld_dx);
+}
+
+// Steps the thread's weight fetch once per K step of each 32-token block and panel pair.
+int64_t fetch_steps(int64_t tokens, int64_t panels, int64_t k_padded) {
+  return (tokens + 31) / 32 * ((panels + 1) / 2) * (k_padded / kKAlign);
 }
 
 }  // namespace
@@ -252,7 +261,7 @@ int64_t set_amx_token_group(int64_t rows) {
 }
 
 const PanelGemm& panel_gemm_amx() {
-  static const PanelGemm gemm{pack_rows, forward, pack_columns, input_grad};
+  static const PanelGemm gemm{pack_rows, forward, pack_columns, input_grad, fetch_steps};
   return gemm;
 }
 

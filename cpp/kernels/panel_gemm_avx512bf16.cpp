@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "panel_gemm.h"
+#include "weight_fetch.h"
 #include "weight_packing.h"
 
 #define MOECC_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -24,14 +25,16 @@ MOECC_AVX512BF16 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m5
 
 // One block of TOKENS rows x (16 or 32) outputs; TOKENS and PANELS are compile-time so the accumulators stay
 // in registers (2 x 8 zmm at most).
+// `fetch` (or null): the thread's weight fetch, stepped once per 32 values of K.
 template <int TOKENS, int PANELS>
 MOECC_AVX512BF16 void forward_block(const uint16_t* x, int64_t ldx, const uint16_t* panel0, int64_t k_padded,
-                                    float* out, int64_t ldo) {
+                                    float* out, int64_t ldo, WeightFetch* fetch) {
   __m512 acc[TOKENS][PANELS];
   for (int t = 0; t < TOKENS; ++t)
     for (int p = 0; p < PANELS; ++p) acc[t][p] = _mm512_setzero_ps();
   const int64_t panel_stride = kPanelRows * k_padded;
   for (int64_t kp = 0; kp < k_padded / 2; ++kp) {
+    if (fetch && kp % (kKAlign / 2) == 0) fetch->step();
     __m512bh w[PANELS];
     for (int p = 0; p < PANELS; ++p) w[p] = as_bh(_mm512_loadu_si512(panel0 + p * panel_stride + kp * 32));
     for (int t = 0; t < TOKENS; ++t) {
@@ -47,30 +50,31 @@ MOECC_AVX512BF16 void forward_block(const uint16_t* x, int64_t ldx, const uint16
 
 template <int PANELS>
 MOECC_AVX512BF16 void forward_rows(const uint16_t* x, int64_t ldx, int tokens, const uint16_t* panel0,
-                                   int64_t k_padded, float* out, int64_t ldo) {
+                                   int64_t k_padded, float* out, int64_t ldo, WeightFetch* fetch) {
   switch (tokens) {
-    case 8: return forward_block<8, PANELS>(x, ldx, panel0, k_padded, out, ldo);
-    case 7: return forward_block<7, PANELS>(x, ldx, panel0, k_padded, out, ldo);
-    case 6: return forward_block<6, PANELS>(x, ldx, panel0, k_padded, out, ldo);
-    case 5: return forward_block<5, PANELS>(x, ldx, panel0, k_padded, out, ldo);
-    case 4: return forward_block<4, PANELS>(x, ldx, panel0, k_padded, out, ldo);
-    case 3: return forward_block<3, PANELS>(x, ldx, panel0, k_padded, out, ldo);
-    case 2: return forward_block<2, PANELS>(x, ldx, panel0, k_padded, out, ldo);
-    default: return forward_block<1, PANELS>(x, ldx, panel0, k_padded, out, ldo);
+    case 8: return forward_block<8, PANELS>(x, ldx, panel0, k_padded, out, ldo, fetch);
+    case 7: return forward_block<7, PANELS>(x, ldx, panel0, k_padded, out, ldo, fetch);
+    case 6: return forward_block<6, PANELS>(x, ldx, panel0, k_padded, out, ldo, fetch);
+    case 5: return forward_block<5, PANELS>(x, ldx, panel0, k_padded, out, ldo, fetch);
+    case 4: return forward_block<4, PANELS>(x, ldx, panel0, k_padded, out, ldo, fetch);
+    case 3: return forward_block<3, PANELS>(x, ldx, panel0, k_padded, out, ldo, fetch);
+    case 2: return forward_block<2, PANELS>(x, ldx, panel0, k_padded, out, ldo, fetch);
+    default: return forward_block<1, PANELS>(x, ldx, panel0, k_padded, out, ldo, fetch);
   }
 }
 
 MOECC_AVX512BF16 void forward(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed,
                               int64_t k_padded, int64_t p0, int64_t p1, float* out, int64_t ldo) {
+  WeightFetch* const fetch = active_weight_fetch();
   for (int64_t t0 = 0; t0 < tokens; t0 += kTokenBlock) {
     const int block = static_cast<int>(tokens - t0 < kTokenBlock ? tokens - t0 : kTokenBlock);
     for (int64_t p = p0; p < p1; p += 2) {
       const uint16_t* panel0 = packed + p * kPanelRows * k_padded;
       float* dst = out + t0 * ldo + (p - p0) * kPanelRows;
       if (p + 1 < p1) {
-        forward_rows<2>(x + t0 * ldx, ldx, block, panel0, k_padded, dst, ldo);
+        forward_rows<2>(x + t0 * ldx, ldx, block, panel0, k_padded, dst, ldo, fetch);
       } else {
-        forward_rows<1>(x + t0 * ldx, ldx, block, panel0, k_padded, dst, ldo);
+        forward_rows<1>(x + t0 * ldx, ldx, block, panel0, k_padded, dst, ldo, fetch);
       }
     }
   }
@@ -202,10 +206,15 @@ MOECC_AVX512BF16 void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t toke
   forward(dy, ld_dy, tokens, columns, padded_k(n), 0, chunks, dx, ld_dx);
 }
 
+// Steps the thread's weight fetch once per 32 values of K of each block of kTokenBlock rows and 2 panels.
+int64_t fetch_steps(int64_t tokens, int64_t panels, int64_t k_padded) {
+  return (tokens + kTokenBlock - 1) / kTokenBlock * ((panels + 1) / 2) * (k_padded / kKAlign);
+}
+
 }  // namespace
 
 const PanelGemm& panel_gemm_avx512bf16() {
-  static const PanelGemm gemm{pack_rows, forward, pack_columns, input_grad};
+  static const PanelGemm gemm{pack_rows, forward, pack_columns, input_grad, fetch_steps};
   return gemm;
 }
 

@@ -52,10 +52,13 @@ void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_
   forward(dy, ld_dy, tokens, columns, padded_k(n), 0, chunks, dx, ld_dx);
 }
 
+// The portable products never step a weight fetch (no prefetch instructions assumed).
+int64_t fetch_steps(int64_t, int64_t, int64_t) { return 0; }
+
 }  // namespace
 
 const PanelGemm& panel_gemm_portable() {
-  static const PanelGemm gemm{pack_rows, forward, pack_columns, input_grad};
+  static const PanelGemm gemm{pack_rows, forward, pack_columns, input_grad, fetch_steps};
   return gemm;
 }
 
