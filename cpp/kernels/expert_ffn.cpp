@@ -110,11 +110,14 @@ void run_product_tasks(moecc::pool::ThreadPool& pool, const std::vector<Task>& t
       fetch = WeightFetch{reinterpret_cast<const char*>(range.first), range.row_bytes, range.stride, range.rows, 0,
                           std::min<int64_t>(16, (lines + steps - 1) / steps), 0};
     }
+    struct Stop {  // also when fn throws: no later product on this thread steps a stale range
+      WeightFetch& fetch;
+      ~Stop() {
+        weight_fetch_lines += fetch.issued;
+        fetch = WeightFetch{};
+      }
+    } stop{fetch};
     fn(tasks[i]);
-    if (steps > 0) {
-      weight_fetch_lines += fetch.issued;
-      fetch = WeightFetch{};
-    }
   });
 }
 
