@@ -4,7 +4,7 @@ The extension is plain C++17 bound with pybind11; it does not link libtorch, so 
 """
 from pathlib import Path
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext, has_flag
+from pybind11.setup_helpers import Pybind11Extension, build_ext, tmp_chdir
 from setuptools import find_packages, setup
 
 ROOT = Path(__file__).parent
@@ -27,11 +27,28 @@ extension = Pybind11Extension(
 FMA_FLAG = "--param=avoid-fma-max-bits=0"
 
 
+def takes_quietly(compiler, flag: str) -> bool:
+    """Whether ``compiler`` compiles a trivial file with ``flag`` under -Werror (one that only warns about an
+    unknown option, as clang may, does not count)."""
+    try:
+        from setuptools.errors import CompileError
+    except ImportError:  # setuptools < 59
+        from distutils.errors import CompileError
+
+    with tmp_chdir():
+        Path("flag_check.cpp").write_text("int main() { return 0; }\n", encoding="utf-8")
+        try:
+            compiler.compile(["flag_check.cpp"], extra_postargs=["-Werror", flag])
+        except CompileError:
+            return False
+    return True
+
+
 class BuildExt(build_ext):
-    """build_ext that adds FMA_FLAG where the compiler takes it (GCC; others go without)."""
+    """build_ext that adds FMA_FLAG where the compiler takes it without a warning (GCC; others go without)."""
 
     def build_extensions(self) -> None:
-        if has_flag(self.compiler, FMA_FLAG):
+        if takes_quietly(self.compiler, FMA_FLAG):
             for ext in self.extensions:
                 ext.extra_compile_args.append(FMA_FLAG)
         super().build_extensions()

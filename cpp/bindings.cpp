@@ -10,6 +10,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels/aligned_buffer.h"
 #include "kernels/cpu_features.h"
 #include "kernels/expert_ffn.h"
 #include "kernels/lora_products.h"
@@ -61,22 +62,29 @@ void round_bf16_test(std::uintptr_t src_address, std::uintptr_t dst_address, int
   }
 }
 
-// Test hook: walks a WeightFetch over `rows` rows of `row_bytes` bytes, `stride` apart (in a buffer of its own),
-// one step() at a time until it has nothing left, and returns after each step (lines issued so far, the current
-// row's byte offset from the first, the offset within it).
-std::vector<std::tuple<int64_t, int64_t, int64_t>> weight_fetch_walk_test(int64_t rows, int64_t row_bytes,
-                                                                          int64_t stride, int64_t lines_per_step) {
-  if (rows < 1 || row_bytes < 1 || stride < 0 || lines_per_step < 1 || (rows > 1 && stride < row_bytes)) {
-    throw std::invalid_argument("_weight_fetch_walk_test: rows, row_bytes, lines_per_step >= 1; stride >= row_bytes");
+// Test hook: walks a WeightFetch over `rows` rows of `row_bytes` bytes, `stride` apart, the first `misalign` bytes
+// past a 64-byte boundary of a buffer of its own, one step() at a time until it has nothing left; returns after
+// each step (lines issued so far, the latest line's address less the buffer's) and the lines weight_fetch_lines
+// counts.
+std::tuple<std::vector<std::tuple<int64_t, int64_t>>, int64_t> weight_fetch_walk_test(int64_t rows, int64_t row_bytes,
+                                                                                      int64_t stride, int64_t misalign,
+                                                                                      int64_t lines_per_step) {
+  constexpr int64_t kMax = int64_t{1} << 24;
+  if (rows < 1 || rows > 4096 || row_bytes < 1 || row_bytes > kMax || stride < 0 || stride > kMax ||
+      (rows > 1 && stride < row_bytes) || misalign < 0 || misalign > 63 || lines_per_step < 1) {
+    throw std::invalid_argument("_weight_fetch_walk_test: 1 <= rows <= 4096, 1 <= row_bytes <= stride <= 2^24 "
+                                "(stride any for one row), misalign in [0, 63], lines_per_step >= 1");
   }
-  std::vector<char> buffer(static_cast<size_t>((rows - 1) * stride + row_bytes));
-  moecc::kernels::WeightFetch fetch{buffer.data(), row_bytes, stride, rows, 0, lines_per_step, 0};
-  std::vector<std::tuple<int64_t, int64_t, int64_t>> walk;
+  moecc::kernels::AlignedBuffer<char> buffer;
+  char* const base = buffer.get(misalign + (rows - 1) * stride + row_bytes);
+  moecc::kernels::WeightFetch fetch(base + misalign, rows, row_bytes, stride, lines_per_step);
+  std::vector<std::tuple<int64_t, int64_t>> walk;
   while (fetch.active()) {
     fetch.step();
-    walk.emplace_back(fetch.issued, fetch.row - buffer.data(), fetch.offset);
+    walk.emplace_back(fetch.issued, static_cast<int64_t>(fetch.last_line - reinterpret_cast<std::uintptr_t>(base)));
   }
-  return walk;
+  return {walk, moecc::kernels::weight_fetch_lines(reinterpret_cast<std::uintptr_t>(base + misalign), rows,
+                                                   row_bytes, stride)};
 }
 
 // Test hook: the rank-r LoRA terms of `count` rows, one call a row (grouped = false) or through the grouped-row
@@ -363,7 +371,7 @@ PYBIND11_MODULE(_C, m) {
         "L1). Returns the previous pair. For benchmarks and tests.");
 
   m.def("_weight_fetch_walk_test", &weight_fetch_walk_test, py::arg("rows"), py::arg("row_bytes"), py::arg("stride"),
-        py::arg("lines_per_step"));
+        py::arg("misalign"), py::arg("lines_per_step"));
   m.def("_round_bf16_test", &round_bf16_test, py::arg("src"), py::arg("dst"), py::arg("n"), py::arg("native"));
   m.def("_lora_rows_test", &lora_rows_test, py::arg("op"), py::arg("coef"), py::arg("coef_ld"), py::arg("scale"),
         py::arg("factors"), py::arg("ld"), py::arg("rank"), py::arg("n"), py::arg("rows"), py::arg("rows_ld"),

@@ -85,7 +85,7 @@ void run_tasks(moecc::pool::ThreadPool& pool, const std::vector<Task>& tasks, Fn
 // Background weight fetch (weight_fetch.h): tasks ahead of the running one whose weight slice it asks for (0: off),
 // and the lines asked for in the latest forward or backward call.
 std::atomic<int64_t> weight_fetch_distance{0};
-std::atomic<int64_t> weight_fetch_lines{0};
+std::atomic<int64_t> fetched_lines{0};
 
 // Where a product task's weight slice lies in the model's matrix: `rows` rows of `row_bytes` bytes, `stride` apart.
 struct WeightRange {
@@ -95,7 +95,7 @@ struct WeightRange {
 
 // Runs a product phase's tasks. With a fetch distance D, task i first starts its thread's fetch of task i + D's
 // slice (range_of), spread over the steps its own products take (steps_of), and stops it when done: what is left
-// unasked is dropped.
+// unasked is dropped. A slice task i packs itself (a hot expert's row blocks share their slices) is not fetched.
 template <typename RangeOf, typename StepsOf, typename Fn>
 void run_product_tasks(moecc::pool::ThreadPool& pool, const std::vector<Task>& tasks, RangeOf&& range_of,
                        StepsOf&& steps_of, Fn&& fn) {
@@ -105,15 +105,18 @@ void run_product_tasks(moecc::pool::ThreadPool& pool, const std::vector<Task>& t
     const int64_t steps = distance > 0 && i + distance < n ? steps_of(tasks[i]) : 0;
     if (steps > 0) {
       const WeightRange range = range_of(tasks[i + distance]);
-      const int64_t lines = range.rows * ((range.row_bytes + 63) / 64);
-      // At most 16 lines a step: a burst beyond that waits on the core's outstanding-miss slots.
-      fetch = WeightFetch{reinterpret_cast<const char*>(range.first), range.row_bytes, range.stride, range.rows, 0,
-                          std::min<int64_t>(16, (lines + steps - 1) / steps), 0};
+      if (range.first != range_of(tasks[i]).first) {
+        const auto first = reinterpret_cast<std::uintptr_t>(range.first);
+        const int64_t lines = weight_fetch_lines(first, range.rows, range.row_bytes, range.stride);
+        // At most 16 lines a step: a burst beyond that waits on the core's outstanding-miss slots.
+        fetch = WeightFetch(range.first, range.rows, range.row_bytes, range.stride,
+                            std::min<int64_t>(16, (lines + steps - 1) / steps));
+      }
     }
     struct Stop {  // also when fn throws: no later product on this thread steps a stale range
       WeightFetch& fetch;
       ~Stop() {
-        weight_fetch_lines += fetch.issued;
+        fetched_lines += fetch.issued;
         fetch = WeightFetch{};
       }
     } stop{fetch};
@@ -122,13 +125,15 @@ void run_product_tasks(moecc::pool::ThreadPool& pool, const std::vector<Task>& t
 }
 
 // The slices the two kinds of product task pack: output rows [16 col0, 16 col1) of W [n, k] (pack_rows; one
-// contiguous range), or its columns [col0, col1) (pack_columns; a piece of every row).
+// contiguous range), or a piece of every row from column col0 (pack_columns, which reads 32 columns at a time, so
+// up to 16 past col1 for an odd count of 16-column chunks, never past k).
 WeightRange row_panels(const uint16_t* w, int64_t n, int64_t k, const Task& task) {
   const int64_t r0 = task.col0 * kPanelRows, r1 = std::min(n, task.col1 * kPanelRows);
   return {w + r0 * k, 1, (r1 - r0) * k * 2, 0};
 }
 WeightRange column_slice(const uint16_t* w, int64_t n, int64_t k, const Task& task) {
-  return {w + task.col0, n, (std::min(k, task.col1) - task.col0) * 2, k * 2};
+  const int64_t c1 = std::min(k, task.col0 + 32 * ((column_chunks(task.col0, task.col1) + 1) / 2));
+  return {w + task.col0, n, (c1 - task.col0) * 2, k * 2};
 }
 
 // Vector primitives for the elementwise steps, built with MOECC_VECTOR_CLONES (vector16.h): an AVX512 and a
@@ -543,7 +548,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   const int64_t gu_panels = padded_rows(2 * d.I) / kPanelRows;
   const std::vector<Task> gu_tasks = make_tasks(routing.offsets, d.E, gu_panels, panels_per_task.load(), task_rows);
   PartClocks gu_clocks;
-  weight_fetch_lines = 0;
+  fetched_lines = 0;
   const bool fetch_gu = weights.packed_gate_up == nullptr, fetch_down = weights.packed_down == nullptr;
   run_product_tasks(pool, gu_tasks,
                     [&](const Task& t) { return row_panels(weights.gate_up + t.expert * d.gu_size, 2 * d.I, d.H, t); },
@@ -747,7 +752,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
       gate_up_lora.a ? scratch.inner_gu_parts.get(d.pairs * chunks * 2 * gate_up_lora.rank) : nullptr;
   PartClocks down_grad_clocks;
   const bool stream_rows = (streaming_outputs.load() & 8) != 0;
-  weight_fetch_lines = 0;
+  fetched_lines = 0;
   run_product_tasks(pool, make_tasks(routing.offsets, d.E, d.I, chunk_columns, task_rows),
                     [&](const Task& t) { return column_slice(weights.down + t.expert * d.down_size, d.H, d.I, t); },
                     [&](const Task& t) {
@@ -871,7 +876,7 @@ int64_t set_weight_fetch(int64_t distance) {
   return weight_fetch_distance.exchange(distance);
 }
 
-int64_t last_weight_fetch_lines() { return weight_fetch_lines.load(); }
+int64_t last_weight_fetch_lines() { return fetched_lines.load(); }
 
 int64_t set_streaming_outputs(int64_t mask) {
   if (mask < 0 || mask > 15) {

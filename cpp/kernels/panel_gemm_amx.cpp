@@ -192,8 +192,8 @@ MOECC_AMX void forward_in_passes(const uint16_t* x, int64_t ldx, int64_t tokens,
         block_rows(tokens, t0, rows0, rows1);
         configure_for(rows0, rows1);
         // The rows after this block's: the next block in loop order with one K pass (the default) or with groups of
-        // 32. With several passes and larger groups (or group 0) a group's last block fetches rows that wait a
-        // pass, and the first block of the next pass is not fetched: a miss, not an error.
+        // 32. With several passes and larger groups (or group 0) a group's last block prefetches rows that wait a
+        // pass, and the first block of the next pass is not prefetched: a miss, not an error.
         const int64_t n0 = t0 + 32;
         const bool fetch_next = prefetch_next != 0 && n0 < tokens;
         const int next_rows = fetch_next ? static_cast<int>(tokens - n0 < 32 ? tokens - n0 : 32) : 0;
