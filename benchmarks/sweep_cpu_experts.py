@@ -17,6 +17,8 @@ A setting is NAME:KNOB=VALUES[/KNOB=VALUES...], the knobs being the extension's 
                                                   4 activation rows, 8 the down input gradient's rows)
   fetch=DISTANCE                                 (moecc._C.set_weight_fetch: tasks ahead whose weights a task
                                                   asks for from inside its products; 0 off; AVX512 and AMX)
+  overlap=ON                                     (moecc._C.set_overlap_lora_grads: the LoRA factor gradients
+                                                  among the gate/up input gradient's products)
 Knobs a setting leaves out keep their built-in values.
 
     python benchmarks/sweep_cpu_experts.py --setting passes256:amx=256,64,0,1024/group=0 \\
@@ -39,7 +41,7 @@ from tqdm import tqdm  # noqa: E402
 from moecc import _C, _ops  # noqa: E402
 from moecc.native_experts import NativeExperts  # noqa: E402
 
-KNOBS = {"amx": 4, "group": 1, "task": 4, "next": 1, "pack": 2, "copies": 1, "outputs": 1, "fetch": 1}
+KNOBS = {"amx": 4, "group": 1, "task": 4, "next": 1, "pack": 2, "copies": 1, "outputs": 1, "fetch": 1, "overlap": 1}
 
 
 def parse_setting(text: str) -> tuple[str, dict[str, list[int]]]:
@@ -67,7 +69,8 @@ def built_in() -> dict[str, list[int]]:
     current = {"amx": list(_C.set_amx_tuning(0, 0, 0, 0)), "task": list(_C.set_task_shape(1, 16, 1, 0)),
                "group": [_C.set_amx_token_group(0)], "next": [_C.set_amx_prefetch_next(0)],
                "pack": list(_C.set_pack_prefetch(0, 0)), "copies": [int(_C.set_streaming_copies(False))],
-               "outputs": [_C.set_streaming_outputs(0)], "fetch": [_C.set_weight_fetch(0)]}
+               "outputs": [_C.set_streaming_outputs(0)], "fetch": [_C.set_weight_fetch(0)],
+               "overlap": [int(_C.set_overlap_lora_grads(False))]}
     apply(current)
     return current
 
@@ -81,6 +84,7 @@ def apply(knobs: dict[str, list[int]]) -> None:
     _C.set_streaming_copies(bool(knobs["copies"][0]))
     _C.set_streaming_outputs(*knobs["outputs"])
     _C.set_weight_fetch(*knobs["fetch"])
+    _C.set_overlap_lora_grads(bool(knobs["overlap"][0]))
 
 
 def score(best: dict, name: str, tokens: list[int]) -> float:
@@ -131,7 +135,7 @@ def main() -> None:
              f"{_ops.num_threads()} threads, {args.shape}, {args.routing} routing, best of {args.reps} interleaved "
              f"reps; default = amx {defaults['amx']}, task {defaults['task']}, group {defaults['group'][0]}, "
              f"next {defaults['next'][0]}, pack {defaults['pack']}, copies {defaults['copies'][0]}, "
-             f"outputs {defaults['outputs'][0]}, fetch {defaults['fetch'][0]})", "",
+             f"outputs {defaults['outputs'][0]}, fetch {defaults['fetch'][0]}, overlap {defaults['overlap'][0]})", "",
              "| setting | tokens | forward ms | backward ms | sum | median sum | score |",
              "|---|---|---|---|---|---|---|"]
     for name in settings:

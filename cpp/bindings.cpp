@@ -305,6 +305,9 @@ PYBIND11_MODULE(_C, m) {
         "Background weight fetch: each product task asks, from inside its products' loops, for the weights of the "
         "task `distance` places further down the list (0: off, the default); the same results. Returns the previous "
         "distance. For benchmarks and tests.");
+  m.def("set_overlap_lora_grads", &moecc::kernels::set_overlap_lora_grads, py::arg("on"),
+        "Whether the backward runs the LoRA factor gradients' tasks among the gate/up input gradient's products in "
+        "one phase (off by default); the same results. Returns the previous setting. For benchmarks and tests.");
   m.def("last_weight_fetch_lines", &moecc::kernels::last_weight_fetch_lines,
         "Cache lines the background weight fetch asked for in the latest expert forward or backward call.");
   m.def("set_streaming_outputs", &moecc::kernels::set_streaming_outputs, py::arg("mask"),

@@ -790,6 +790,31 @@ def test_weight_fetch_gives_the_same_results_and_runs(isa, problem):
         _C.set_weight_fetch(-1)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("problem", [(130, 5, 96, 24, 2, 8), (300, 6, 100, 56, 3, 4), (64, 8, 64, 32, 2, 0)],
+                         ids=["H96", "H100-I56", "no-lora"])
+def test_lora_grads_among_the_products_give_the_same_results(isa, problem):
+    """The LoRA factor gradients' tasks run among the gate/up input gradient's products (set_overlap_lora_grads),
+    with the weight fetch off and on: every result bit for bit as when they run after them, every factor task run
+    (a skipped one would leave its gradient slice zero), and the phase names kept."""
+    from moecc import _C
+
+    assert _C.set_overlap_lora_grads(False) is False  # off by default
+    plain = _backward_results(isa, problem, seed=4)
+    for fetch in (0, 2):
+        _C.set_overlap_lora_grads(True)
+        _C.set_weight_fetch(fetch)
+        try:
+            overlapped = _backward_results(isa, problem, seed=4)
+            phases = [name for name, _ in _C.last_phase_times(True)]
+        finally:
+            _C.set_weight_fetch(0)
+            assert _C.set_overlap_lora_grads(False) is True
+        for a, b in zip(plain, overlapped):
+            assert torch.equal(a, b)
+        assert phases.index("gate_up_input_grad") + 1 == phases.index("lora_grads")
+
+
 @pytest.mark.parametrize("isa", [isa for isa in ISAS if isa != "portable"])
 def test_weight_fetch_skips_products_that_read_a_packed_copy(isa):
     """With a packed copy of the weights (prepack) the forward's products pack nothing, so nothing is fetched for

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <mutex>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "../pool/thread_pool.h"
@@ -96,11 +97,12 @@ struct WeightRange {
 // Runs a product phase's tasks. With a fetch distance D, task i first starts its thread's fetch of task i + D's
 // slice (range_of), spread over the steps its own products take (steps_of), and stops it when done: what is left
 // unasked is dropped. A slice task i packs itself (a hot expert's row blocks share their slices) is not fetched.
+// product_step(i) runs task i so; run_product_tasks runs them all.
+// The step keeps copies of the three callables (they are lambdas over the caller's locals) and a reference to tasks.
 template <typename RangeOf, typename StepsOf, typename Fn>
-void run_product_tasks(moecc::pool::ThreadPool& pool, const std::vector<Task>& tasks, RangeOf&& range_of,
-                       StepsOf&& steps_of, Fn&& fn) {
-  const int64_t distance = weight_fetch_distance.load(), n = static_cast<int64_t>(tasks.size());
-  pool.run(n, [&](int64_t i, int) {
+auto product_step(const std::vector<Task>& tasks, RangeOf range_of, StepsOf steps_of, Fn fn) {
+  return [&tasks, range_of, steps_of, fn, distance = weight_fetch_distance.load()](int64_t i) {
+    const int64_t n = static_cast<int64_t>(tasks.size());
     WeightFetch& fetch = thread_weight_fetch();
     const int64_t steps = distance > 0 && i + distance < n ? steps_of(tasks[i]) : 0;
     if (steps > 0) {
@@ -121,7 +123,14 @@ void run_product_tasks(moecc::pool::ThreadPool& pool, const std::vector<Task>& t
       }
     } stop{fetch};
     fn(tasks[i]);
-  });
+  };
+}
+
+template <typename RangeOf, typename StepsOf, typename Fn>
+void run_product_tasks(moecc::pool::ThreadPool& pool, const std::vector<Task>& tasks, RangeOf range_of,
+                       StepsOf steps_of, Fn fn) {
+  const auto step = product_step(tasks, std::move(range_of), std::move(steps_of), std::move(fn));
+  pool.run(static_cast<int64_t>(tasks.size()), [&](int64_t i, int) { step(i); });
 }
 
 // The slices the two kinds of product task pack: output rows [16 col0, 16 col1) of W [n, k] (pack_rows; one
@@ -185,6 +194,11 @@ struct Dims {
 // each a row per routed pair, 273 MB at 8192 tokens for Qwen3-30B-A3B) are written with non-temporal stores,
 // which skip reading each destination line into cache before it is overwritten. A knob so benchmarks can compare.
 std::atomic<bool> streaming_copies{true};
+
+// Whether the LoRA factor gradients' tasks run among the gate/up input gradient's products, in one phase, instead
+// of after them: they read rows (about 840 MB at 8192 tokens for Qwen3-30B-A3B) where the products mostly compute,
+// so the memory bus can serve them while the tile products run. Off until the AMX host has measured it.
+std::atomic<bool> overlap_lora_grads{false};
 
 // dst[0, n) = src[0, n) and dst[n, padded) = 0 (bf16; dst 64-byte aligned, padded a multiple of 32), in whole
 // cache lines of non-temporal stores; the partial line's masked load reads nothing past src[n), and no pointer past
@@ -600,61 +614,97 @@ struct LoraGradInputs {
 
 constexpr int64_t kGradFactorColumns = 256;
 
-void lora_factor_grads(const Dims& d, const LoraFactors& gate_up_lora, const LoraFactors& down_lora,
-                       const Routing& routing, const LoraGradInputs& in, const BackwardIo& io,
-                       moecc::pool::ThreadPool& pool) {
-  struct FactorTask {
-    int64_t expert, which, c0, c1;
-  };
-  const int64_t widths[4] = {d.I, d.H, d.H, 2 * d.I};  // dA_down, dB_down^T, dA_gu, dB_gu^T
-  const bool present[4] = {down_lora.a != nullptr, down_lora.a != nullptr, gate_up_lora.a != nullptr,
-                           gate_up_lora.a != nullptr};
-  std::vector<FactorTask> tasks;
-  for (int64_t e = 0; e < d.E; ++e) {
-    if (routing.offsets[e] == routing.offsets[e + 1]) continue;
-    for (int64_t which = 0; which < 4; ++which) {
-      if (!present[which]) continue;
-      for (int64_t c = 0; c < widths[which]; c += kGradFactorColumns) {
-        tasks.push_back({e, which, c, std::min(widths[which], c + kGradFactorColumns)});
+// The four LoRA factor gradients' tasks, largest experts first, and run(i), which runs task i. Each task sums all
+// of its expert's rows for its columns of one factor, in row order: the results do not depend on which thread runs
+// which task, or on what runs beside it.
+class LoraFactorGrads {
+ public:
+  LoraFactorGrads(const Dims& d, const LoraFactors& gate_up_lora, const LoraFactors& down_lora,
+                  const Routing& routing, const LoraGradInputs& in, const BackwardIo& io)
+      : d_(d), gate_up_lora_(gate_up_lora), down_lora_(down_lora), routing_(routing), in_(in), io_(io) {
+    const int64_t widths[4] = {d.I, d.H, d.H, 2 * d.I};  // dA_down, dB_down^T, dA_gu, dB_gu^T
+    const bool present[4] = {down_lora.a != nullptr, down_lora.a != nullptr, gate_up_lora.a != nullptr,
+                             gate_up_lora.a != nullptr};
+    for (int64_t e = 0; e < d.E; ++e) {
+      if (routing.offsets[e] == routing.offsets[e + 1]) continue;
+      for (int64_t which = 0; which < 4; ++which) {
+        if (!present[which]) continue;
+        for (int64_t c = 0; c < widths[which]; c += kGradFactorColumns) {
+          tasks_.push_back({e, which, c, std::min(widths[which], c + kGradFactorColumns)});
+        }
       }
     }
+    std::stable_sort(tasks_.begin(), tasks_.end(), [&](const FactorTask& a, const FactorTask& b) {
+      return routing.offsets[a.expert + 1] - routing.offsets[a.expert] >
+             routing.offsets[b.expert + 1] - routing.offsets[b.expert];
+    });
   }
-  std::stable_sort(tasks.begin(), tasks.end(), [&](const FactorTask& a, const FactorTask& b) {
-    return routing.offsets[a.expert + 1] - routing.offsets[a.expert] >
-           routing.offsets[b.expert + 1] - routing.offsets[b.expert];
-  });
-  pool.run(static_cast<int64_t>(tasks.size()), [&](int64_t id, int) {
-    const FactorTask& t = tasks[static_cast<size_t>(id)];
-    const int64_t e = t.expert, begin = routing.offsets[e], count = routing.offsets[e + 1] - begin;
+
+  int64_t size() const { return static_cast<int64_t>(tasks_.size()); }
+
+  void run(int64_t id) const {
+    const Dims& d = d_;
+    const LoraGradInputs& in = in_;
+    const BackwardIo& io = io_;
+    const FactorTask& t = tasks_[static_cast<size_t>(id)];
+    const int64_t e = t.expert, begin = routing_.offsets[e], count = routing_.offsets[e + 1] - begin;
     if (t.which == 0) {  // dA_down[r][i] = sum_g w (s dy B)[g][r] act[g][i]
-      const int64_t r = down_lora.rank;
+      const int64_t r = down_lora_.rank;
       rank_outer_accumulate(in.grad_inner_down + begin * r, in.row_weight + begin, 1.0f, in.act + begin * in.ld_act,
                             in.ld_act, count, r, t.c0, t.c1, io.grad_down_a + e * r * d.I, d.I);
     } else if (t.which == 1) {  // dB_down^T[r][h] = s sum_g w (act A)[g][r] dy[g][h]
       // dy from the token rows when they are bf16 (the same values as the grouped copy): k pairs share each, so
       // they are read from cache, where the grouped copy (a row per pair, 268 MB at 8192 tokens) comes from DRAM.
-      const int64_t r = down_lora.rank;
+      const int64_t r = down_lora_.rank;
       if (in.grad_out_bf16) {
-        rank_outer_accumulate_gathered(in.inner_down + begin * r, in.row_weight + begin, down_lora.scaling,
-                                       in.grad_out_bf16, d.H, routing.order + begin, d.k, count, r, t.c0, t.c1,
+        rank_outer_accumulate_gathered(in.inner_down + begin * r, in.row_weight + begin, down_lora_.scaling,
+                                       in.grad_out_bf16, d.H, routing_.order + begin, d.k, count, r, t.c0, t.c1,
                                        io.grad_down_b + e * r * d.H, d.H);
       } else {
-        rank_outer_accumulate(in.inner_down + begin * r, in.row_weight + begin, down_lora.scaling,
+        rank_outer_accumulate(in.inner_down + begin * r, in.row_weight + begin, down_lora_.scaling,
                               in.dy_bf16 + begin * in.ld_dy, in.ld_dy, count, r, t.c0, t.c1,
                               io.grad_down_b + e * r * d.H, d.H);
       }
     } else if (t.which == 2) {  // dA_gu[r][h] = sum_g (s dG B)[g][r] x[g][h]
-      const int64_t r = gate_up_lora.rank;
+      const int64_t r = gate_up_lora_.rank;
       rank_outer_accumulate_gathered(in.grad_inner_gu + begin * r, nullptr, 1.0f, in.hidden, d.H,
-                                     routing.order + begin, d.k, count, r, t.c0, t.c1,
+                                     routing_.order + begin, d.k, count, r, t.c0, t.c1,
                                      io.grad_gate_up_a + e * r * d.H, d.H);
     } else {  // dB_gu^T[r][c] = s sum_g (x A)[g][r] dG[g][c]
-      const int64_t r = gate_up_lora.rank;
-      rank_outer_accumulate(in.inner_gu + begin * r, nullptr, gate_up_lora.scaling,
+      const int64_t r = gate_up_lora_.rank;
+      rank_outer_accumulate(in.inner_gu + begin * r, nullptr, gate_up_lora_.scaling,
                             in.grad_gu_bf16 + begin * in.ld_dgu, in.ld_dgu, count, r, t.c0, t.c1,
                             io.grad_gate_up_b + e * r * 2 * d.I, 2 * d.I);
     }
-  });
+  }
+
+ private:
+  struct FactorTask {
+    int64_t expert, which, c0, c1;
+  };
+  const Dims& d_;
+  const LoraFactors &gate_up_lora_, &down_lora_;
+  const Routing& routing_;
+  const LoraGradInputs& in_;
+  const BackwardIo& io_;
+  std::vector<FactorTask> tasks_;
+};
+
+// `a` tasks and `b` tasks in one order, each kind's tasks in their own order and spread evenly over the other's
+// (task i of a kind at i / its count of the way): codes >= 0 are a's tasks, code < 0 b's task -code - 1.
+std::vector<int64_t> interleave(int64_t a, int64_t b) {
+  std::vector<int64_t> order;
+  order.reserve(static_cast<size_t>(a + b));
+  int64_t i = 0, j = 0;
+  while (i < a || j < b) {
+    // a's next before b's next when i / a <= j / b (cross-multiplied: no rounding)
+    if (j == b || (i < a && i * b <= j * a)) {
+      order.push_back(i++);
+    } else {
+      order.push_back(-(j++) - 1);
+    }
+  }
+  return order;
 }
 
 // inner[g][r] = s * sum_c grad[g][c] B^T[r][c]: the LoRA-B side of an input gradient.
@@ -830,7 +880,12 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
       make_tasks(routing.offsets, d.E, d.H, grad_columns_per_task.load(), task_rows);
   PartClocks hidden_clocks;
   const bool stream_hidden = (streaming_outputs.load() & 1) != 0;
-  run_product_tasks(pool, hidden_tasks,
+  const LoraGradInputs grad_inputs{inner_gu, inner_down, grad_inner_gu, grad_inner_down, row_weight, io.hidden, act,
+                                   dy_bf16, grad_gu_bf16, io.grad_out ? nullptr : io.grad_out_bf16, d.ld_act,
+                                   d.ld_dy, d.ld_dgu};
+  const LoraFactorGrads factor_grads(d, gate_up_lora, down_lora, routing, grad_inputs, io);
+  const bool overlap = overlap_lora_grads.load() && factor_grads.size() > 0;
+  const auto hidden_step = product_step(hidden_tasks,
                     [&](const Task& t) {
                       return column_slice(weights.gate_up + t.expert * d.gu_size, 2 * d.I, d.H, t);
                     },
@@ -848,15 +903,18 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
     });
     fence_streamed(stream_hidden);
   });
-
+  if (overlap) {  // one phase: the factor gradients' tasks spread among the products'
+    const std::vector<int64_t> order = interleave(static_cast<int64_t>(hidden_tasks.size()), factor_grads.size());
+    pool.run(static_cast<int64_t>(order.size()), [&](int64_t s, int) {
+      const int64_t code = order[static_cast<size_t>(s)];
+      code >= 0 ? hidden_step(code) : factor_grads.run(-code - 1);
+    });
+  } else {
+    pool.run(static_cast<int64_t>(hidden_tasks.size()), [&](int64_t i, int) { hidden_step(i); });
+  }
   record_parts(backward_parts, "gate_up_input_grad", hidden_clocks);
   clock.mark("gate_up_input_grad");
-  if (gate_up_lora.a || down_lora.a) {
-    lora_factor_grads(d, gate_up_lora, down_lora, routing,
-                      {inner_gu, inner_down, grad_inner_gu, grad_inner_down, row_weight, io.hidden, act, dy_bf16,
-                       grad_gu_bf16, io.grad_out ? nullptr : io.grad_out_bf16, d.ld_act, d.ld_dy, d.ld_dgu},
-                      io, pool);
-  }
+  if (!overlap) pool.run(factor_grads.size(), [&](int64_t i, int) { factor_grads.run(i); });
   clock.mark("lora_grads");
   if (io_peft.grad_gate_up_b) {
     rows_to_peft_b(io.grad_gate_up_b, 2 * d.I, gate_up_lora.rank, d.E, io_peft.grad_gate_up_b, pool);
@@ -868,6 +926,8 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
 }
 
 bool set_streaming_copies(bool on) { return streaming_copies.exchange(on); }
+
+bool set_overlap_lora_grads(bool on) { return overlap_lora_grads.exchange(on); }
 
 int64_t set_weight_fetch(int64_t distance) {
   if (distance < 0 || distance > (int64_t{1} << 20)) {

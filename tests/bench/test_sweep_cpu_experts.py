@@ -17,7 +17,7 @@ def test_settings_parse_into_knob_values():
     assert parse("wide:task=16,256,1024,0") == ("wide", {"task": [16, 256, 1024, 0]})
     assert parse("l1:pack=16,0/next=0") == ("l1", {"pack": [16, 0], "next": [0]})
     assert parse("plain:copies=0/outputs=3") == ("plain", {"copies": [0], "outputs": [3]})
-    assert parse("ahead:fetch=16") == ("ahead", {"fetch": [16]})
+    assert parse("ahead:fetch=16/overlap=1") == ("ahead", {"fetch": [16], "overlap": [1]})
     for bad, message in (("nocolon", "expected NAME"), ("x:speed=1", "unknown knob"), ("x:group=1,2", "1 values"),
                          ("x:pack=8", "2 values"), ("x:next=1,1", "1 values"), ("x:outputs=1,2", "1 values"),
                          ("x:fetch=1,2", "1 values"),
@@ -28,7 +28,7 @@ def test_settings_parse_into_knob_values():
 
 def test_sweep_times_every_setting_and_writes_its_table(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--tokens", "16,32", "--reps", "2", "--setting",
-                           "narrow:task=2,32,64,16/copies=0/outputs=3/fetch=2", "--out", str(tmp_path)],
+                           "narrow:task=2,32,64,16/copies=0/outputs=3/fetch=2/overlap=1", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     table = next(tmp_path.glob("cpu_experts_sweep_*.md")).read_text().splitlines()
@@ -38,4 +38,4 @@ def test_sweep_times_every_setting_and_writes_its_table(tmp_path):
     assert all(float(r[4]) > 0 for r in rows)  # best forward + backward, ms
     assert rows[0][-1] == "1.000 |"  # the defaults' score against themselves
     assert ", next " in table[0] and ", pack [" in table[0]  # every knob's built-in value in the header
-    assert ", copies 1, outputs 13, fetch 0)" in table[0]
+    assert ", copies 1, outputs 13, fetch 0, overlap 0)" in table[0]
