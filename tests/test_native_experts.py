@@ -795,24 +795,32 @@ def test_weight_fetch_gives_the_same_results_and_runs(isa, problem):
                          ids=["H96", "H100-I56", "no-lora"])
 def test_lora_grads_among_the_products_give_the_same_results(isa, problem):
     """The LoRA factor gradients' tasks run among the gate/up input gradient's products (set_overlap_lora_grads),
-    with the weight fetch off and on: every result bit for bit as when they run after them, every factor task run
-    (a skipped one would leave its gradient slice zero), and the phase names kept."""
+    with the weight fetch off and on, with the forward's LoRA inner products kept and recomputed: every result bit
+    for bit as when they run after them (a skipped factor task would leave its gradient slice zero), in one phase."""
     from moecc import _C
 
     assert _C.set_overlap_lora_grads(False) is False  # off by default
     plain = _backward_results(isa, problem, seed=4)
+    assert "lora_grads" in [name for name, _ in _C.last_phase_times(True)]
+    plain_inner = _backward_with_kept_and_recomputed_inner(isa, problem, seed=4) if problem[5] else None
     for fetch in (0, 2):
         _C.set_overlap_lora_grads(True)
         _C.set_weight_fetch(fetch)
         try:
             overlapped = _backward_results(isa, problem, seed=4)
             phases = [name for name, _ in _C.last_phase_times(True)]
+            overlapped_inner = _backward_with_kept_and_recomputed_inner(isa, problem, seed=4) if problem[5] else None
         finally:
             _C.set_weight_fetch(0)
             assert _C.set_overlap_lora_grads(False) is True
         for a, b in zip(plain, overlapped):
             assert torch.equal(a, b)
-        assert phases.index("gate_up_input_grad") + 1 == phases.index("lora_grads")
+        if problem[5]:
+            for kept_or_recomputed, overlapped_run in zip(plain_inner, overlapped_inner):
+                for a, b in zip(kept_or_recomputed, overlapped_run):
+                    assert torch.equal(a, b)
+        merged = "gate_up_input_grad+lora_grads" if problem[5] else "gate_up_input_grad"  # no factors: no merge
+        assert merged in phases and ("lora_grads" in phases) == (problem[5] == 0)
 
 
 @pytest.mark.parametrize("isa", [isa for isa in ISAS if isa != "portable"])

@@ -126,6 +126,9 @@ auto product_step(const std::vector<Task>& tasks, RangeOf range_of, StepsOf step
   };
 }
 
+template <typename... Args>
+auto product_step(std::vector<Task>&&, Args&&...) = delete;  // the step keeps a reference to the tasks
+
 template <typename RangeOf, typename StepsOf, typename Fn>
 void run_product_tasks(moecc::pool::ThreadPool& pool, const std::vector<Task>& tasks, RangeOf range_of,
                        StepsOf steps_of, Fn fn) {
@@ -682,11 +685,12 @@ class LoraFactorGrads {
   struct FactorTask {
     int64_t expert, which, c0, c1;
   };
-  const Dims& d_;
-  const LoraFactors &gate_up_lora_, &down_lora_;
-  const Routing& routing_;
-  const LoraGradInputs& in_;
-  const BackwardIo& io_;
+  // Copies (pointers and sizes), so a braced temporary passed in cannot dangle.
+  const Dims d_;
+  const LoraFactors gate_up_lora_, down_lora_;
+  const Routing routing_;
+  const LoraGradInputs in_;
+  const BackwardIo io_;
   std::vector<FactorTask> tasks_;
 };
 
@@ -913,9 +917,13 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
     pool.run(static_cast<int64_t>(hidden_tasks.size()), [&](int64_t i, int) { hidden_step(i); });
   }
   record_parts(backward_parts, "gate_up_input_grad", hidden_clocks);
-  clock.mark("gate_up_input_grad");
-  if (!overlap) pool.run(factor_grads.size(), [&](int64_t i, int) { factor_grads.run(i); });
-  clock.mark("lora_grads");
+  if (overlap) {
+    clock.mark("gate_up_input_grad+lora_grads");
+  } else {
+    clock.mark("gate_up_input_grad");
+    pool.run(factor_grads.size(), [&](int64_t i, int) { factor_grads.run(i); });
+    clock.mark("lora_grads");
+  }
   if (io_peft.grad_gate_up_b) {
     rows_to_peft_b(io.grad_gate_up_b, 2 * d.I, gate_up_lora.rank, d.E, io_peft.grad_gate_up_b, pool);
   }

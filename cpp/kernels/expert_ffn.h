@@ -132,7 +132,7 @@ int64_t set_weight_fetch(int64_t distance);
 int64_t last_weight_fetch_lines();
 
 // Whether the backward runs the LoRA factor gradients' tasks among the gate/up input gradient's products, in one
-// phase (last_phase_times then gives that phase the time of both and lora_grads none), instead of after them. Off
+// phase (last_phase_times names it gate_up_input_grad+lora_grads), instead of after them. Off
 // by default until the AMX host has measured it; the results are the same. Returns the previous setting. For
 // benchmarks and tests.
 bool set_overlap_lora_grads(bool on);
