@@ -696,14 +696,21 @@ def test_layer_with_portable_bf16_rounding_matches_reference():
     assert " passed" in done.stdout and "deselected" in done.stdout
 
 
-def _backward_results(isa, problem, seed):
+def _backward_results(isa, problem, seed, fetch_lines=None):
     """Forward output and backward results (input and routing gradients, the four factor gradients) of one
-    problem (_problem's tokens, experts, hidden, inter, top_k, rank; skewed routing)."""
+    problem (_problem's tokens, experts, hidden, inter, top_k, rank; skewed routing). With a list as fetch_lines,
+    the lines the weight fetch asked for in the forward and in the backward are appended to it."""
+    from moecc import _C
+
     weights, x, index, w, gate_up, down = _problem(*problem, seed=seed, skew=True)
     grad_out = torch.randn(problem[0], problem[2], generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
     native = NativeExperts(isa)
     out, saved = native.forward(weights, x, index, w, gate_up, down)
+    if fetch_lines is not None:
+        fetch_lines.append(_C.last_weight_fetch_lines())
     grad_hidden, grad_weights, grads = native.backward(weights, saved, grad_out, gate_up, down)
+    if fetch_lines is not None:
+        fetch_lines.append(_C.last_weight_fetch_lines())
     results = [out.clone(), grad_hidden, grad_weights]
     if gate_up is not None:
         results += [grads.gate_up_A, grads.gate_up_B, grads.down_A, grads.down_B]
@@ -748,20 +755,6 @@ def test_streamed_rows_give_the_same_results(isa, problem):
     test_native_matches_reference(isa, (*problem, False))
 
 
-def _forward_backward_with_fetch_lines(isa, problem, seed):
-    """_backward_results' results, and the lines the weight fetch asked for in the forward and in the backward."""
-    weights, x, index, w, gate_up, down = _problem(*problem, seed=seed, skew=True)
-    grad_out = torch.randn(problem[0], problem[2], generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
-    native = NativeExperts(isa)
-    from moecc import _C
-
-    out, saved = native.forward(weights, x, index, w, gate_up, down)
-    forward_lines = _C.last_weight_fetch_lines()
-    grad_hidden, grad_weights, grads = native.backward(weights, saved, grad_out, gate_up, down)
-    results = [out.clone(), grad_hidden, grad_weights, grads.gate_up_A, grads.gate_up_B, grads.down_A, grads.down_B]
-    return results, forward_lines, _C.last_weight_fetch_lines()
-
-
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("problem", [(130, 5, 96, 24, 2, 8), (300, 6, 100, 56, 3, 4)], ids=["H96", "H100-I56"])
 def test_weight_fetch_gives_the_same_results_and_runs(isa, problem):
@@ -772,12 +765,15 @@ def test_weight_fetch_gives_the_same_results_and_runs(isa, problem):
     from moecc import _C
 
     assert _C.set_weight_fetch(0) == 0  # off by default
-    plain, forward_lines, backward_lines = _forward_backward_with_fetch_lines(isa, problem, seed=5)
-    assert forward_lines == backward_lines == 0
+    lines = []
+    plain = _backward_results(isa, problem, seed=5, fetch_lines=lines)
+    assert lines == [0, 0]
     for distance in (1, 3, 1 << 20):
         _C.set_weight_fetch(distance)
         try:
-            fetched, forward_lines, backward_lines = _forward_backward_with_fetch_lines(isa, problem, seed=5)
+            lines = []
+            fetched = _backward_results(isa, problem, seed=5, fetch_lines=lines)
+            forward_lines, backward_lines = lines
         finally:
             assert _C.set_weight_fetch(0) == distance
         for a, b in zip(plain, fetched):

@@ -450,7 +450,6 @@ struct Scratch {
   std::mutex mutex;
   AlignedBuffer<uint16_t> xg, act, dy_bf16, grad_gu_bf16, per_pair;
   AlignedBuffer<float> inner_gu, inner_down, grad_inner_gu, grad_inner_down, routing_parts, inner_gu_parts,
-
       row_weight, b_gu, b_down, grad_b_gu, grad_b_down;
 };
 
@@ -907,15 +906,13 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
     });
     fence_streamed(stream_hidden);
   });
-  if (overlap) {  // one phase: the factor gradients' tasks spread among the products'
-    const std::vector<int64_t> order = interleave(static_cast<int64_t>(hidden_tasks.size()), factor_grads.size());
-    pool.run(static_cast<int64_t>(order.size()), [&](int64_t s, int) {
-      const int64_t code = order[static_cast<size_t>(s)];
-      code >= 0 ? hidden_step(code) : factor_grads.run(-code - 1);
-    });
-  } else {
-    pool.run(static_cast<int64_t>(hidden_tasks.size()), [&](int64_t i, int) { hidden_step(i); });
-  }
+  // With the overlap one phase, the factor gradients' tasks spread among the products'; else the products alone.
+  const std::vector<int64_t> order =
+      interleave(static_cast<int64_t>(hidden_tasks.size()), overlap ? factor_grads.size() : 0);
+  pool.run(static_cast<int64_t>(order.size()), [&](int64_t s, int) {
+    const int64_t code = order[static_cast<size_t>(s)];
+    code >= 0 ? hidden_step(code) : factor_grads.run(-code - 1);
+  });
   record_parts(backward_parts, "gate_up_input_grad", hidden_clocks);
   if (overlap) {
     clock.mark("gate_up_input_grad+lora_grads");
