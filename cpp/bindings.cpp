@@ -87,9 +87,10 @@ std::tuple<std::vector<std::tuple<int64_t, int64_t>>, int64_t> weight_fetch_walk
                                                    row_bytes, stride)};
 }
 
-// Test hook: the rank-r LoRA terms of `count` rows, one call a row (grouped = false) or through the grouped-row
-// functions (lora_products.h), so tests can compare the two. op: "combine_bf16" (float rows -> bf16 out),
-// "combine_f32" (float rows, in place), "dots" (float rows -> float out) or "dots_bf16" (bf16 rows -> float out).
+// Test hook: the rank-r LoRA terms of `count` rows through the grouped-row functions (lora_products.h), one
+// call a row (grouped = false) or all rows in one call, so tests can compare the two. op: "combine_bf16" (float
+// rows -> bf16 out), "combine_f32" (float rows, in place), "dots" (float rows -> float out) or "dots_bf16" (bf16
+// rows -> float out).
 void lora_rows_test(const std::string& op, std::uintptr_t coef_address, int64_t coef_ld, float scale,
                     std::uintptr_t factors_address, int64_t ld, int64_t rank, int64_t n, std::uintptr_t rows_address,
                     int64_t rows_ld, std::uintptr_t out_address, int64_t out_ld, int64_t count, bool grouped) {
@@ -105,7 +106,8 @@ void lora_rows_test(const std::string& op, std::uintptr_t coef_address, int64_t 
       rank_combine_bf16_rows(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs.data(), count);
     } else {
       for (int64_t r = 0; r < count; ++r) {
-        rank_combine_bf16(coef + r * coef_ld, scale, factors, ld, rank, n, rows + r * rows_ld, outs[r]);
+        rank_combine_bf16_rows(coef + r * coef_ld, coef_ld, scale, factors, ld, rank, n, rows + r * rows_ld, rows_ld,
+                               &outs[r], 1);
       }
     }
   } else if (op == "combine_f32") {
@@ -113,7 +115,7 @@ void lora_rows_test(const std::string& op, std::uintptr_t coef_address, int64_t 
       rank_combine_rows(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, count);
     } else {
       for (int64_t r = 0; r < count; ++r) {
-        rank_combine(coef + r * coef_ld, scale, factors, ld, rank, n, rows + r * rows_ld);
+        rank_combine_rows(coef + r * coef_ld, coef_ld, scale, factors, ld, rank, n, rows + r * rows_ld, rows_ld, 1);
       }
     }
   } else if (op == "dots" || op == "dots_bf16") {  // dots_bf16: rows are bf16 bits
@@ -313,8 +315,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_streaming_outputs", &moecc::kernels::set_streaming_outputs, py::arg("mask"),
         "Which bf16 outputs are written with non-temporal stores: 1 per-pair rows, 2 the gate/up output, 4 the "
         "activation rows, 8 the down input gradient's rows (default 13: all but 2; the same results); returns the "
-        "previous mask. "
-        "For benchmarks and tests.");
+        "previous mask. For benchmarks and tests.");
   m.def("last_phase_times", &moecc::kernels::last_phase_times, py::arg("backward"),
         "[(phase, seconds)] of the latest expert_ffn_forward (backward=False) or expert_ffn_backward call.");
 

@@ -877,11 +877,12 @@ def test_streaming_output_mask_is_checked():
 @pytest.mark.parametrize("rank", [0, 1, 4, 7, 8, 12])
 @pytest.mark.parametrize("n", [256, 40, 27], ids=["n256", "n40-tail8", "n27-tail11"])
 def test_grouped_lora_rows_agree_with_one_call_a_row(op, rank, n):
-    """The epilogues' grouped-row LoRA terms (up to 4 rows share each factor load) against the per-row functions
-    they replaced and a float64 reference, over 1-11 rows (groups of 4 and a remainder), ranks 0-12 and column
-    tails: within float32 rounding (one bf16 step for bf16 outputs) of the reference, and nothing written past a
-    row; the same bits as the per-row calls on whole 16-column vectors. That last needs the compiler to fuse the
-    multiply-adds of both alike: GCC 13's FMA-chain heuristic did not (setup.py turns it off)."""
+    """The epilogues' grouped-row LoRA terms (up to 4 rows share each factor load) against the same functions
+    called one row at a time and a float64 reference, over 1-11 rows (groups of 4 and a remainder), ranks 0-12
+    and column tails: within float32 rounding (one bf16 step for bf16 outputs) of the reference, and nothing
+    written past a row; the same bits as the per-row calls on whole 16-column vectors. That last needs the
+    compiler to fuse the multiply-adds of both alike: GCC 13's FMA-chain heuristic did not (setup.py turns it
+    off)."""
     from moecc import _C
 
     if op.startswith("dots") and rank == 0:

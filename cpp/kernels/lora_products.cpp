@@ -135,13 +135,6 @@ MOECC_INLINE void combine_rows(const float* coef, int64_t coef_ld, float scale, 
   }
 }
 
-// One row of combine_rows.
-template <typename Bf16, typename Out>
-MOECC_INLINE void combine(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
-                          const float* row, Out* out) {
-  combine_rows<Bf16, Out, false, 1>(coef, 0, scale, factors, ld, rank, n, row, 0, &out);
-}
-
 // dots for R rows and G ranks at once (row r at rows + r * rows_ld, its dots at out + r * out_ld): each factor
 // vector loaded once for the R rows. Each (row, rank) sum runs over the columns in order in 16 lanes, a tree lane
 // sum, then the scalar tail, whatever the grouping of rows and ranks (lora_products.h says where the bits may still
@@ -221,6 +214,14 @@ MOECC_VECTOR_CLONES void dots_rows_bf16(const uint16_t* rows, int64_t rows_ld, c
 
 constexpr int kCombineRows = 4;
 
+// fn(r0, group) for the groups of at most kCombineRows rows that the grouped-row entry points take a call each.
+template <typename Fn>
+void for_row_groups(int64_t count, Fn&& fn) {
+  for (int64_t r0 = 0; r0 < count; r0 += kCombineRows) {
+    fn(r0, static_cast<int>(std::min<int64_t>(kCombineRows, count - r0)));
+  }
+}
+
 // combine_rows for count <= kCombineRows rows, R picked at run time.
 template <typename Bf16, typename Out, bool kStream>
 MOECC_INLINE void combine_rows_any(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
@@ -268,19 +269,6 @@ MOECC_BF16_TARGET void combine_rows_native(const float* coef, int64_t coef_ld, f
   }
 }
 
-MOECC_VECTOR_CLONES void combine_f32(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank,
-                                     int64_t n, float* row) {
-  combine<PortableBf16>(coef, scale, factors, ld, rank, n, row, row);
-}
-MOECC_VECTOR_CLONES void combine_bf16(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank,
-                                      int64_t n, const float* row, uint16_t* out) {
-  combine<PortableBf16>(coef, scale, factors, ld, rank, n, row, out);
-}
-MOECC_BF16_TARGET void combine_bf16_native(const float* coef, float scale, const float* factors, int64_t ld,
-                                           int64_t rank, int64_t n, const float* row, uint16_t* out) {
-  combine<NativeBf16>(coef, scale, factors, ld, rank, n, row, out);
-}
-
 MOECC_VECTOR_CLONES void dots_bf16(const uint16_t* row, const float* factors, int64_t ld, int64_t rank, int64_t n,
                                    float scale, float* out) {
   dots(row, factors, ld, rank, n, scale, out);
@@ -319,48 +307,37 @@ void rank_dots(const uint16_t* row, const float* factors, int64_t factor_ld, int
                float* out) {
   dots_bf16(row, factors, factor_ld, rank, n, scale, out);
 }
-void rank_combine(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
-                  float* row) {
-  combine_f32(coef, scale, factors, ld, rank, n, row);
-}
-void rank_combine_bf16(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
-                       const float* row, uint16_t* out) {
-  (native_bf16() ? combine_bf16_native : combine_bf16)(coef, scale, factors, ld, rank, n, row, out);
-}
 void rank_combine_bf16_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
                             int64_t rank, int64_t n, const float* rows, int64_t rows_ld, uint16_t* const* outs,
                             int64_t count, bool stream) {
   const auto combine = native_bf16() ? combine_rows_native : combine_rows_portable;
-  for (int64_t r0 = 0; r0 < count; r0 += kCombineRows) {
-    const int group = static_cast<int>(std::min<int64_t>(kCombineRows, count - r0));
+  for_row_groups(count, [&](int64_t r0, int group) {
     bool aligned = true;
     for (int r = 0; r < group; ++r) aligned = aligned && reinterpret_cast<std::uintptr_t>(outs[r0 + r]) % 16 == 0;
     combine(rank > 0 ? coef + r0 * coef_ld : coef, coef_ld, scale, factors, ld, rank, n, rows + r0 * rows_ld, rows_ld,
             outs + r0, group, stream && aligned);
-  }
+  });
 }
 void rank_combine_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld, int64_t rank,
                        int64_t n, float* rows, int64_t rows_ld, int64_t count) {
-  for (int64_t r0 = 0; r0 < count; r0 += kCombineRows) {
+  for_row_groups(count, [&](int64_t r0, int group) {
     combine_rows_f32_any(rank > 0 ? coef + r0 * coef_ld : coef, coef_ld, scale, factors, ld, rank, n,
-                         rows + r0 * rows_ld, rows_ld, static_cast<int>(std::min<int64_t>(kCombineRows, count - r0)));
-  }
+                         rows + r0 * rows_ld, rows_ld, group);
+  });
 }
 void rank_dots_rows(const float* rows, int64_t rows_ld, const float* factors, int64_t factor_ld, int64_t rank,
                     int64_t n, float scale, float* out, int64_t out_ld, int64_t count) {
   if (rank <= 0) return;  // no dots (and out may be null)
-  for (int64_t r0 = 0; r0 < count; r0 += kCombineRows) {
-    dots_rows_f32(rows + r0 * rows_ld, rows_ld, factors, factor_ld, rank, n, scale, out + r0 * out_ld, out_ld,
-                  static_cast<int>(std::min<int64_t>(kCombineRows, count - r0)));
-  }
+  for_row_groups(count, [&](int64_t r0, int group) {
+    dots_rows_f32(rows + r0 * rows_ld, rows_ld, factors, factor_ld, rank, n, scale, out + r0 * out_ld, out_ld, group);
+  });
 }
 void rank_dots_rows(const uint16_t* rows, int64_t rows_ld, const float* factors, int64_t factor_ld, int64_t rank,
                     int64_t n, float scale, float* out, int64_t out_ld, int64_t count) {
   if (rank <= 0) return;
-  for (int64_t r0 = 0; r0 < count; r0 += kCombineRows) {
-    dots_rows_bf16(rows + r0 * rows_ld, rows_ld, factors, factor_ld, rank, n, scale, out + r0 * out_ld, out_ld,
-                   static_cast<int>(std::min<int64_t>(kCombineRows, count - r0)));
-  }
+  for_row_groups(count, [&](int64_t r0, int group) {
+    dots_rows_bf16(rows + r0 * rows_ld, rows_ld, factors, factor_ld, rank, n, scale, out + r0 * out_ld, out_ld, group);
+  });
 }
 void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const uint16_t* rows, int64_t ld,
                            int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld) {

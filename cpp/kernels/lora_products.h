@@ -17,32 +17,26 @@ void rank_dots(const float* row, const float* factors, int64_t factor_ld, int64_
 void rank_dots(const uint16_t* row, const float* factors, int64_t factor_ld, int64_t rank, int64_t n, float scale,
                float* out);
 
-// row[c] += sum_{j < rank} (scale * coef[j]) * factors[j * ld + c] for c < n, in one pass over the row (the LoRA
-// term of a product's output row, rank-major factors), each term added in j order as r separate passes did, with
-// a fused multiply-add in every column (the passes' AVX512 build left their last 8 columns unfused).
-void rank_combine(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
-                  float* row);
-// The same into bf16: out[c] = bf16(row[c] + sum_j ...), rounded to nearest even (NaN kept quiet); row is not
-// written; rank 0 rounds only. One pass instead of r passes and a rounding pass.
-void rank_combine_bf16(const float* coef, float scale, const float* factors, int64_t ld, int64_t rank, int64_t n,
-                       const float* row, uint16_t* out);
-
-// rank_combine_bf16 for `count` rows: row r's coefficients at coef + r * coef_ld, its float row at rows + r * rows_ld,
-// its output at outs[r]; the factors are loaded once for several rows. With `stream`, whole 16-column vectors
-// leave with non-temporal stores (the caller fences), for a group of rows only where all of its outputs are 16-byte
-// aligned. The same operations per element in the same order as a call per row: the same bits on whole
-// 16-column vectors as long as the compiler fuses the multiply-adds of both alike (setup.py turns GCC 13's
-// FMA-chain heuristic off for that: with it the host's build fused the grouped rows and not a lone row); a scalar
-// tail (n % 16 columns) may still differ in the last bit.
+// For `count` rows, row r's coefficients at coef + r * coef_ld and its float row at rows + r * rows_ld, the LoRA term
+// of a product's output row (rank-major factors): row[c] + sum_{j < rank} (scale * coef[r][j]) * factors[j * ld + c]
+// for c < n, in one pass over each row, each term added in j order as r separate passes did, with a fused
+// multiply-add in every column (the passes' AVX512 build left their last 8 columns unfused); the factors are loaded
+// once for several rows. Grouping rows does the same operations per element in the same order as a call per row:
+// the same bits on whole 16-column vectors as long as the compiler fuses the multiply-adds of both alike (setup.py
+// turns GCC 13's FMA-chain heuristic off for that: with it the host's build fused the grouped rows and not a lone
+// row); a scalar tail (n % 16 columns) may still differ in the last bit.
+// Into bf16 at outs[r]: rounded to nearest even (NaN kept quiet); the rows are not written; rank 0 rounds only. One
+// pass instead of r passes and a rounding pass. With `stream`, whole 16-column vectors leave with non-temporal
+// stores (the caller fences), for a group of rows only where all of its outputs are 16-byte aligned.
 void rank_combine_bf16_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
                             int64_t rank, int64_t n, const float* rows, int64_t rows_ld, uint16_t* const* outs,
                             int64_t count, bool stream = false);
-
-// rank_combine (float rows, in place) and rank_dots (float or bf16 rows, factor_ld) for `count` rows, rows_ld apart
-// (their coefficients coef_ld apart, their dots out_ld apart), the factors loaded once for several rows; results as
-// with rank_combine_bf16_rows against a call per row.
+// The same in place on the float rows.
 void rank_combine_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld, int64_t rank,
                        int64_t n, float* rows, int64_t rows_ld, int64_t count);
+
+// rank_dots (float or bf16 rows, factor_ld) for `count` rows, rows_ld apart (their dots out_ld apart), the factors
+// loaded once for several rows; results as with rank_combine_bf16_rows against a call per row.
 void rank_dots_rows(const float* rows, int64_t rows_ld, const float* factors, int64_t factor_ld, int64_t rank,
                     int64_t n, float scale, float* out, int64_t out_ld, int64_t count);
 void rank_dots_rows(const uint16_t* rows, int64_t rows_ld, const float* factors, int64_t factor_ld, int64_t rank,
