@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/aligned_buffer.h"
+#include "kernels/amx_self_check.h"
 #include "kernels/cpu_features.h"
 #include "kernels/expert_ffn.h"
 #include "kernels/lora_products.h"
@@ -205,6 +206,21 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("check_isa", [](int isa) { moecc::kernels::panel_gemm(static_cast<Isa>(isa)); }, py::arg("isa"),
         "Raises ValueError if the kernels for `isa` (0 portable, 1 avx512_bf16, 2 amx) cannot run here.");
+
+  m.def("amx_self_check", [] {
+    moecc::kernels::AmxCheck check;
+    {
+      py::gil_scoped_release release;  // the first call runs the check
+      check = moecc::kernels::amx_self_check();
+    }
+    py::dict d;
+    d["ran"] = check.ran;
+    d["ok"] = check.ok;
+    d["reason"] = check.reason;
+    return d;
+  }, "Whether the AMX kernels work in this process (amx_self_check.h): {ran, ok, reason}; cached after the first call.");
+  m.def("_reset_amx_self_check", &moecc::kernels::reset_amx_self_check, py::arg("fault"),
+        "Test hook: forget the AMX self-check's result and inject `fault` (0 none, 1 readback, 2 product) next time.");
 
   m.def("packed_elements", &moecc::kernels::packed_elements, py::arg("rows"), py::arg("cols"));
   m.def(

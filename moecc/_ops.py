@@ -6,6 +6,7 @@ native side writes is allocated here and owned by the returned tensors.
 from __future__ import annotations
 
 import atexit
+import warnings
 
 import torch
 
@@ -107,15 +108,54 @@ def check_isa(isa: str) -> None:
     _C.check_isa(ISAS[isa])
 
 
+def amx_self_check() -> dict:
+    """Whether the AMX kernels really work in this process (cpp/kernels/amx_self_check.h): ``{"ran", "ok",
+    "reason"}``. The tile configuration must read back unchanged and a small tile product must match the portable
+    kernels; computed once, then cached."""
+    return dict(_C.amx_self_check())
+
+
+def _reset_amx_self_check(fault: int = 0) -> None:
+    """Test hook: forget the self-check's result; the next check injects ``fault`` (1 readback, 2 product)."""
+    global _amx_warned
+    _C._reset_amx_self_check(int(fault))
+    _amx_warned = False
+
+
+_amx_warned = False
+
+
+def hardware_isas() -> list[str]:
+    """The ISAs whose instructions this CPU and kernel offer (cpuid, XCR0, the AMX permission), before any
+    self-check: the ones the kernels must be correct on here."""
+    features = cpu_features()
+    isas = ["portable"]
+    avx512 = all(features[f] for f in ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "os_avx512"))
+    if avx512:
+        isas.append("avx512_bf16")
+    if avx512 and features["amx_tile"] and features["amx_bf16"] and features["os_amx"]:
+        isas.append("amx")
+    return isas
+
+
 def best_isa() -> str:
-    """The fastest kernel ISA this CPU runs: amx, then avx512_bf16, then portable."""
-    for isa in ("amx", "avx512_bf16"):
-        try:
-            check_isa(isa)
-            return isa
-        except ValueError:
-            continue
-    return "portable"
+    """The fastest kernel ISA that works here: amx (if its self-check passes), then avx512_bf16, then portable.
+    A CPU with AMX whose self-check fails gets one warning naming the reason, and the next ISA."""
+    global _amx_warned
+    if "amx" in hardware_isas():
+        check = amx_self_check()
+        if check["ok"]:
+            return "amx"
+        if not _amx_warned:
+            _amx_warned = True
+            warnings.warn(f"this CPU has AMX but moecc's AMX self-check failed ({check['reason']}); the expert "
+                          "kernels fall back to AVX512-BF16. Please report this with `moecc info`.",
+                          RuntimeWarning, stacklevel=2)
+    try:
+        check_isa("avx512_bf16")
+        return "avx512_bf16"
+    except ValueError:
+        return "portable"
 
 
 def pack_experts(weights: torch.Tensor) -> torch.Tensor:

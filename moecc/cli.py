@@ -30,6 +30,7 @@ def info() -> dict:
         "cpu": features.pop("brand").strip() or platform.processor(),
         "cpu_features": ", ".join(name for name, present in features.items() if present) or "none",
         "kernel_isa": _ops.best_isa(),
+        "amx_self_check": _describe_amx_check(_ops.amx_self_check()),
         "threads": _ops.num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "unset (torch's OpenMP threads spin; see README)",
         "gpu": gpu,
@@ -38,6 +39,12 @@ def info() -> dict:
         "transformers": transformers.__version__,
         "peft": peft.__version__,
     }
+
+
+def _describe_amx_check(check: dict) -> str:
+    if not check["ran"]:
+        return f"not run: {check['reason']}"
+    return "passed" if check["ok"] else f"FAILED: {check['reason']}"
 
 
 def bench(args: argparse.Namespace) -> list[dict]:

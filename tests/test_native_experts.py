@@ -11,18 +11,9 @@ from moecc.reference import ExpertLora, ExpertWeights, experts_autograd, experts
 from .parity import rel_err
 
 
-def _supported_isas() -> list[str]:
-    isas = []
-    for isa in ("portable", "avx512_bf16", "amx"):
-        try:
-            _ops.check_isa(isa)
-            isas.append(isa)
-        except ValueError:
-            pass
-    return isas
-
-
-ISAS = _supported_isas()
+# Every ISA the hardware offers, not only those that pass their self-check: on an AMX CPU whose AMX kernels are
+# broken, the AMX cases must fail here rather than drop out of the table.
+ISAS = _ops.hardware_isas()
 
 
 def _problem(tokens, experts, hidden, inter, top_k, rank, seed, skew=False):

@@ -1,10 +1,12 @@
-"""The native extension: token grouping and the thread pool."""
+"""The native extension: token grouping, the thread pool, CPU features and the AMX self-check."""
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 
-from moecc import _ops
+from moecc import _C, _ops
 
 
 @pytest.mark.parametrize("num_tokens,top_k,num_experts", [(0, 2, 4), (1, 1, 1), (7, 3, 5), (50_000, 8, 128)])
@@ -117,3 +119,48 @@ def test_peak_rate_micro_benchmark():
             _C.peak_flops("avx512_fma", 10)
     with pytest.raises(ValueError, match="unknown unit 'avx2'"):
         _C.peak_flops("avx2", 10)
+
+
+def test_amx_self_check_passes_wherever_the_hardware_has_amx():
+    """The check runs exactly where cpuid, XCR0 and the kernel offer AMX, and there it must pass: a failure here is
+    a broken AMX build (the GCC 12 tile-configuration bug read back wrong), not a reason to skip."""
+    check = _ops.amx_self_check()
+    if "amx" in _ops.hardware_isas():
+        assert check == {"ran": True, "ok": True, "reason": ""}
+        assert _ops.best_isa() == "amx"
+        _ops.check_isa("amx")
+    else:
+        assert not check["ran"] and not check["ok"]
+        assert "AMX" in check["reason"]
+        assert _ops.best_isa() != "amx"
+        with pytest.raises(ValueError, match="AMX"):
+            _ops.check_isa("amx")
+
+
+@pytest.mark.amx
+@pytest.mark.parametrize("fault, words", [(1, "read back wrong"), (2, "differs from the portable")])
+def test_failed_amx_self_check_makes_auto_fall_back(fault, words):
+    """A self-check failure (injected by the test hook into what the check compares) keeps AMX from ever being
+    handed out: ``auto`` warns once and takes AVX512-BF16, an explicit AMX request gets an error naming the fix."""
+    if "amx" not in _ops.hardware_isas():
+        pytest.skip("needs a CPU with AMX (amx_tile, amx_bf16 and the kernel's tile-data permission)")
+    from moecc.native_experts import NativeExperts
+
+    _ops._reset_amx_self_check(fault)
+    try:
+        check = _ops.amx_self_check()
+        assert check["ran"] and not check["ok"] and words in check["reason"]
+        with pytest.warns(RuntimeWarning, match="self-check failed"):
+            assert _ops.best_isa() == "avx512_bf16"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per process, not once per call
+            assert _ops.best_isa() == "avx512_bf16"
+        with pytest.raises(ValueError, match="self-check failed.*MOECC_ISA=avx512_bf16"):
+            _ops.check_isa("amx")
+        with pytest.raises(ValueError, match="self-check failed"):
+            NativeExperts("amx")
+        with pytest.raises(ValueError, match="self-check failed"):
+            _C.peak_flops("amx", 10)
+    finally:
+        _ops._reset_amx_self_check(0)
+    assert _ops.amx_self_check()["ok"] and _ops.best_isa() == "amx"

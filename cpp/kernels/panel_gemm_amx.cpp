@@ -11,6 +11,7 @@
 
 #include <stdexcept>
 
+#include "amx_tiles.h"
 #include "panel_gemm.h"
 #include "weight_fetch.h"
 #include "weight_packing.h"
@@ -20,26 +21,19 @@
 namespace moecc::kernels {
 namespace {
 
-// The 64-byte operand of LDTILECFG (palette 1).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0-3: C (a, b) = (0,0) (0,1) (1,0) (1,1); 4, 5: A rows 0-15 and 16-31; 6, 7: B panels 0 and 1.
 // A-side tiles take the block's real row counts, so short blocks never read past the activations.
-MOECC_AMX void configure(int rows0, int rows1) {
+TileConfig tile_config(int rows0, int rows1) {
   TileConfig config;
   const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
   for (int t = 0; t < 8; ++t) {
     config.rows[t] = static_cast<uint8_t>(rows[t]);
     config.colsb[t] = rows[t] ? 64 : 0;  // a tile of 0 rows stays unconfigured and is never touched
   }
-  _tile_loadconfig(&config);
+  return config;
 }
+
+void configure(int rows0, int rows1) { load_tile_config(tile_config(rows0, rows1)); }
 
 // Tuning knobs, set once before use (benchmarks sweep them through moecc._C.set_amx_tuning).
 // k_block: K values per pass over a task's tokens (0: all of K in one pass). One pass keeps each 2 x 2 block's C
@@ -258,6 +252,14 @@ int64_t set_amx_token_group(int64_t rows) {
   const int64_t previous = token_group;
   token_group = rows;
   return previous;
+}
+
+std::array<TileConfig, 2> amx_config_roundtrip(int rows0, int rows1) {
+  std::array<TileConfig, 2> configs{tile_config(rows0, rows1), TileConfig{}};
+  configure(rows0, rows1);
+  store_tile_config(configs[1]);
+  release_tiles();
+  return configs;
 }
 
 const PanelGemm& panel_gemm_amx() {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "amx_self_check.h"
 #include "cpu_features.h"
 #include "panel_gemm.h"
 #include "weight_packing.h"
@@ -80,6 +81,10 @@ const PanelGemm& panel_gemm(Isa isa) {
       }
       if (!(cpu.avx512f && cpu.avx512bw && cpu.avx512vl && cpu.avx512_bf16 && cpu.os_avx512)) {
         throw std::invalid_argument("the AMX expert kernels also need AVX512-BF16, which this CPU lacks");
+      }
+      if (const AmxCheck check = amx_self_check(); !check.ok) {
+        throw std::invalid_argument("the AMX self-check failed on this machine: " + check.reason +
+                                    "; use MOECC_ISA=avx512_bf16 (or isa='auto', which falls back by itself)");
       }
       return panel_gemm_amx();
   }

@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "amx_self_check.h"
 #include "cpu_features.h"
 #include "panel_gemm.h"
 #include "weight_packing.h"
@@ -58,22 +59,16 @@ __attribute__((target("avx512f"))) double avx512fma_loop(int64_t iterations) {
   return static_cast<double>(iterations) * 16 * 16 * 2 / elapsed;  // 16 registers x 16 lanes x 2 flops
 }
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 __attribute__((target("amx-tile,amx-bf16"))) double amx_loop(int64_t iterations) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.colsb[t] = 64;
     config.rows[t] = 16;
   }
-  alignas(64) static uint16_t operand[16 * 32];
+  alignas(64) uint16_t operand[16 * 32];  // per call: threads run this loop at once
   for (auto& v : operand) v = 0x3F80;  // 1.0
-  alignas(64) static float result[16 * 16];
-  _tile_loadconfig(&config);
+  alignas(64) float result[16 * 16];
+  load_tile_config(config);
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -91,7 +86,7 @@ __attribute__((target("amx-tile,amx-bf16"))) double amx_loop(int64_t iterations)
   }
   const double elapsed = seconds_since(start);
   _tile_stored(0, result, 64);
-  _tile_release();
+  release_tiles();
   volatile float keep = result[0];
   (void)keep;
   return static_cast<double>(iterations) * 4 * 16 * 16 * 32 * 2 / elapsed;  // 16x16 outputs, K = 32 per tile op
@@ -117,6 +112,9 @@ double peak_flops_amx(int64_t iterations) {
   const CpuFeatures& cpu = cpu_features();
   if (!(cpu.amx_tile && cpu.amx_bf16 && cpu.os_amx)) {
     throw std::invalid_argument("this CPU (or kernel) offers no AMX-BF16 tiles");
+  }
+  if (const AmxCheck check = amx_self_check(); !check.ok) {
+    throw std::invalid_argument("the AMX self-check failed on this machine: " + check.reason);
   }
   return amx_loop(iterations);
 }
