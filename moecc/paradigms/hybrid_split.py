@@ -1,0 +1,169 @@
+"""Which of a layer's routed experts the hybrid paradigm runs on the GPU and which on the CPU: pure arithmetic.
+
+Three resources work on one layer pass at once — the CPU (cold experts, in place), the copy engine (hot experts'
+weights to the GPU) and the GPU (the hot experts' math) — so a pass costs about the busiest of the three, plus a
+fixed cost for running both sides (submit, sync, merge). With experts sorted by tokens, most first, the GPU takes
+a prefix: the split is the prefix length that minimises that cost. Experts already on the GPU (cached) cost no
+copy and go to the GPU whenever routed. A prefix of zero or of every routed expert is a pure paradigm, taken where
+a split does not pay.
+
+The per-expert costs come from rates measured while both sides run (``SideCosts``), and are corrected online by
+``CostTracker`` from each pass's measured CPU and copy seconds, so a split planned from rates measured apart (which
+lost to plain streaming in other engines) is replaced by what this machine does under contention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Sequence
+
+
+@dataclass(frozen=True)
+class SideCosts:
+    """Seconds per layer pass (forward or backward) of each side's work, as a function of what it gets."""
+
+    cpu_expert_s: float  # an active expert's fixed CPU cost: its weights read from DRAM, its tasks
+    cpu_token_s: float  # each routed (token, expert) pair on the CPU
+    copy_expert_s: float  # one expert's weights over PCIe, at the rate achieved while the CPU computes
+    gpu_expert_s: float  # an active expert on the GPU (its grouped-product share, launch)
+    gpu_token_s: float  # each routed pair on the GPU
+    both_sides_s: float = 3e-4  # a pass that runs on both sides: staging, the CPU's result back, the sum
+
+    def cpu_s(self, counts: Iterable[int]) -> float:
+        """CPU seconds for experts with these token counts (experts with none cost nothing)."""
+        active = [n for n in counts if n > 0]
+        return len(active) * self.cpu_expert_s + sum(active) * self.cpu_token_s
+
+    def gpu_s(self, counts: Iterable[int]) -> float:
+        active = [n for n in counts if n > 0]
+        return len(active) * self.gpu_expert_s + sum(active) * self.gpu_token_s
+
+
+@dataclass(frozen=True)
+class Split:
+    """One layer pass's placement: ``gpu`` experts (sorted) run on the GPU, every other routed expert on the CPU."""
+
+    gpu: tuple[int, ...]
+    predicted_s: float
+    cpu_s: float
+    copy_s: float
+    gpu_s: float
+
+    @property
+    def side(self) -> str:
+        """``"cpu"``, ``"gpu"`` or ``"both"``: where this pass's work runs."""
+        if not self.gpu:
+            return "cpu"
+        return "gpu" if self.cpu_s == 0.0 else "both"
+
+
+def plan_split(counts: Sequence[int], costs: SideCosts, resident: Iterable[int] = ()) -> Split:
+    """The GPU set minimising max(CPU, copy, GPU) seconds (+ ``both_sides_s`` when both work) for a pass whose
+    experts get ``counts[e]`` tokens; ``resident`` experts are on the GPU already (no copy).
+
+    O(E log E): experts sorted by tokens (resident ones first, they cost no copy), every prefix scored with
+    running sums.
+    """
+    resident = set(resident)
+    routed = [e for e, n in enumerate(counts) if n > 0]
+    order = sorted(routed, key=lambda e: (e not in resident, -counts[e], e))
+    cpu_total = costs.cpu_s(counts[e] for e in routed)
+    best = Split((), cpu_total, cpu_total, 0.0, 0.0)
+    cpu_left, copy, gpu = cpu_total, 0.0, 0.0
+    for m, expert in enumerate(order, start=1):
+        n = counts[expert]
+        cpu_left -= costs.cpu_expert_s + n * costs.cpu_token_s
+        copy += 0.0 if expert in resident else costs.copy_expert_s
+        gpu += costs.gpu_expert_s + n * costs.gpu_token_s
+        cpu_part = max(cpu_left, 0.0) if m < len(order) else 0.0
+        total = max(cpu_part, copy, gpu) + (costs.both_sides_s if cpu_part > 0.0 else 0.0)
+        if total < best.predicted_s:
+            best = Split(tuple(sorted(order[:m])), total, cpu_part, copy, gpu)
+    return best
+
+
+def forced_split(counts: Sequence[int], gpu: Iterable[int], costs: SideCosts, resident: Iterable[int] = ()) -> Split:
+    """The cost of a given placement (for forced splits and for reporting what ran)."""
+    gpu = tuple(sorted(set(gpu)))
+    resident, on_gpu = set(resident), set(gpu)
+    cpu = costs.cpu_s(n for e, n in enumerate(counts) if e not in on_gpu)
+    copy = sum(costs.copy_expert_s for e in gpu if e not in resident)
+    gpu_s = costs.gpu_s(counts[e] for e in gpu if e < len(counts))
+    both = costs.both_sides_s if cpu > 0.0 and gpu else 0.0
+    return Split(gpu, max(cpu, copy, gpu_s) + both, cpu, copy, gpu_s)
+
+
+@dataclass
+class RoutingForecast:
+    """Per-layer tokens per expert expected in the next forward pass: an exponential average of the passes seen
+    (forward copies must start a layer ahead, before the layer's router has run)."""
+
+    decay: float = 0.5  # weight of the newest pass
+    counts: dict[int, list[float]] = field(default_factory=dict)
+
+    def observe(self, layer: int, counts: Sequence[int]) -> None:
+        old = self.counts.get(layer)
+        if old is None or len(old) != len(counts):
+            self.counts[layer] = [float(n) for n in counts]
+        else:
+            self.counts[layer] = [self.decay * n + (1 - self.decay) * o for n, o in zip(counts, old)]
+
+    def expected(self, layer: int) -> list[float] | None:
+        """The forecast for ``layer``, or None before its first pass."""
+        return self.counts.get(layer)
+
+
+def hit_rate(predicted_gpu: Iterable[int], counts: Sequence[int]) -> float:
+    """Share of a pass's routed pairs that landed on experts the forecast had sent to the GPU: how good the
+    prefetch was (1.0: every pair the plan meant for the GPU found its expert there)."""
+    total = sum(counts)
+    if total == 0:
+        return 1.0
+    return sum(counts[e] for e in set(predicted_gpu) if e < len(counts)) / total
+
+
+@dataclass
+class CostTracker:
+    """Costs corrected from what passes measured: a CPU and a copy scale factor (measured / predicted seconds,
+    exponentially averaged), so the split follows the rates this machine achieves with both sides running."""
+
+    base: SideCosts
+    decay: float = 0.3
+    cpu_scale: float = 1.0
+    copy_scale: float = 1.0
+    samples: int = 0
+
+    def costs(self) -> SideCosts:
+        b = self.base
+        return replace(b, cpu_expert_s=b.cpu_expert_s * self.cpu_scale, cpu_token_s=b.cpu_token_s * self.cpu_scale,
+                       copy_expert_s=b.copy_expert_s * self.copy_scale)
+
+    def observe(self, cpu_counts: Sequence[int], cpu_s: float, copied_experts: int, copy_s: float) -> None:
+        """One pass's CPU part (its experts' token counts, measured seconds) and copies (experts, seconds)."""
+        predicted_cpu = self.base.cpu_s(cpu_counts)
+        if predicted_cpu > 0 and cpu_s > 0:
+            self.cpu_scale = _blend(self.cpu_scale, cpu_s / predicted_cpu, self.decay)
+        if copied_experts > 0 and copy_s > 0 and self.base.copy_expert_s > 0:
+            self.copy_scale = _blend(self.copy_scale, copy_s / (copied_experts * self.base.copy_expert_s), self.decay)
+        self.samples += 1
+
+
+def _blend(old: float, new: float, decay: float) -> float:
+    new = min(max(new, old / 4), old * 4)  # one odd pass (a page fault storm, a descheduled thread) moves it little
+    return (1 - decay) * old + decay * new
+
+
+def physical_costs(hidden: int, inter: int, top_k: int, rank: int, dram_gbps: float, cpu_tflops: float,
+                   pcie_gbps: float, gpu_tflops: float, backward: bool = False) -> SideCosts:
+    """First costs for a layer shape from machine rates: an active expert reads its 3·H·I bf16 weights once per
+    pass (from DRAM on the CPU, over PCIe to the GPU); each pair costs 6·H·I (+ LoRA) FLOPs forward, and backward
+    about as many again plus the LoRA gradients, so twice the forward's per-pair cost is used."""
+    weight_bytes = 3 * hidden * inter * 2
+    pair_flops = 6 * hidden * inter + 2 * rank * (2 * hidden + 3 * inter) * 3
+    factor = 2.0 if backward else 1.0
+    return SideCosts(
+        cpu_expert_s=weight_bytes / (dram_gbps * 1e9) + 2e-5,
+        cpu_token_s=factor * pair_flops / (cpu_tflops * 1e12),
+        copy_expert_s=weight_bytes / (pcie_gbps * 1e9),
+        gpu_expert_s=1.5e-5,
+        gpu_token_s=factor * pair_flops / (gpu_tflops * 1e12),
+    )

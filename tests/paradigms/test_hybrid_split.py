@@ -1,0 +1,91 @@
+"""The hybrid paradigm's split: the chosen GPU set against brute force, the pure-paradigm ends, the forecast and
+the online correction of the costs."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from moecc.paradigms.hybrid_split import (CostTracker, RoutingForecast, SideCosts, forced_split, hit_rate,
+                                          physical_costs, plan_split)
+
+COSTS = SideCosts(cpu_expert_s=1e-4, cpu_token_s=2e-5, copy_expert_s=4e-4, gpu_expert_s=1e-5, gpu_token_s=0.0,
+                  both_sides_s=2e-4)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_split_is_the_best_of_every_subset(seed):
+    """With the GPU's per-token cost zero, the best set of a given size is the most-loaded experts, so scoring
+    prefixes finds the optimum over all 2^E placements (resident experts included)."""
+    rng = random.Random(seed)
+    counts = [rng.choice([0, 0, 1, 3, 10, 40, 200]) for _ in range(9)]
+    resident = set(rng.sample(range(9), rng.randint(0, 3)))
+    split = plan_split(counts, COSTS, resident)
+    best = min(forced_split(counts, subset, COSTS, resident).predicted_s
+               for m in range(10) for subset in itertools.combinations(
+                   [e for e in range(9) if counts[e] > 0], m) if len(subset) <= 9)
+    assert split.predicted_s == pytest.approx(best, rel=1e-12, abs=1e-15)
+    assert split.predicted_s == pytest.approx(forced_split(counts, split.gpu, COSTS, resident).predicted_s)
+    assert all(counts[e] > 0 for e in split.gpu)
+
+
+def test_a_split_that_does_not_pay_runs_wholly_on_one_side():
+    counts = [5, 3, 2, 0, 1]
+    slow_link = SideCosts(1e-4, 1e-5, copy_expert_s=1.0, gpu_expert_s=1e-5, gpu_token_s=0.0)
+    assert plan_split(counts, slow_link).side == "cpu"
+    slow_cpu = SideCosts(1.0, 1.0, copy_expert_s=1e-4, gpu_expert_s=1e-5, gpu_token_s=1e-7)
+    split = plan_split(counts, slow_cpu)
+    assert split.side == "gpu" and split.gpu == (0, 1, 2, 4)
+    assert plan_split([0, 0, 0], COSTS).side == "cpu" and plan_split([0, 0, 0], COSTS).predicted_s == 0.0
+
+
+def test_balanced_split_takes_the_hot_experts_and_beats_both_pure_sides():
+    counts = [400, 300, 200, 100] + [4] * 60  # skewed: a few hot experts, many cold ones
+    split = plan_split(counts, COSTS)
+    assert split.side == "both" and set(split.gpu) >= {0, 1, 2, 3}
+    all_cpu = forced_split(counts, [], COSTS).predicted_s
+    all_gpu = forced_split(counts, [e for e, n in enumerate(counts) if n], COSTS).predicted_s
+    assert split.predicted_s < min(all_cpu, all_gpu)
+    assert max(split.cpu_s, split.copy_s) == pytest.approx(split.predicted_s - COSTS.both_sides_s)
+
+
+def test_resident_experts_cost_no_copy_and_go_first():
+    counts = [1, 0, 500]
+    split = plan_split(counts, COSTS, resident={0})
+    assert 0 in split.gpu
+    assert forced_split(counts, [0], COSTS, resident={0}).copy_s == 0.0
+
+
+def test_forecast_averages_recent_passes_and_scores_its_prefetch():
+    forecast = RoutingForecast(decay=0.5)
+    assert forecast.expected(3) is None
+    forecast.observe(3, [4, 0, 2])
+    forecast.observe(3, [0, 4, 2])
+    assert forecast.expected(3) == [2.0, 2.0, 2.0]
+    forecast.observe(3, [1, 1])  # another shape (a different model): starts over
+    assert forecast.expected(3) == [1.0, 1.0]
+    assert hit_rate([0], [3, 1]) == 0.75 and hit_rate([], [0, 0]) == 1.0 and hit_rate([5], [2]) == 0.0
+
+
+def test_cost_tracker_follows_measured_rates_under_contention():
+    tracker = CostTracker(COSTS, decay=0.5)
+    counts = [10, 20]
+    predicted = COSTS.cpu_s(counts)
+    for _ in range(20):  # the CPU runs 2x slower while the link streams; the link at 80% of its rate
+        tracker.observe(counts, 2 * predicted, copied_experts=4, copy_s=4 * COSTS.copy_expert_s / 0.8)
+    assert tracker.cpu_scale == pytest.approx(2.0, rel=1e-3)
+    assert tracker.copy_scale == pytest.approx(1.25, rel=1e-3)
+    assert tracker.costs().cpu_s(counts) == pytest.approx(2 * predicted, rel=1e-3)
+    tracker.observe(counts, 1000 * predicted, 0, 0.0)  # one wild pass moves the scale at most 4x its weight
+    assert tracker.cpu_scale < 2.0 * 4
+
+
+def test_physical_costs_for_qwen3_shape_match_the_host_model():
+    """DESIGN.md: a Qwen3-30B-A3B layer's experts (128 x 3 x 2048 x 768 bf16) take 21.8 ms over 55 GB/s and about
+    9.7 ms from DRAM at 125 GB/s."""
+    costs = physical_costs(2048, 768, 8, 8, dram_gbps=125, cpu_tflops=4, pcie_gbps=55.4, gpu_tflops=680)
+    assert 128 * costs.copy_expert_s == pytest.approx(21.8e-3, rel=0.02)
+    assert 128 * (costs.cpu_expert_s - 2e-5) == pytest.approx(9.7e-3, rel=0.03)
+    backward = physical_costs(2048, 768, 8, 8, 125, 4, 55.4, 680, backward=True)
+    assert backward.cpu_token_s == pytest.approx(2 * costs.cpu_token_s)
