@@ -30,8 +30,8 @@ if "--loop-only" not in sys.argv:  # the loop's child keeps the policy it was st
 import torch  # noqa: E402
 
 from moecc import _ops  # noqa: E402
-from moecc.native_experts import NativeExperts  # noqa: E402
-from moecc.reference import ExpertLora, ExpertWeights  # noqa: E402
+from moecc.experts.native import NativeExperts  # noqa: E402
+from moecc.experts import ExpertLora, ExpertWeights  # noqa: E402
 
 SHAPES = {  # experts, top_k, hidden, intermediate
     "qwen3-30b-a3b": (128, 8, 2048, 768),

@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench_cpu_experts import SHAPES, make_case  # noqa: E402  (run from benchmarks/ or with it on sys.path)
 from moecc import _C, _ops
-from moecc.native_experts import NativeExperts
+from moecc.experts.native import NativeExperts
 
 
 def _faults() -> int:

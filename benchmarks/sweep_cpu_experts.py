@@ -39,7 +39,7 @@ from bench_cpu_experts import SHAPES, make_case  # noqa: E402  (imports moecc be
 from tqdm import tqdm  # noqa: E402
 
 from moecc import _C, _ops  # noqa: E402
-from moecc.native_experts import NativeExperts  # noqa: E402
+from moecc.experts.native import NativeExperts  # noqa: E402
 
 KNOBS = {"amx": 4, "group": 1, "task": 4, "next": 1, "pack": 2, "copies": 1, "outputs": 1, "fetch": 1, "overlap": 1}
 

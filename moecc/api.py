@@ -13,9 +13,8 @@ from .errors import AdapterMismatchError, MoeccError, UnsupportedDtypeError, Uns
 from .lora import check_adapter_matches, check_lora_config, expert_wrappers, read_adapter_config, track_merges
 from .lora import default_lora_config as _default_lora_config
 from .models import MoeFamily, family_for, install_block_forward
-from .paradigms import PARADIGMS
-from .paradigms.cocompute import CoComputeEngine, CoComputeLayer
-from .paradigms.offload import OffloadEngine, OffloadLayer
+from .paradigms import Engine, ExpertLayer, engine_class
+from .paradigms.base import BUDGET_SLACK, resident_weight_bytes
 from .store import SUPPORTED_DTYPES, check_host_experts, keep_on_host
 
 ADAPTER_NAME = "default"
@@ -28,14 +27,14 @@ class MoeccState:
     family: MoeFamily
     paradigm: str
     device: torch.device
-    engine: CoComputeEngine | OffloadEngine
-    layers: list
+    engine: Engine
+    layers: list[ExpertLayer]
     config: MoeccConfig
 
     @property
     def expert_bytes(self) -> int:
         """Bytes of frozen expert weights held in host memory."""
-        return sum(layer.weights.gate_up.nbytes + layer.weights.down.nbytes for layer in self.layers)
+        return sum(w.gate_up.nbytes + w.down.nbytes for w in (layer.weights for layer in self.layers))
 
 
 def default_lora_config(model: torch.nn.Module, rank: int = 8) -> LoraConfig:
@@ -120,8 +119,8 @@ def prepare(
         lora_config: LoRA for attention/dense (``target_modules``) and experts (``target_parameters``, e.g.
             ``["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``). Default: rank 8 on attention + experts.
         adapter: path of a PEFT adapter directory to keep training instead of a new LoRA.
-        paradigm: ``"cocompute"``: routed experts computed on the CPU; ``"offload"``: copied to the device and
-            computed there.
+        paradigm: a name in ``moecc.paradigms.PARADIGMS``: ``"cocompute"``, routed experts computed on the CPU;
+            ``"offload"``, copied to the device and computed there.
         device: device for attention, dense layers, routers and shared experts; default CUDA if available.
         config: engine options (threads, backend); default from ``MOECC_*`` environment variables.
 
@@ -129,8 +128,7 @@ def prepare(
         A ``peft.PeftModel``: call it like the original, train ``model.parameters()``, ``save_pretrained`` a
         standard PEFT adapter. ``model.moecc`` holds the engine state and metrics.
     """
-    if paradigm not in PARADIGMS:
-        raise MoeccError(f"paradigm {paradigm!r} is not available; choose one of {', '.join(PARADIGMS)}")
+    paradigm_engine = engine_class(paradigm)
     config = config or MoeccConfig.from_env()
     device = resolve_device(device)
     if isinstance(model, PeftModel):
@@ -143,109 +141,32 @@ def prepare(
     peft_model = _apply_lora(model, family, lora_config, adapter)
 
     _ops.configure_pool(config.num_threads, config.pin_threads)
-    if paradigm == "offload":
-        engine = OffloadEngine(device, config.offload_slots, cache_bytes=int(config.offload_cache_gb * 1e9))
-    else:
-        engine = CoComputeEngine(device, config.backend, config.isa, prepack=config.prepack_weights)
-    layers = []
-    for index, (name, block) in enumerate(blocks):
+    engine = paradigm_engine.from_config(device, config)
+    for name, block in blocks:
         keep_on_host(block.experts)
         base_experts, wrappers = expert_wrappers(block.experts)
         track_merges(wrappers)  # device copies and packed copies of the weights follow every merge
         check_host_experts(base_experts, name)
-        if paradigm == "offload":
-            if device.type == "cuda":
-                pin_experts(base_experts)
-            layer = OffloadLayer(name, base_experts, wrappers, engine, index)
-            engine.layers.append(layer)
-        else:
-            layer = CoComputeLayer(name, base_experts, wrappers, engine, index)
-        install_block_forward(block, family, layer)
-        layers.append(layer)
-    if paradigm == "cocompute" and engine.native is not None:
-        engine.native.prepack_layers(layers)
-    if paradigm == "offload":
-        engine.lora_on_device = offload_lora_on_device(peft_model, layers, device, config)
-        engine.place_lora(_expert_lora_params(layers))  # after keep_on_host moved the experts' subtree to host
-    apply_gpu_budget(peft_model, layers, paradigm, device, config)
+        install_block_forward(block, family, engine.add_layer(name, base_experts, wrappers))
+    engine.finish(peft_model, config)
+    apply_gpu_budget(peft_model, engine, config)
     peft_model.to(device)
-    peft_model.moecc = MoeccState(family, paradigm, device, engine, layers, config)
+    peft_model.moecc = MoeccState(family, paradigm, device, engine, engine.layers, config)
     return peft_model
 
 
-def _expert_lora_params(layers: list) -> list[torch.nn.Parameter]:
-    """The layers' expert LoRA factors (every adapter's), each once."""
-    params = {id(p): p for layer in layers for wrapper in layer.wrappers.values()
-              for name, p in wrapper.named_parameters() if "lora_" in name}
-    return list(params.values())
-
-
-def _expert_lora_bytes(layers: list) -> int:
-    """Bytes of the layers' expert LoRA factors (float32 masters)."""
-    return sum(p.nbytes for p in _expert_lora_params(layers))
-
-
-def _resident_gpu_bytes(model: torch.nn.Module, layers: list, paradigm: str, config: MoeccConfig,
-                        lora_on_device: bool) -> int:
-    """What stays on the GPU before activations: the non-expert weights and, for offload, its slots, its cache,
-    and with ``lora_on_device`` the expert LoRA factors, their gradients and two AdamW moments."""
-    resident = sum(p.nbytes for n, p in model.named_parameters() if ".experts." not in n)
-    if paradigm == "offload":
-        resident += config.offload_slots * max(layer.experts.gate_up_proj.nbytes + layer.experts.down_proj.nbytes
-                                               for layer in layers)
-        resident += int(config.offload_cache_gb * 1e9)
-        if lora_on_device:
-            resident += 4 * _expert_lora_bytes(layers)
-    return resident
-
-
-# The estimate's margin for the activations of a small batch and allocator slack.
-_SLACK = 1.1
-
-
-def offload_lora_on_device(model: torch.nn.Module, layers: list, device: torch.device, config: MoeccConfig) -> bool:
-    """Whether offload keeps the expert LoRA factors on ``device`` (see ``MoeccConfig.offload_lora``). Under
-    ``"auto"``: when the factors, their gradients and two AdamW moments (4x the float32 factors) take at most a
-    quarter of the GPU budget (of the GPU's memory without one) and everything else that stays on the GPU still
-    fits the budget beside them; always off CUDA, where host and device are one memory."""
-    if config.offload_lora != "auto":
-        return config.offload_lora == "device"
-    if device.type != "cuda":
-        return True
-    state = 4 * _expert_lora_bytes(layers)
-    if config.gpu_memory_budget_gb is None:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return state <= torch.cuda.get_device_properties(index).total_memory / 4
-    budget = config.gpu_memory_budget_gb * 1e9
-    return (state <= budget / 4
-            and _resident_gpu_bytes(model, layers, "offload", config, lora_on_device=True) * _SLACK <= budget)
-
-
-def pin_experts(experts: torch.nn.Module) -> None:
-    """Moves one experts module's weights into page-locked host memory (the copies replace the originals).
-    Offload copies them to the device every layer call; from pageable memory each such copy would stall the host
-    while CUDA stages it."""
-    for param in experts.parameters(recurse=False):
-        if not param.is_pinned():
-            param.data = param.data.pin_memory()
-
-
-def apply_gpu_budget(model: torch.nn.Module, layers: list, paradigm: str, device: torch.device,
-                     config: MoeccConfig) -> None:
+def apply_gpu_budget(model: torch.nn.Module, engine: Engine, config: MoeccConfig) -> None:
     """Checks that what stays on the GPU fits ``config.gpu_memory_budget_gb`` and caps the allocator there."""
     budget = config.gpu_memory_budget_gb
-    if budget is None or device.type != "cuda":
+    if budget is None or engine.device.type != "cuda":
         return
-    lora_on_device = paradigm == "offload" and bool(layers) and layers[0].engine.lora_on_device
-    needed_gb = _resident_gpu_bytes(model, layers, paradigm, config, lora_on_device) / 1e9 * _SLACK
+    needed_gb = (resident_weight_bytes(model) + engine.gpu_bytes(config)) / 1e9 * BUDGET_SLACK
     if needed_gb > budget:
         raise MoeccError(
-            f"gpu_memory_budget_gb={budget:g} is too small: the parts that stay on the GPU ({paradigm}) need about "
-            f"{needed_gb:.1f} GB before activations; raise the budget"
-            + (" or lower offload_slots / offload_cache_gb" if paradigm == "offload" else "")
-            + (" or keep the expert LoRA in host memory (offload_lora='host')" if lora_on_device else "")
+            f"gpu_memory_budget_gb={budget:g} is too small: the parts that stay on the GPU ({engine.name}) need "
+            f"about {needed_gb:.1f} GB before activations; raise the budget{engine.budget_advice()}"
         )
-    cap_gpu_memory(device, budget)
+    cap_gpu_memory(engine.device, budget)
 
 
 def cap_gpu_memory(device: torch.device, budget_gb: float | None) -> None:

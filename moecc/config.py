@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "reference", "native")
+OFFLOAD_COMPUTES = ("auto", "grouped", "reference")
 ISAS = ("auto", "amx", "avx512_bf16", "portable")
 OFFLOAD_LORA = ("auto", "device", "host")
 
@@ -33,6 +34,10 @@ class MoeccConfig:
             ``MOECC_OFFLOAD_CACHE_GB``.
         offload_slots: layers of experts the offload paradigm keeps on the device at once (2 = the current
             layer plus the one being prefetched). Environment: ``MOECC_OFFLOAD_SLOTS``.
+        offload_compute: device-side expert math of the offload paradigm. ``"grouped"``: one grouped matrix
+            product per projection, LoRA factorised (agrees with HF + PEFT to the dtype's rounding).
+            ``"reference"``: one expert at a time with PEFT's folded ``W + ΔW``, bit-exact with HF + PEFT.
+            ``"auto"`` (default): grouped on CUDA, reference elsewhere. Environment: ``MOECC_OFFLOAD_COMPUTE``.
         prepack_weights: co-compute with the native kernels keeps a second copy of each layer's expert weights in
             the kernels' panel layout, made in ``prepare``, which the forward products read instead of packing
             each task's slice as they go. Doubles the experts' host memory (``prepare`` checks it is there);
@@ -55,6 +60,7 @@ class MoeccConfig:
     offload_slots: int = 2
     offload_cache_gb: float = 0.0
     offload_lora: str = "auto"
+    offload_compute: str = "auto"
     prepack_weights: bool = False
 
     def __post_init__(self) -> None:
@@ -68,6 +74,10 @@ class MoeccConfig:
             raise ValueError(f"offload_slots must be >= 1, got {self.offload_slots}")
         if self.offload_lora not in OFFLOAD_LORA:
             raise ValueError(f"unknown offload_lora {self.offload_lora!r}; choose one of {', '.join(OFFLOAD_LORA)}")
+        if self.offload_compute not in OFFLOAD_COMPUTES:
+            raise ValueError(f"unknown offload_compute {self.offload_compute!r}; choose one of "
+                             f"{', '.join(OFFLOAD_COMPUTES)} ('grouped': grouped products, LoRA factorised; "
+                             "'reference': bit-exact with HF + PEFT)")
         if self.isa not in ISAS:
             raise ValueError(f"unknown ISA {self.isa!r}; choose one of {', '.join(ISAS)}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -88,8 +98,10 @@ class MoeccConfig:
             kwargs["backend"] = os.environ["MOECC_BACKEND"]
         if os.environ.get("MOECC_ISA"):
             kwargs["isa"] = os.environ["MOECC_ISA"]
-        if os.environ.get("MOECC_OFFLOAD_LORA"):
-            kwargs["offload_lora"] = os.environ["MOECC_OFFLOAD_LORA"].strip().lower()
+        for variable, field_name in (("MOECC_OFFLOAD_LORA", "offload_lora"),
+                                     ("MOECC_OFFLOAD_COMPUTE", "offload_compute")):
+            if os.environ.get(variable, "").strip():
+                kwargs[field_name] = os.environ[variable].strip().lower()
         for variable, field_name in (("MOECC_OFFLOAD_CACHE_GB", "offload_cache_gb"),
                                      ("MOECC_GPU_BUDGET_GB", "gpu_memory_budget_gb")):
             value = os.environ.get(variable)

@@ -6,16 +6,16 @@ moecc keeps PEFT's own modules and parameter names, so ``save_pretrained`` write
 """
 from __future__ import annotations
 
-import json
+import re
 import types
-from pathlib import Path
 
 import torch
 from peft import LoraConfig
 from peft.tuners.lora.layer import ParamWrapper
 
-from .errors import AdapterMismatchError, UnsupportedLoraConfigError
-from .reference import ExpertLora, LoraGrads
+from .adapter_files import check_adapter_matches, install_atomic_save, read_adapter_config  # noqa: F401 (re-exported)
+from .errors import MoeccError, UnsupportedLoraConfigError
+from .experts.types import ExpertLora, LoraGrads
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
@@ -38,12 +38,23 @@ def check_lora_config(config: LoraConfig) -> None:
             f"lora_config must be a peft.LoraConfig, got {type(config).__name__}; build one with "
             "peft.LoraConfig(r=..., target_modules=[...], target_parameters=['mlp.experts.gate_up_proj', ...])"
         )
+    ranks = {"r": config.r, **{f"rank_pattern[{k!r}]": v for k, v in (config.rank_pattern or {}).items()}}
+    for name, rank in ranks.items():
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise UnsupportedLoraConfigError(f"LoRA {name}={rank!r}: the rank must be a whole number >= 1 (e.g. r=8)")
     targets = list(config.target_parameters or [])
     for target in targets:
         if target.rsplit(".", 1)[-1] not in EXPERT_PARAMETERS:
             raise UnsupportedLoraConfigError(
                 f"target_parameters entry {target!r} is not a routed-expert weight moecc can adapt; "
                 f"use names ending in one of {', '.join(EXPERT_PARAMETERS)} (e.g. 'mlp.experts.gate_up_proj')"
+            )
+    for target in targets:
+        if not _names_an_expert_weight(target):
+            raise UnsupportedLoraConfigError(
+                f"target_parameters entry {target!r} matches no routed-expert weight: PEFT matches it against the "
+                "end of names like 'model.layers.0.mlp.experts.gate_up_proj', so it would adapt nothing and the "
+                "experts would train untouched; use 'mlp.experts.gate_up_proj' / 'mlp.experts.down_proj'"
             )
     if not targets:
         return
@@ -61,6 +72,52 @@ def check_lora_config(config: LoraConfig) -> None:
         raise UnsupportedLoraConfigError("lora_bias=True is not supported on routed experts; set lora_bias=False")
     if config.fan_in_fan_out:
         raise UnsupportedLoraConfigError("fan_in_fan_out=True does not apply to fused experts; set it to False")
+
+
+# The names every supported family gives its fused expert weights; PEFT adapts a parameter when its name equals a
+# target_parameters entry or ends with "." + the entry.
+_EXPERT_WEIGHT_NAME = ("model", "layers", r"\d+", "mlp", "experts")
+
+
+def _names_an_expert_weight(target: str) -> bool:
+    """Whether ``target`` is a dot-aligned ending of some ``model.layers.<n>.mlp.experts.<weight>``."""
+    parts = target.split(".")
+    template = [*_EXPERT_WEIGHT_NAME, parts[-1]]
+    if len(parts) > len(template):
+        return False
+    return all(re.fullmatch(pattern, part) for pattern, part in zip(template[-len(parts):], parts))
+
+
+def check_expert_targets_matched(peft_model: torch.nn.Module, config: LoraConfig) -> None:
+    """After ``get_peft_model``: every ``target_parameters`` entry adapted at least one expert weight (an entry
+    naming a layer the model does not have adapts nothing, and PEFT only warns)."""
+    names = [f"{name}.{wrapper.parameter_name}" for name, wrapper in peft_model.named_modules()
+             if isinstance(wrapper, ParamWrapper)]
+    names = [name.replace(".base_layer", "") for name in names]
+    for target in config.target_parameters or []:
+        if not any(name == target or name.endswith("." + target) for name in names):
+            raise UnsupportedLoraConfigError(
+                f"target_parameters entry {target!r} matched no parameter of this model (the experts would train "
+                "untouched); check the layer number, or use 'mlp.experts.gate_up_proj' for every layer"
+            )
+
+
+def non_finite_gradients(model: torch.nn.Module) -> list[tuple[str, int]]:
+    """``(parameter name, count)`` of every trainable parameter whose gradient holds NaN or inf."""
+    return [(name, int((~torch.isfinite(p.grad)).sum())) for name, p in model.named_parameters()
+            if p.requires_grad and p.grad is not None and not torch.isfinite(p.grad).all()]
+
+
+def check_finite_gradients(model: torch.nn.Module, step: int) -> None:
+    """Raises MoeccError naming the first layer whose LoRA gradient is not finite at optimizer step ``step``."""
+    bad = non_finite_gradients(model)
+    if bad:
+        name, count = bad[0]
+        raise MoeccError(
+            f"step {step}: the gradient of {name} has {count} non-finite values (NaN or inf)"
+            + (f", and {len(bad) - 1} more parameters do" if len(bad) > 1 else "")
+            + "; lower the learning rate, clip gradients (max_grad_norm) or train in bfloat16 instead of float16"
+        )
 
 
 def expert_wrappers(experts: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, ParamWrapper]]:
@@ -153,49 +210,3 @@ def factor_gradients(loras: tuple[ExpertLora | None, ExpertLora | None], grads: 
         else:
             out += [grad_a.to(lora.A.device, lora.A.dtype), grad_b.to(lora.B.device, lora.B.dtype)]
     return out
-
-
-def read_adapter_config(path: str | Path) -> LoraConfig:
-    """Reads ``adapter_config.json`` from a PEFT adapter directory, with errors that name what is missing."""
-    directory = Path(path)
-    if not directory.is_dir():
-        raise AdapterMismatchError(f"adapter directory {str(directory)!r} does not exist")
-    config_file = directory / "adapter_config.json"
-    weights = [directory / "adapter_model.safetensors", directory / "adapter_model.bin"]
-    if not config_file.is_file() or not any(w.is_file() for w in weights):
-        raise AdapterMismatchError(
-            f"{str(directory)!r} is not a PEFT adapter directory: it needs adapter_config.json and "
-            "adapter_model.safetensors (as written by model.save_pretrained)"
-        )
-    fields = json.loads(config_file.read_text())
-    if fields.get("peft_type", "LORA") != "LORA":
-        raise AdapterMismatchError(f"adapter in {str(directory)!r} is {fields.get('peft_type')}, not LoRA")
-    return LoraConfig.from_pretrained(str(directory))
-
-
-def check_adapter_matches(peft_model: torch.nn.Module, path: str | Path) -> None:
-    """Raises AdapterMismatchError unless the saved adapter has exactly the model's LoRA tensors and shapes."""
-    from peft.utils import get_peft_model_state_dict
-    from safetensors import safe_open
-
-    saved_file = Path(path) / "adapter_model.safetensors"
-    if not saved_file.is_file():
-        return  # legacy .bin adapters are checked by PEFT's own loader
-    with safe_open(str(saved_file), framework="pt") as handle:
-        saved = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
-    expected = {key: tuple(t.shape) for key, t in get_peft_model_state_dict(peft_model).items()}
-    missing = sorted(set(expected) - set(saved))
-    unexpected = sorted(set(saved) - set(expected))
-    wrong = sorted(k for k in set(saved) & set(expected) if saved[k] != expected[k])
-    if missing or unexpected or wrong:
-        details = []
-        if missing:
-            details.append(f"{len(missing)} tensors missing (e.g. {missing[0]})")
-        if unexpected:
-            details.append(f"{len(unexpected)} tensors the model has no place for (e.g. {unexpected[0]})")
-        if wrong:
-            details.append(f"shape mismatch for {wrong[0]}: adapter {saved[wrong[0]]}, model {expected[wrong[0]]}")
-        raise AdapterMismatchError(
-            f"adapter {str(path)!r} does not match this model: " + "; ".join(details)
-            + ". Load it into the model architecture and size it was trained on."
-        )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .errors import UnsupportedDtypeError, UnsupportedModelError
-from .reference import ExpertWeights
+from .experts.types import ExpertWeights
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -15,7 +15,7 @@ import torch
 from peft import get_peft_model
 
 import moecc
-from moecc.native_experts import NativeExperts
+from moecc.experts.native import NativeExperts
 from moecc.tiny_models import tiny_model
 
 from .parity import batches, lora_config, randomize_lora, rel_err

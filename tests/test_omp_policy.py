@@ -11,7 +11,7 @@ SCRIPT = """
 import os, warnings
 {imports}
 from moecc import _ops
-from moecc.native_experts import NativeExperts
+from moecc.experts.native import NativeExperts
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     NativeExperts(_ops.best_isa())

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ..reference import ExpertLora, ExpertWeights
+from ..experts import ExpertLora, ExpertWeights
 from .presets import preset_config
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moecc" / "rates.json"
@@ -210,7 +210,7 @@ def cpu_expert_passes(shape: dict, tokens: list[int], rank: int = RANK) -> tuple
     """Seconds of one MoE layer's routed experts with LoRA on our native CPU kernels at each token count:
     (forward, backward)."""
     from .. import _ops
-    from ..native_experts import NativeExperts
+    from ..experts.native import NativeExperts
 
     weights, lora = _random_layer(shape, torch.device("cpu"), rank)
     native = NativeExperts(_ops.best_isa())
@@ -232,7 +232,7 @@ def gpu_expert_passes(shape: dict, tokens: list[int], device: torch.device,
     """Seconds of one MoE layer's routed experts with LoRA on ``device`` as the offload paradigm computes them
     there (weights already copied, LoRA factors on the device: ``MoeccConfig.offload_lora``'s usual choice; the
     planner adds the factors' copies where they stay in host memory), at each token count: (forward, backward)."""
-    from .. import grouped_experts
+    from ..experts import grouped
 
     weights, host_lora = _random_layer(shape, device, rank)
     lora = [ExpertLora(f.A.to(device), f.B.to(device), f.scaling, f.num_experts) for f in host_lora]
@@ -240,10 +240,10 @@ def gpu_expert_passes(shape: dict, tokens: list[int], device: torch.device,
     def forward(batch):
         hidden, index, routing, _ = batch
         torch.unique(index).tolist()  # offload's one host sync per layer: which experts to copy
-        return grouped_experts.experts_forward(weights, hidden, index, routing, *lora)[1]
+        return grouped.forward(weights, hidden, index, routing, *lora)[1]
 
     def backward(saved, batch):
-        grouped_experts.experts_backward(weights, saved, batch[3], *lora)
+        grouped.backward(weights, saved, batch[3], *lora)
 
     return _timed_passes(shape, tokens, device, forward, backward)
 

@@ -14,83 +14,43 @@ from __future__ import annotations
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 from torch.profiler import record_function
 
-from .. import _ops, reference
-from ..lora import factor_gradients, layer_lora, lora_tensors, merge_revision
-from ..native_experts import NativeExperts
-from ..reference import ExpertLora, ExpertWeights, SavedState
+from ..config import MoeccConfig
+from ..experts import ExpertBackend, ExpertLora, SavedState
+from ..experts.select import cpu_backend
+from ..lora import lora_tensors
 from ..staging import HostCopy, StagingBuffers
-from ..store import expert_weights
+from .base import Engine, ExpertLayer, node_gradients, saved_state_gone
 
 
-@dataclass
-class StepMetrics:
-    """Counters accumulated since the last ``reset``; read by benchmarks and the Trainer callback."""
-
-    cpu_forward_s: float = 0.0
-    cpu_backward_s: float = 0.0
-    wait_s: float = 0.0  # time the caller blocked on CPU expert results in forward
-    tokens: int = 0  # tokens entering the first MoE layer (forward passes, not checkpoint recomputation)
-    tokens_routed: int = 0  # (token, expert) pairs over all layers
-    expert_token_counts: list = field(default_factory=list)  # one [E] list (or device tensor) per layer call
-
-    def reset(self) -> None:
-        self.cpu_forward_s = self.cpu_backward_s = self.wait_s = 0.0
-        self.tokens = self.tokens_routed = 0
-        self.expert_token_counts = []
-
-    @property
-    def routing_skew(self) -> float:
-        """Mean over layer calls of (most tokens on one expert) / (mean tokens per expert); 1 is perfectly even."""
-        counts = [c.tolist() if isinstance(c, torch.Tensor) else c for c in self.expert_token_counts]
-        skews = [max(c) * len(c) / sum(c) for c in counts if sum(c) > 0]
-        return sum(skews) / len(skews) if skews else 0.0
-
-
-def _per_layer(supports, native_fn, reference_fn):
-    """A backend function that runs the native kernels on the layers they support and the reference elsewhere."""
-
-    def run(weights: ExpertWeights, *args):
-        return (native_fn if supports(weights) else reference_fn)(weights, *args)
-
-    return run
-
-
-class CoComputeEngine:
+class CoComputeEngine(Engine):
     """Shared state of every co-compute layer: staging buffers, the CPU backend, the worker, metrics."""
 
-    def __init__(self, device: torch.device, backend: str = "auto", isa: str = "auto",
-                 prepack: bool = False) -> None:
-        self.device = device
+    name = "cocompute"
+
+    def __init__(self, device: torch.device, backend: ExpertBackend) -> None:
+        super().__init__(device)
         self.staging = StagingBuffers(device)
-        self.native: NativeExperts | None = None  # the kernel backend, where it runs some layers
-        if backend == "reference":
-            self.forward_fn, self.backward_fn = reference.experts_forward, reference.experts_backward
-        elif backend in ("native", "auto"):
-            native = self.native = NativeExperts(_ops.best_isa() if isa == "auto" else isa, prepack=prepack)
-            if backend == "native":
-                self.forward_fn, self.backward_fn = native.forward, native.backward
-            else:
-                self.forward_fn = _per_layer(native.supports, native.forward, reference.experts_forward)
-                self.backward_fn = _per_layer(native.supports, native.backward, reference.experts_backward)
-        else:
-            raise ValueError(f"unknown co-compute backend {backend!r}; use 'auto', 'native' or 'reference'")
-        self.metrics = StepMetrics()
+        self.backend = backend
         self._bytes_mark = (0, 0)
         # One worker: layers are sequential, and the kernels parallelise inside a call.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecc-experts")
 
+    @classmethod
+    def from_config(cls, device: torch.device, config: MoeccConfig) -> CoComputeEngine:
+        return cls(device, cpu_backend(config.backend, config.isa, prepack=config.prepack_weights))
+
+    def finish(self, model: torch.nn.Module, config: MoeccConfig) -> None:
+        self.backend.prepare_layers([layer.weights for layer in self.layers])
+
     def release_result(self, host: torch.Tensor) -> None:
-        """Hands a CPU expert output or input gradient back to the kernel backend once it is on the device."""
-        if self.native is not None:
-            self.native.release_result(host)
+        """Hands a CPU expert output or input gradient back to the backend once it is on the device."""
+        self.backend.release_result(host)
 
     def reset_metrics(self) -> None:
-        """Starts a new measurement window for :meth:`metrics_since_reset`."""
         self.metrics.reset()
         self._bytes_mark = (self.staging.bytes_to_device, self.staging.bytes_to_host)
 
@@ -127,8 +87,8 @@ class ExpertJob:
         views = staged.wait()
         start = time.perf_counter()
         with record_function("moecc.cpu_experts.forward"):
-            out, saved = engine.forward_fn(self.weights, views["hidden"], views["top_k_index"],
-                                           views["top_k_weights"], *self.lora)
+            out, saved = engine.backend.forward(self.weights, views["hidden"], views["top_k_index"],
+                                                views["top_k_weights"], *self.lora)
         engine.metrics.cpu_forward_s += time.perf_counter() - start
         engine.metrics.tokens_routed += views["top_k_index"].numel()
         engine.metrics.expert_token_counts.append((saved.offsets[1:] - saved.offsets[:-1]).tolist())
@@ -156,34 +116,20 @@ class PendingExperts:
         return self._output
 
 
-class CoComputeLayer:
+class CoComputeLayer(ExpertLayer):
     """One MoE layer's routed experts on the CPU, with the PEFT wrappers that hold their LoRA."""
+
+    engine: CoComputeEngine
 
     def __init__(self, name: str, experts: torch.nn.Module, wrappers: dict, engine: CoComputeEngine,
                  index: int = 0) -> None:
-        self.name = name
-        self.index = index  # position among the model's MoE layers
-        self.experts = experts  # the Hugging Face experts module holding the host-resident weights
-        self.wrappers = wrappers
-        self.engine = engine
+        super().__init__(name, experts, wrappers, engine, index)
         # Jobs whose backward is still to come, newest last. Under non-reentrant gradient checkpointing the
         # layer's forward runs again inside backward only to regenerate saved tensors; the original autograd
         # node (holding the first job) is the one differentiated, so that rerun takes the first job's result
         # instead of running the experts on the CPU a second time.
         # Weak references: a graph dropped without a backward frees its jobs as before.
         self.pending_backward: list[weakref.ref] = []
-
-    @property
-    def weights(self) -> ExpertWeights:
-        """The experts' current base weights (read at call time: PEFT's merge may replace or update them)."""
-        weights = expert_weights(self.experts)
-        weights.cache_owner = self.experts
-        weights.revision = merge_revision(self.wrappers)
-        return weights
-
-    def lora(self) -> tuple[ExpertLora | None, ExpertLora | None]:
-        """(gate_up, down) LoRA factors PEFT would apply now, None where a projection applies none."""
-        return layer_lora(self.wrappers)
 
     def _job_to_replay(self, hidden: torch.Tensor, top_k_index: torch.Tensor) -> ExpertJob | None:
         """The newest job still waiting for its backward, if this call (a recomputation) repeats it."""
@@ -199,7 +145,7 @@ class CoComputeLayer:
 
     def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> PendingExperts:
         """Starts the routed experts on ``hidden [T, H]``; queue independent device work, then call ``result()``."""
-        recomputing = torch._C._current_graph_task_id() != -1
+        recomputing = self.begin_call(hidden)
         if recomputing and torch.is_grad_enabled():
             earlier = self._job_to_replay(hidden, top_k_index)
             if earlier is not None:
@@ -212,8 +158,6 @@ class CoComputeLayer:
         })
         job = ExpertJob(self, self.lora())
         job.shape = (tuple(hidden.shape), tuple(top_k_index.shape))
-        if self.index == 0 and not recomputing:
-            self.engine.metrics.tokens += hidden.shape[0]
         job.future = self.engine.worker.submit(job.compute, staged)
         if torch.is_grad_enabled() and not recomputing:
             # Forwards whose graph was dropped without a backward leave dead references: drop them here.
@@ -244,17 +188,13 @@ class CpuExpertsFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         job = ctx.job
         if job.saved is None:
-            raise RuntimeError(
-                "moecc: the CPU experts' saved activations are gone: they are released after the first backward "
-                "through a graph (backward(retain_graph=True) cannot run a second time), or result() was never "
-                "taken in forward. Run the forward pass again."
-            )
+            raise saved_state_gone("CPU")
         engine = job.layer.engine
         views = engine.staging.to_host({"grad_out": grad_out.contiguous()}).wait()
         start = time.perf_counter()
         with record_function("moecc.cpu_experts.backward"):
-            grad_hidden, grad_weights, lora_grads = engine.backward_fn(job.weights, job.saved,
-                                                                       views["grad_out"], *job.lora)
+            grad_hidden, grad_weights, lora_grads = engine.backend.backward(job.weights, job.saved,
+                                                                            views["grad_out"], *job.lora)
         engine.metrics.cpu_backward_s += time.perf_counter() - start
         job.saved = None  # release host activations as soon as they are used (and the job can no longer replay)
         if job.may_replay:
@@ -265,4 +205,7 @@ class CpuExpertsFunction(torch.autograd.Function):
         grad_hidden = staging.to_device("grad_hidden", host_grad_hidden.to(ctx.hidden_dtype))
         engine.release_result(host_grad_hidden)  # copied: the next layer's backward writes into these pages
         grad_weights = staging.to_device("grad_weights", grad_weights.to(ctx.weights_dtype))
-        return (grad_hidden, grad_weights, None, *factor_gradients(job.lora, lora_grads))
+        return node_gradients(grad_hidden, grad_weights, 1, job.lora, lora_grads)
+
+
+CoComputeEngine.layer_class = CoComputeLayer

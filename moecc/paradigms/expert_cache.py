@@ -45,7 +45,7 @@ class ExpertCache:
             return
         wanted, used = [], 0
         for key, _ in self.counts.most_common():
-            weights = layers[key[0]].host_weights
+            weights = layers[key[0]].weights
             size = weights.gate_up[key[1]].nbytes + weights.down[key[1]].nbytes
             if used + size > self.budget_bytes:
                 continue  # a smaller expert of another layer may still fit
@@ -59,7 +59,7 @@ class ExpertCache:
             revision = layer.revision()
             entry = self.entries.get((layer_index, expert))
             if entry is None or entry[2] != revision:
-                weights = layer.host_weights
+                weights = layer.weights
                 self.entries[(layer_index, expert)] = (weights.gate_up[expert].to(self.device, copy=True),
                                                        weights.down[expert].to(self.device, copy=True), revision)
 

@@ -6,10 +6,10 @@ computes, the next layer's experts are already being copied when the batch is la
 experts; in backward, where every layer's routed experts are known from forward, the previous layer's experts
 are copied while the current one computes. Slots are bounded (by the GPU memory budget) and reused.
 
-The expert math on the device is chosen per engine (``OffloadEngine.compute``, default from
-``MOECC_OFFLOAD_COMPUTE``): ``"grouped"`` (``moecc.grouped_experts``: one grouped matrix product per projection,
-LoRA factorised; agrees with HF + PEFT to the dtype's rounding; the default on CUDA) or ``"reference"``
-(``moecc.reference``: one expert at a time with PEFT's folded ``W + ΔW``, bit-exact with HF + PEFT; the default
+The expert math on the device is chosen per engine (``OffloadEngine.compute``, from
+``MoeccConfig.offload_compute``): ``"grouped"`` (``moecc.experts.grouped``: one grouped matrix product per
+projection, LoRA factorised; agrees with HF + PEFT to the dtype's rounding; the default on CUDA) or ``"reference"``
+(``moecc.experts.reference``: one expert at a time with PEFT's folded ``W + ΔW``, bit-exact with HF + PEFT; the default
 elsewhere, so CPU runs stay exact). The expert LoRA factors (``MoeccConfig.offload_lora``) live on the device
 when they fit a quarter of the budget with their gradients and optimizer state, and are used in place there;
 otherwise they stay host parameters (pinned on CUDA), copied to the device once per forward pass. With a cache
@@ -25,7 +25,6 @@ and prefetches nothing forwards.
 """
 from __future__ import annotations
 
-import os
 import time
 import weakref
 from collections import OrderedDict
@@ -34,38 +33,17 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 
-from .. import grouped_experts, reference
-from ..errors import MoeccError
-from ..lora import factor_gradients, layer_lora, lora_tensors, merge_revision
-from ..reference import ExpertLora, ExpertWeights, SavedState
+from ..config import MoeccConfig
+from ..experts import ExpertLora, ExpertWeights, SavedState
+from ..experts.select import default_device_backend, device_backend
+from ..lora import lora_tensors
 from ..staging import HostBufferPool
-from ..store import expert_weights
-from .cocompute import StepMetrics
+from .base import (BUDGET_SLACK, Engine, ExpertLayer, Ready, expert_lora_params, node_gradients,
+                   resident_weight_bytes, saved_state_gone)
 from .expert_cache import ExpertCache
 
-EXPERT_MATH = {"grouped": grouped_experts, "reference": reference}  # modules with experts_forward / _backward
-COMPUTE_ENV = "MOECC_OFFLOAD_COMPUTE"
 SAVED_TENSORS = ("hidden", "top_k_weights", "offsets", "order", "gate_up_out")  # SavedState's tensor fields
 _PARK_ALIGN = 64  # bytes; each tensor's offset in a parked buffer
-
-
-def check_compute(value: str, source: str) -> str:
-    """``value`` if it names an entry of ``EXPERT_MATH``; otherwise an error saying where it came from."""
-    if value not in EXPERT_MATH:
-        raise MoeccError(
-            f"{source}={value!r} is not an offload expert computation; use 'grouped' (grouped matrix products, "
-            "LoRA factorised, agrees with HF + PEFT to the dtype's rounding) or 'reference' (bit-exact with "
-            "HF + PEFT, one expert at a time)"
-        )
-    return value
-
-
-def default_compute(device: torch.device) -> str:
-    """``MOECC_OFFLOAD_COMPUTE`` when set; otherwise ``"grouped"`` on CUDA and ``"reference"`` elsewhere."""
-    value = os.environ.get(COMPUTE_ENV, "").strip().lower()
-    if value:
-        return check_compute(value, COMPUTE_ENV)
-    return "grouped" if device.type == "cuda" else "reference"
 
 
 class _Slot:
@@ -264,22 +242,23 @@ def _copy_runs(slot: _Slot, host: ExpertWeights, runs: list[tuple[int, int, tupl
             down.record_stream(stream)
 
 
-class OffloadEngine:
+class OffloadEngine(Engine):
     """Copy stream, device slots (LRU over layers), activation parking, metrics, and the layer list for
-    prefetching."""
+    prefetching. ``compute``: ``MoeccConfig.offload_compute``'s names (None: ``"auto"``)."""
+
+    name = "offload"
 
     def __init__(self, device: torch.device, slots: int = 2, compute: str | None = None,
                  cache_bytes: int = 0) -> None:
         if device.type == "cuda" and device.index is None:  # compared with tensors' devices, which have one
             device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
+        super().__init__(device)
         # Device copies of the hottest experts (moecc.paradigms.expert_cache); None when no budget is given.
         self.cache = ExpertCache(device, cache_bytes) if cache_bytes > 0 else None
         self.capacity = max(1, slots)
-        self.compute = default_compute(device) if compute is None else compute
+        self.compute = default_device_backend(device) if compute in (None, "auto") else compute
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.slots: OrderedDict[int, _Slot] = OrderedDict()
-        self.layers: list[OffloadLayer] = []
         # Park each layer's saved state in host memory between its forward and its backward (see the module
         # docstring); False keeps it on the device. On the CPU the same path runs with plain host copies.
         self.park_activations = True
@@ -287,7 +266,6 @@ class OffloadEngine:
         self.lora_on_device = False
         self.parking = ActivationParking(device, self.copy_stream)
         self.forward_passes = 0  # forward passes begun (not recomputations); keys parked states with the layer
-        self.metrics = StepMetrics()
         self.h2d_bytes = 0  # expert weights copied to the device
         self.copy_s = 0.0  # measured directly where copies are synchronous (no CUDA)
         self._mark = (0, 0, 0)
@@ -305,7 +283,37 @@ class OffloadEngine:
 
     @compute.setter
     def compute(self, value: str) -> None:
-        self._compute = check_compute(value, "OffloadEngine.compute")
+        device_backend(value, "OffloadEngine.compute")  # refuses unknown names, saying which exist
+        self._compute = value
+
+    @classmethod
+    def from_config(cls, device: torch.device, config: MoeccConfig) -> OffloadEngine:
+        return cls(device, config.offload_slots, config.offload_compute, int(config.offload_cache_gb * 1e9))
+
+    def add_layer(self, name: str, experts: torch.nn.Module, wrappers: dict) -> OffloadLayer:
+        """The layer, its experts' weights pinned on CUDA: copied to the device every layer call, from pageable
+        memory each copy would stall the host while CUDA stages it."""
+        if self.device.type == "cuda":
+            pin_experts(experts)
+        return super().add_layer(name, experts, wrappers)
+
+    def finish(self, model: torch.nn.Module, config: MoeccConfig) -> None:
+        """Decides where the expert LoRA lives and puts the factors there (after ``keep_on_host`` moved the
+        experts' subtree to host memory)."""
+        self.lora_on_device = lora_on_device(model, self.layers, self.device, config)
+        self.place_lora(expert_lora_params(self.layers))
+
+    def pass_begins(self) -> None:
+        self.forward_passes += 1
+        if self.cache is not None:
+            self.cache.refill(self.layers)  # from the routing of the passes so far
+
+    def gpu_bytes(self, config: MoeccConfig) -> int:
+        return offload_gpu_bytes(self.layers, config, self.lora_on_device)
+
+    def budget_advice(self) -> str:
+        return (" or lower offload_slots / offload_cache_gb"
+                + (" or keep the expert LoRA in host memory (offload_lora='host')" if self.lora_on_device else ""))
 
     def reset_metrics(self) -> None:
         self.metrics.reset()
@@ -361,7 +369,7 @@ class OffloadEngine:
         if layer.index in self.slots:
             self.slots.move_to_end(layer.index)
             return self.slots[layer.index]
-        host = layer.host_weights
+        host = layer.weights
         if len(self.slots) < self.capacity:
             slot = _Slot(torch.empty(host.gate_up.shape, dtype=host.gate_up.dtype, device=self.device),
                          torch.empty(host.down.shape, dtype=host.down.dtype, device=self.device))
@@ -380,7 +388,7 @@ class OffloadEngine:
         """Whether the layer's slot has (or is being sent) every expert, as of the current merge state."""
         slot = self.slots.get(layer.index)
         return (slot is not None and slot.revision == layer.revision()
-                and len(slot.present) == layer.host_weights.num_experts)
+                and len(slot.present) == layer.weights.num_experts)
 
     def fetch(self, layer: OffloadLayer, experts: list[int], lora: tuple | None = None) -> _Slot:
         """Starts copying the experts the slot lacks, and the layer's LoRA factors (``lora``, default: what the
@@ -394,7 +402,7 @@ class OffloadEngine:
         stale_lora = not self.lora_on_device and not self._lora_current(slot, factors)
         if not missing and not stale_lora:
             return slot
-        host = layer.host_weights
+        host = layer.weights
         # Experts the cache holds come from device memory; only the rest cross PCIe.
         sources = {e: self.cache.take(layer.index, e, slot.revision) if self.cache is not None else None
                    for e in missing}
@@ -498,7 +506,7 @@ class OffloadEngine:
         """Starts copying layer ``index``'s experts (all when ``experts`` is None), if that layer exists."""
         if 0 <= index < len(self.layers) and self.capacity > 1:
             layer = self.layers[index]
-            self.fetch(layer, experts if experts is not None else list(range(layer.host_weights.num_experts)))
+            self.fetch(layer, experts if experts is not None else list(range(layer.weights.num_experts)))
 
     def keep_for_backward(self, call: _Call, saved: SavedState) -> SavedState | ParkedState | None:
         """What a layer's autograd node holds until its backward: nothing when no gradient will be asked for,
@@ -527,54 +535,32 @@ class _Call:
     key: tuple[int, int]  # (forward pass, layer index), under which a parked state is prefetched
 
 
-class _Done:
-    """``submit`` computes at once on the device (asynchronously there); ``result`` just hands it over."""
-
-    def __init__(self, output: torch.Tensor) -> None:
-        self._output = output
-
-    def result(self) -> torch.Tensor:
-        return self._output
-
-
-class OffloadLayer:
+class OffloadLayer(ExpertLayer):
     """One MoE layer's routed experts, computed on the device from copied weights."""
+
+    engine: OffloadEngine
 
     def __init__(self, name: str, experts: torch.nn.Module, wrappers: dict, engine: OffloadEngine,
                  index: int) -> None:
-        self.name, self.experts, self.wrappers, self.engine, self.index = name, experts, wrappers, engine, index
+        super().__init__(name, experts, wrappers, engine, index)
         self.last_experts: list[int] | None = None  # routed in the latest forward; backward prefetches them
 
-    def revision(self) -> tuple:
-        """Changes when PEFT merges adapters into (or out of) the host weights."""
-        return merge_revision(self.wrappers)
-
-    @property
-    def host_weights(self) -> ExpertWeights:
-        return expert_weights(self.experts)
-
-    def lora(self) -> tuple[ExpertLora | None, ExpertLora | None]:
-        return layer_lora(self.wrappers)
-
-    def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> _Done:
+    def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Ready:
+        """Queues the layer's copies and compute on the device; ``result()`` hands the output over."""
         lora = self.lora()
         factors = lora_tensors(lora)
         engine = self.engine
         engine.place_lora(factors)
-        recompute = torch._C._current_graph_task_id() != -1  # inside backward: checkpoint recomputing the layer
-        if self.index == 0 and not recompute:
-            engine.metrics.tokens += hidden.shape[0]
-            engine.forward_passes += 1
-            if engine.cache is not None:
-                engine.cache.refill(engine.layers)  # from the routing of the passes so far
+        recompute = self.begin_call(hidden)
         keep = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (hidden, top_k_weights, *factors))
         call = _Call(keep, recompute, (engine.forward_passes, self.index))
         out = OffloadExpertsFunction.apply(hidden, top_k_weights, top_k_index, self, lora, call, *factors)
-        return _Done(out)
+        return Ready(out)
 
     def device_weights(self, slot: _Slot) -> ExpertWeights:
-        host = self.host_weights
+        """The experts' weights as the slot holds them on the device (biases copied, being small)."""
+        host = self.weights
         to = self.engine.device
         return ExpertWeights(
             slot.gate_up, slot.down,
@@ -598,7 +584,7 @@ class OffloadExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, top_k_weights, top_k_index, layer, lora, call, *lora_tensors):
-        engine, num_experts = layer.engine, layer.host_weights.num_experts
+        engine, num_experts = layer.engine, layer.weights.num_experts
         if engine.holds_all(layer):
             # Every expert is on the device already (prefetched whole, as for every layer after the first when
             # batches are large): no need to know which are routed, so no host sync; the token counts for the
@@ -621,9 +607,9 @@ class OffloadExpertsFunction(torch.autograd.Function):
         engine.use(slot)
         begun = engine.compute_begins()
         device_lora = engine.device_lora(slot, lora)
-        math = EXPERT_MATH[engine.compute]  # backward uses the same, whatever compute is by then
+        math = device_backend(engine.compute)  # backward uses the same, whatever compute is by then
         with record_function("moecc.offload.forward"):
-            out, saved = math.experts_forward(layer.device_weights(slot), hidden, top_k_index, top_k_weights,
+            out, saved = math.forward(layer.device_weights(slot), hidden, top_k_index, top_k_weights,
                                               *device_lora)
         engine.done_with(slot)
         engine.compute_ends(begun, backward=False)
@@ -640,7 +626,7 @@ class OffloadExpertsFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         layer, engine, state = ctx.layer, ctx.layer.engine, ctx.state
         if state is None:
-            raise RuntimeError("moecc: offloaded experts' saved activations were released after the first backward")
+            raise saved_state_gone("offloaded")
         ctx.state = None
         slot = engine.fetch(layer, ctx.experts, ctx.lora)  # the factors forward used, whatever is active now
         if isinstance(state, ParkedState):
@@ -655,9 +641,44 @@ class OffloadExpertsFunction(torch.autograd.Function):
         begun = engine.compute_begins()
         device_lora = engine.device_lora(slot, ctx.lora)
         with record_function("moecc.offload.backward"):
-            grad_hidden, grad_weights, grads = ctx.math.experts_backward(layer.device_weights(slot), saved,
-                                                                         grad_out, *device_lora)
+            grad_hidden, grad_weights, grads = ctx.math.backward(layer.device_weights(slot), saved, grad_out,
+                                                                 *device_lora)
         engine.done_with(slot)
         engine.compute_ends(begun, backward=True)
-        return (grad_hidden.to(ctx.dtypes[0]), grad_weights.to(ctx.dtypes[1]), None, None, None, None,
-                *factor_gradients(ctx.lora, grads))
+        return node_gradients(grad_hidden.to(ctx.dtypes[0]), grad_weights.to(ctx.dtypes[1]), 4, ctx.lora, grads)
+
+
+OffloadEngine.layer_class = OffloadLayer
+
+
+def pin_experts(experts: torch.nn.Module) -> None:
+    """Moves one experts module's weights into page-locked host memory (the copies replace the originals)."""
+    for param in experts.parameters(recurse=False):
+        if not param.is_pinned():
+            param.data = param.data.pin_memory()
+
+
+def offload_gpu_bytes(layers: list, config: MoeccConfig, lora_on_device: bool) -> int:
+    """What offload keeps on the GPU besides the non-expert weights: its slots, its cache, and with
+    ``lora_on_device`` the expert LoRA factors, their gradients and two AdamW moments (4x the float32 factors)."""
+    slot = max((layer.experts.gate_up_proj.nbytes + layer.experts.down_proj.nbytes for layer in layers), default=0)
+    lora = 4 * sum(p.nbytes for p in expert_lora_params(layers)) if lora_on_device else 0
+    return config.offload_slots * slot + int(config.offload_cache_gb * 1e9) + lora
+
+
+def lora_on_device(model: torch.nn.Module, layers: list, device: torch.device, config: MoeccConfig) -> bool:
+    """Whether offload keeps the expert LoRA factors on ``device`` (see ``MoeccConfig.offload_lora``). Under
+    ``"auto"``: when the factors, their gradients and two AdamW moments (4x the float32 factors) take at most a
+    quarter of the GPU budget (of the GPU's memory without one) and everything else that stays on the GPU still
+    fits the budget beside them; always off CUDA, where host and device are one memory."""
+    if config.offload_lora != "auto":
+        return config.offload_lora == "device"
+    if device.type != "cuda":
+        return True
+    state = 4 * sum(p.nbytes for p in expert_lora_params(layers))
+    if config.gpu_memory_budget_gb is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return state <= torch.cuda.get_device_properties(index).total_memory / 4
+    budget = config.gpu_memory_budget_gb * 1e9
+    resident = resident_weight_bytes(model) + offload_gpu_bytes(layers, config, lora_on_device=True)
+    return state <= budget / 4 and resident * BUDGET_SLACK <= budget

@@ -26,7 +26,7 @@ def _pair(cache_gb: float, family: str = "qwen3_moe"):
 
 
 def _expert_bytes(engine) -> int:
-    weights = engine.moecc.layers[0].host_weights
+    weights = engine.moecc.layers[0].weights
     return weights.gate_up[0].nbytes + weights.down[0].nbytes
 
 

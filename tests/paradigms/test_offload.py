@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moecc
-from moecc import grouped_experts
+from moecc.experts import grouped
 from moecc.lora import lora_tensors
 from moecc.paradigms.offload import OffloadEngine
 
@@ -25,7 +25,7 @@ from ..parity import (
 
 
 def _expert_bytes(engine, experts: int) -> int:
-    weights = engine.moecc.layers[0].host_weights
+    weights = engine.moecc.layers[0].weights
     return experts * (weights.gate_up[0].nbytes + weights.down[0].nbytes)
 
 
@@ -61,11 +61,17 @@ def _fake_offload_model(lora_bytes: int, layer_bytes: int, rest_bytes: int):
     wrapper.lora_A = torch.nn.Parameter(torch.zeros(lora_bytes // 4))
     experts = SimpleNamespace(gate_up_proj=torch.zeros(layer_bytes // 4, dtype=torch.bfloat16),
                               down_proj=torch.zeros(layer_bytes // 4, dtype=torch.bfloat16))
-    layer = SimpleNamespace(wrappers={"gate_up_proj": wrapper}, experts=experts,
-                            engine=SimpleNamespace(lora_on_device=False))
+    layer = SimpleNamespace(wrappers={"gate_up_proj": wrapper}, experts=experts)
     model = torch.nn.Module()
     model.attention = torch.nn.Parameter(torch.zeros(rest_bytes // 2, dtype=torch.bfloat16))
     return model, [layer]
+
+
+def _fake_cuda_engine(layers: list) -> OffloadEngine:
+    """An offload engine over ``layers`` that believes it runs on a GPU (built on the CPU, so none is needed)."""
+    engine = OffloadEngine(torch.device("cpu"))
+    engine.device, engine.layers = torch.device("cuda", 0), layers
+    return engine
 
 
 def test_offload_lora_placement_follows_the_budget(monkeypatch):
@@ -73,26 +79,28 @@ def test_offload_lora_placement_follows_the_budget(monkeypatch):
     everything else that stays there still fits beside it; otherwise the host, so no budget that fits with the
     factors in host memory is refused because of them."""
     from moecc import api
+    from moecc.paradigms.offload import lora_on_device
 
     monkeypatch.setattr(api, "cap_gpu_memory", lambda *args: None)
     cuda = torch.device("cuda", 0)
     model, layers = _fake_offload_model(lora_bytes=1_000_000, layer_bytes=2_000_000, rest_bytes=1_000_000)
     # resident without the LoRA: 1 MB + 2 slots x 2 MB = 5 MB; the LoRA state: 4 MB, at most a quarter of 16 MB
     # but not of 15
-    assert api.offload_lora_on_device(model, layers, cuda, moecc.MoeccConfig(gpu_memory_budget_gb=0.016))
-    assert not api.offload_lora_on_device(model, layers, cuda, moecc.MoeccConfig(gpu_memory_budget_gb=0.015))
+    assert lora_on_device(model, layers, cuda, moecc.MoeccConfig(gpu_memory_budget_gb=0.016))
+    assert not lora_on_device(model, layers, cuda, moecc.MoeccConfig(gpu_memory_budget_gb=0.015))
     # 4 MB is a quarter of 20 MB, but with a 10 MB cache the GPU would need (1 + 4 + 10 + 4) x 1.1 = 20.9 MB:
     # host, where (1 + 4 + 10) x 1.1 = 16.5 MB fits
     config = moecc.MoeccConfig(gpu_memory_budget_gb=0.020, offload_cache_gb=0.010)
-    assert not api.offload_lora_on_device(model, layers, cuda, config)
-    api.apply_gpu_budget(model, layers, "offload", cuda, config)
-    layers[0].engine.lora_on_device = True  # forced on the GPU, the same budget is refused, saying what to do
+    assert not lora_on_device(model, layers, cuda, config)
+    engine = _fake_cuda_engine(layers)
+    api.apply_gpu_budget(model, engine, config)
+    engine.lora_on_device = True  # forced on the GPU, the same budget is refused, saying what to do
     with pytest.raises(moecc.MoeccError, match="offload_lora='host'"):
-        api.apply_gpu_budget(model, layers, "offload", cuda, config)
+        api.apply_gpu_budget(model, engine, config)
     tiny = moecc.MoeccConfig(gpu_memory_budget_gb=1e-6, offload_lora="device")
-    assert api.offload_lora_on_device(model, layers, cuda, tiny)
-    assert not api.offload_lora_on_device(model, layers, cuda, moecc.MoeccConfig(offload_lora="host"))
-    assert api.offload_lora_on_device(model, layers, torch.device("cpu"), moecc.MoeccConfig())
+    assert lora_on_device(model, layers, cuda, tiny)
+    assert not lora_on_device(model, layers, cuda, moecc.MoeccConfig(offload_lora="host"))
+    assert lora_on_device(model, layers, torch.device("cpu"), moecc.MoeccConfig())
     with pytest.raises(ValueError, match="offload_lora"):
         moecc.MoeccConfig(offload_lora="gpu")
     monkeypatch.setenv("MOECC_OFFLOAD_LORA", "Host")
@@ -138,11 +146,14 @@ def test_merge_adapter_refreshes_device_copies():
         assert rel_err(engine(input_ids=ids).logits, reference(input_ids=ids).logits) <= 1e-5
 
 
+GROUPED = {"offload_compute": "grouped"}
+
+
 def _force_grouped(monkeypatch, dtype: torch.dtype) -> list:
-    """Selects the grouped compute; returns a list that grows by one per torch._grouped_mm call."""
-    if not grouped_experts.available(dtype, "cpu"):
+    """Counts torch._grouped_mm calls: returns a list that grows by one per call (select the grouped compute with
+    ``GROUPED``)."""
+    if not grouped.available(dtype, "cpu"):
         pytest.skip(f"this PyTorch build has no CPU torch._grouped_mm for {dtype}")
-    monkeypatch.setenv("MOECC_OFFLOAD_COMPUTE", "grouped")
     calls, real = [], torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     return calls
@@ -152,7 +163,8 @@ def _force_grouped(monkeypatch, dtype: torch.dtype) -> list:
 def test_grouped_compute_trains_like_hf_peft(family, monkeypatch):
     """The grouped expert math (LoRA factorised, so not bit-exact) against HF + PEFT at float32 tolerance."""
     calls = _force_grouped(monkeypatch, torch.float32)
-    reference, engine = build_pair(family, torch.float32, lora_config(family), paradigm="offload")
+    reference, engine = build_pair(family, torch.float32, lora_config(family), paradigm="offload",
+                                   moecc_options=GROUPED)
     assert engine.moecc.engine.compute == "grouped"
     batch, = batches(256, 1, batch=3, seq=16, seed=4, pad=True)
     forward_backward_both(reference, engine, batch, 1e-5)
@@ -183,20 +195,22 @@ def _assert_bf16_as_accurate_as_hf_peft(reference, engine, device: str = "cpu") 
 
 def test_grouped_compute_in_bf16_is_as_accurate_as_hf_peft(monkeypatch):
     calls = _force_grouped(monkeypatch, torch.bfloat16)
-    reference, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="offload")
+    reference, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="offload",
+                                   moecc_options=GROUPED)
     _assert_bf16_as_accurate_as_hf_peft(reference, engine)
     assert calls
 
 
 def test_compute_choice_defaults_and_validation(monkeypatch):
     monkeypatch.delenv("MOECC_OFFLOAD_COMPUTE", raising=False)
-    assert OffloadEngine(torch.device("cpu")).compute == "reference"  # exact HF + PEFT parity on the CPU
+    cpu = torch.device("cpu")
+    assert OffloadEngine.from_config(cpu, moecc.MoeccConfig.from_env()).compute == "reference"  # exact on the CPU
     monkeypatch.setenv("MOECC_OFFLOAD_COMPUTE", "Grouped")
-    assert OffloadEngine(torch.device("cpu")).compute == "grouped"
+    assert OffloadEngine.from_config(cpu, moecc.MoeccConfig.from_env()).compute == "grouped"
     monkeypatch.setenv("MOECC_OFFLOAD_COMPUTE", "fast")
-    with pytest.raises(moecc.MoeccError, match="MOECC_OFFLOAD_COMPUTE='fast'.*'grouped'.*'reference'"):
-        OffloadEngine(torch.device("cpu"))
-    engine = OffloadEngine(torch.device("cpu"), compute="reference")
+    with pytest.raises(ValueError, match="offload_compute 'fast'.*grouped, reference"):
+        moecc.MoeccConfig.from_env()
+    engine = OffloadEngine(cpu, compute="reference")
     with pytest.raises(moecc.MoeccError, match="OffloadEngine.compute='loop'"):
         engine.compute = "loop"
 
@@ -232,7 +246,7 @@ def test_offload_on_cuda_matches_and_respects_budget(lora_place):
 
 @pytest.mark.gpu
 def test_offload_on_cuda_bf16_defaults_to_grouped_math(monkeypatch):
-    if not torch.cuda.is_available() or not grouped_experts.available(torch.bfloat16, "cuda"):
+    if not torch.cuda.is_available() or not grouped.available(torch.bfloat16, "cuda"):
         pytest.skip("needs a CUDA GPU on which torch._grouped_mm runs bf16 (compute capability 9.x or 10.x)")
     monkeypatch.delenv("MOECC_OFFLOAD_COMPUTE", raising=False)
     calls, real = [], torch._grouped_mm

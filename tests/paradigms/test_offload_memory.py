@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import moecc
-from moecc import grouped_experts
+from moecc.experts import grouped
 from moecc.paradigms.offload import SAVED_TENSORS, ActivationParking, ParkedState
-from moecc.reference import SavedState
+from moecc.experts import SavedState
 from moecc.staging import HostBufferPool
 from moecc.tiny_models import tiny_model
 
@@ -41,7 +41,7 @@ def _tiny_engine(dtype: torch.dtype = torch.float32, compute: str = "reference",
 
 def _layer_call(layer, tokens: int, dtype: torch.dtype, grad: bool = True):
     g = torch.Generator().manual_seed(tokens)
-    weights = layer.host_weights
+    weights = layer.weights
     hidden = torch.randn(tokens, weights.hidden_size, generator=g).to(dtype).requires_grad_(grad)
     index = torch.stack([torch.randperm(weights.num_experts, generator=g)[:2] for _ in range(tokens)])
     weights = torch.rand(tokens, 2, generator=g).requires_grad_(grad)
@@ -56,12 +56,12 @@ def _state_bytes(state: SavedState) -> int:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("park", [True, False], ids=["parked", "on-device"])
 def test_node_keeps_exactly_the_minimal_state(park, dtype, compute):
-    if compute == "grouped" and not grouped_experts.available(dtype, "cpu"):
+    if compute == "grouped" and not grouped.available(dtype, "cpu"):
         pytest.skip(f"this PyTorch build has no CPU torch._grouped_mm for {dtype}")
     model = _tiny_engine(dtype, compute)
     engine, layer = model.moecc.engine, model.moecc.layers[0]
     engine.park_activations = park
-    weights, tokens = layer.host_weights, 13
+    weights, tokens = layer.weights, 13
     expected = saved_bytes(tokens, weights.hidden_size, weights.intermediate_size, weights.num_experts, 2, dtype)
     node = _layer_call(layer, tokens, dtype).grad_fn
     held = [value for value in vars(node).values() if isinstance(value, torch.Tensor)]
@@ -88,7 +88,7 @@ def _train_step(model, ids, mask, labels) -> None:
 
 @pytest.mark.parametrize("compute", ["reference", "grouped"])
 def test_parked_training_matches_hf_peft_and_unparked(compute):
-    if compute == "grouped" and not grouped_experts.available(torch.float32, "cpu"):
+    if compute == "grouped" and not grouped.available(torch.float32, "cpu"):
         pytest.skip("this PyTorch build has no CPU torch._grouped_mm for float32")
     reference, engine = build_pair("qwen2_moe", torch.float32, lora_config("qwen2_moe"), paradigm="offload",
                                    num_hidden_layers=3)
@@ -114,7 +114,7 @@ def test_metrics_count_parked_and_restored_bytes():
     model = _tiny_engine()
     engine = model.moecc.engine
     (ids, mask, labels), = batches(256, 1, batch=2, seq=9, seed=1)
-    weights = model.moecc.layers[0].host_weights
+    weights = model.moecc.layers[0].weights
     per_layer = saved_bytes(ids.numel(), weights.hidden_size, weights.intermediate_size, weights.num_experts, 2,
                             torch.float32)
     runs = {}
@@ -224,7 +224,7 @@ def test_parking_on_cuda_matches_hf_peft():
 def test_parking_on_cuda_frees_device_memory():
     _, engine, (ids, mask, labels) = _cuda_pair()
     state = engine.moecc.engine
-    weights = engine.moecc.layers[0].host_weights
+    weights = engine.moecc.layers[0].weights
     per_layer = saved_bytes(ids.numel(), weights.hidden_size, weights.intermediate_size, weights.num_experts, 2,
                             torch.float32)
     after_forward = {}

@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moecc.reference import ExpertLora, ExpertWeights, experts_autograd, experts_backward, experts_forward
+from moecc.experts import ExpertLora, ExpertWeights
+from moecc.experts.reference import autograd, backward, forward
 
-from .parity import rel_err
+from ..parity import rel_err
 
 
 def _problem(num_tokens, num_experts=6, hidden=24, inter=10, top_k=2, rank=3, dtype=torch.float32, seed=0,
@@ -35,16 +36,16 @@ def _problem(num_tokens, num_experts=6, hidden=24, inter=10, top_k=2, rank=3, dt
 @pytest.mark.parametrize("lora", [True, False])
 def test_forward_and_backward_match_autograd(num_tokens, lora):
     weights, x, index, w, gate_up, down = _problem(num_tokens, lora=lora)
-    out, saved = experts_forward(weights, x, index, w, gate_up, down)
+    out, saved = forward(weights, x, index, w, gate_up, down)
     x_ref, w_ref = x.clone().requires_grad_(), w.clone().requires_grad_()
-    expected = experts_autograd(weights, x_ref, index, w_ref, gate_up, down)
+    expected = autograd(weights, x_ref, index, w_ref, gate_up, down)
     assert out.shape == (num_tokens, 24)
     assert rel_err(out, expected) <= 1e-5
     if num_tokens == 0:
         return
     grad_out = torch.randn_like(expected)
     expected.backward(grad_out)
-    grad_x, grad_w, grads = experts_backward(weights, saved, grad_out, gate_up, down)
+    grad_x, grad_w, grads = backward(weights, saved, grad_out, gate_up, down)
     assert rel_err(grad_x, x_ref.grad) <= 1e-5
     assert rel_err(grad_w, w_ref.grad) <= 1e-5
     assert grad_w[3, 1] != 0 if num_tokens > 3 else True
@@ -66,15 +67,15 @@ def test_gpt_oss_layout_matches_autograd(num_tokens):
         gate_up_bias=torch.randn(6, 20, generator=g) * 0.1, down_bias=torch.randn(6, 24, generator=g) * 0.1,
         transposed=True, interleaved=True, swiglu_alpha=1.702, swiglu_limit=0.5,
     )
-    out, saved = experts_forward(weights, x, index, w, gate_up, down)
+    out, saved = forward(weights, x, index, w, gate_up, down)
     x_ref, w_ref = x.clone().requires_grad_(), w.clone().requires_grad_()
-    expected = experts_autograd(weights, x_ref, index, w_ref, gate_up, down)
+    expected = autograd(weights, x_ref, index, w_ref, gate_up, down)
     assert rel_err(out, expected) <= 1e-5
     clamped = saved.gate_up_out.float()
     assert (clamped[:, 0::2] > 0.5).any() and (clamped[:, 1::2].abs() > 0.5).any()
     grad_out = torch.randn_like(expected)
     expected.backward(grad_out)
-    grad_x, grad_w, grads = experts_backward(weights, saved, grad_out, gate_up, down)
+    grad_x, grad_w, grads = backward(weights, saved, grad_out, gate_up, down)
     assert rel_err(grad_x, x_ref.grad) <= 1e-5
     assert rel_err(grad_w, w_ref.grad) <= 1e-5
     for got, factors in ((grads.gate_up_A, gate_up.A), (grads.gate_up_B, gate_up.B), (grads.down_A, down.A),
@@ -84,9 +85,9 @@ def test_gpt_oss_layout_matches_autograd(num_tokens):
 
 def test_bf16_forward_close_to_float32():
     weights, x, index, w, gate_up, down = _problem(33, dtype=torch.bfloat16)
-    out, _ = experts_forward(weights, x, index, w, gate_up, down)
+    out, _ = forward(weights, x, index, w, gate_up, down)
     assert out.dtype == torch.bfloat16
-    expected = experts_autograd(weights, x, index, w, gate_up, down)
+    expected = autograd(weights, x, index, w, gate_up, down)
     assert rel_err(out, expected) <= 2e-2
 
 
@@ -94,4 +95,4 @@ def test_invalid_expert_id_is_a_clear_error():
     weights, x, index, w, gate_up, down = _problem(5)
     index[2, 1] = 6
     with pytest.raises(ValueError, match=r"top_k_index\[2, 1\] = 6"):
-        experts_forward(weights, x, index, w, gate_up, down)
+        forward(weights, x, index, w, gate_up, down)

@@ -7,10 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from moecc import grouped_experts, reference
-from moecc.reference import ExpertLora, ExpertWeights
+from moecc.experts import ExpertLora, ExpertWeights, grouped, reference
 
-from .parity import TOLERANCE, rel_err
+from ..parity import TOLERANCE, rel_err
 
 NUM_EXPERTS, HIDDEN, INTER, TOP_K, RANK = 6, 32, 16, 2, 3
 GRAD_NAMES = ("gate_up_A", "gate_up_B", "down_A", "down_B")
@@ -58,9 +57,9 @@ def path(request, monkeypatch):
     """Runs a test through torch._grouped_mm (counting its calls) or through the per-expert loop."""
     calls = []
     if request.param == "loop":
-        monkeypatch.setattr(grouped_experts, "available", lambda dtype, device: False)
+        monkeypatch.setattr(grouped, "available", lambda dtype, device: False)
     else:
-        if not grouped_experts.available(torch.bfloat16, "cpu"):
+        if not grouped.available(torch.bfloat16, "cpu"):
             pytest.skip("this PyTorch build has no CPU torch._grouped_mm")
         real = torch._grouped_mm
         monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -82,8 +81,8 @@ def _errors(got, expected) -> dict[str, float]:
 
 def _run(module, problem, grad_out, saved=None):
     weights, x, index, w, gate_up, down = problem
-    out, own_saved = module.experts_forward(weights, x, index, w, gate_up, down)
-    grad_x, grad_w, grads = module.experts_backward(weights, saved or own_saved, grad_out, gate_up, down)
+    out, own_saved = module.forward(weights, x, index, w, gate_up, down)
+    grad_x, grad_w, grads = module.backward(weights, saved or own_saved, grad_out, gate_up, down)
     return (out, grad_x, grad_w, grads), own_saved
 
 
@@ -98,7 +97,7 @@ CASES = [(torch.float32, 0), (torch.float32, 1), (torch.float32, 40), (torch.bfl
 def test_matches_reference(path, dtype, layout, num_tokens):
     problem = _problem(num_tokens, layout, dtype)
     grad_out = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(1)).to(dtype)
-    got, saved = _run(grouped_experts, problem, grad_out)
+    got, saved = _run(grouped, problem, grad_out)
     # In bf16 the two forward passes round the pre-activations differently, and where one lands on the other
     # side of gpt-oss's clamp a gradient element flips between 0 and its full value; so there both backward
     # passes start from the same saved pre-activations, and the forward outputs are compared on their own.
@@ -123,7 +122,7 @@ def test_saved_state_is_minimal(path, dtype, layout):
     weights [T, k] and the int64 grouping; no float32 [P, *] intermediate outlives forward."""
     num_tokens = 40
     pairs = num_tokens * TOP_K
-    _, saved = grouped_experts.experts_forward(*_problem(num_tokens, layout, dtype))
+    _, saved = grouped.forward(*_problem(num_tokens, layout, dtype))
     expected = {"hidden": ((num_tokens, HIDDEN), dtype), "top_k_weights": ((num_tokens, TOP_K), torch.float32),
                 "offsets": ((NUM_EXPERTS + 1,), torch.int64), "order": ((pairs,), torch.int64),
                 "gate_up_out": ((pairs, 2 * INTER), dtype)}
@@ -137,7 +136,7 @@ def test_saved_state_is_minimal(path, dtype, layout):
 def test_without_lora(path):
     problem = _problem(17, lora=False)
     grad_out = torch.randn(17, HIDDEN, generator=torch.Generator().manual_seed(2))
-    got, _ = _run(grouped_experts, problem, grad_out)
+    got, _ = _run(grouped, problem, grad_out)
     expected, _ = _run(reference, problem, grad_out)
     assert max(_errors(got, expected).values()) <= 1e-5
     assert got[3].gate_up_A is None and got[3].down_B is None
@@ -147,26 +146,17 @@ def test_unaligned_sizes_fall_back_to_the_loop(path):
     """I = 10 bf16 rows are 20 bytes, which grouped_mm refuses: the loop computes them instead."""
     problem = _problem(9, dtype=torch.bfloat16, inter=10)
     grad_out = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    got, saved = _run(grouped_experts, problem, grad_out)
+    got, saved = _run(grouped, problem, grad_out)
     expected, _ = _run(reference, problem, grad_out, saved=saved)
     assert max(_errors(got, expected).values()) <= TOLERANCE[torch.bfloat16]
     assert path[1] == []
 
 
 def test_available_names_where_grouped_mm_runs():
-    assert not grouped_experts.available(torch.float64, "cpu")
-    assert not grouped_experts.available(torch.bfloat16, "meta")
+    assert not grouped.available(torch.float64, "cpu")
+    assert not grouped.available(torch.bfloat16, "meta")
     if not torch.cuda.is_available():
-        assert not grouped_experts.available(torch.bfloat16, "cuda")
-
-
-@pytest.mark.parametrize("num_tokens", [0, 1, 40])
-def test_device_grouping_matches_the_native_sort(num_tokens):
-    """The sync-free grouping used off the CPU gives the reference's offsets and (stable) order."""
-    _, _, index, _, _, _ = _problem(num_tokens)
-    offsets, order = grouped_experts._sort_by_expert(index, NUM_EXPERTS)
-    expected_offsets, expected_order = reference.group_by_expert(index, NUM_EXPERTS)
-    assert offsets.tolist() == expected_offsets.tolist() and order.tolist() == expected_order.tolist()
+        assert not grouped.available(torch.bfloat16, "cuda")
 
 
 def _to(problem, device: str):
@@ -183,7 +173,7 @@ def _to(problem, device: str):
 @pytest.mark.parametrize("layout", ["default", "gpt_oss"])
 def test_cuda_bf16_runs_grouped_without_host_syncs(layout, num_tokens, monkeypatch):
     """On Hopper/Blackwell bf16 takes torch._grouped_mm (idle experts included) and never waits for the GPU."""
-    if not torch.cuda.is_available() or not grouped_experts.available(torch.bfloat16, "cuda"):
+    if not torch.cuda.is_available() or not grouped.available(torch.bfloat16, "cuda"):
         pytest.skip("needs a CUDA GPU on which torch._grouped_mm runs bf16 (compute capability 9.x or 10.x)")
     calls, real = [], torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -194,8 +184,8 @@ def test_cuda_bf16_runs_grouped_without_host_syncs(layout, num_tokens, monkeypat
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out, saved = grouped_experts.experts_forward(weights, x, index, w, gate_up, down)
-        grads = grouped_experts.experts_backward(weights, saved, grad_out_cuda, gate_up, down)
+        out, saved = grouped.forward(weights, x, index, w, gate_up, down)
+        grads = grouped.backward(weights, saved, grad_out_cuda, gate_up, down)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert calls

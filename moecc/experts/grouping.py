@@ -1,0 +1,83 @@
+"""Routed (token, slot) pairs grouped by expert, for all of a layer's experts or a subset of them.
+
+A grouping is ``offsets [E+1]`` and ``order [P]`` (int64): expert ``e`` owns the pair ids
+``order[offsets[e]:offsets[e+1]]``, ascending; pair ``p`` is token ``p // k``, slot ``p % k``. For all experts
+``P = T*k`` and ``order`` is a permutation; a subset keeps only its experts' pairs (the others own empty ranges),
+so ``P`` is the subset's pair count.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import _ops
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """Pair ids grouped by expert (see the module docstring)."""
+
+    offsets: torch.Tensor  # [E+1] int64
+    order: torch.Tensor  # [P] int64
+
+    @property
+    def num_experts(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def num_pairs(self) -> int:
+        return self.order.numel()
+
+    def counts(self) -> torch.Tensor:
+        """``[E]`` pairs per expert (on the grouping's device)."""
+        return self.offsets.diff()
+
+    def subset(self, expert_mask: torch.Tensor) -> Grouping:
+        """The pairs of the experts where ``expert_mask`` (bool ``[E]``) is set, in the same order.
+
+        On a GPU this syncs once with the host (the subset's size); the offsets stay on the device."""
+        mask = expert_mask.to(device=self.offsets.device, dtype=torch.bool)
+        if mask.shape != (self.num_experts,):
+            raise ValueError(f"expert_mask must be bool [{self.num_experts}], got shape {tuple(expert_mask.shape)}")
+        counts = self.counts() * mask  # [E]
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        keep = torch.repeat_interleave(mask, self.counts(), output_size=self.num_pairs)  # [P]
+        return Grouping(offsets, self.order[keep])
+
+
+def group_by_expert(top_k_index: torch.Tensor, num_experts: int,
+                    expert_mask: torch.Tensor | None = None) -> Grouping:
+    """The stable grouping of ``top_k_index [T, k]``'s pairs by expert, of the experts in ``expert_mask`` only
+    when one is given. In host memory the native counting sort (which checks every id); on a GPU a stable sort
+    and a binary search, with no host sync (ids are trusted there: checking them would need one)."""
+    if top_k_index.device.type == "cpu":
+        grouping = Grouping(*_ops.group_tokens_by_expert(top_k_index, num_experts))
+    else:
+        grouping = _sort_grouping(top_k_index, num_experts)
+    return grouping if expert_mask is None else grouping.subset(expert_mask)
+
+
+def _sort_grouping(top_k_index: torch.Tensor, num_experts: int) -> Grouping:
+    """The same grouping from a stable sort and a binary search (no bincount, whose output size needs a sync)."""
+    keys, order = torch.sort(top_k_index.reshape(-1), stable=True)
+    bounds = torch.arange(num_experts + 1, dtype=keys.dtype, device=keys.device)
+    return Grouping(torch.searchsorted(keys, bounds), order)
+
+
+def resolve(top_k_index: torch.Tensor, num_experts: int, expert_mask: torch.Tensor | None,
+            grouping: Grouping | None) -> Grouping:
+    """The grouping a backend computes: ``grouping`` when given, else the one of ``expert_mask`` (all experts
+    without one)."""
+    if grouping is not None:
+        if expert_mask is not None:
+            raise ValueError("pass expert_mask or grouping, not both (grouping.subset(mask) combines them)")
+        if grouping.num_experts != num_experts:
+            raise ValueError(f"the grouping is of {grouping.num_experts} experts, the layer has {num_experts}")
+        return grouping
+    return group_by_expert(top_k_index, num_experts, expert_mask)
+
+
+def is_full(grouping: Grouping, top_k_index: torch.Tensor) -> bool:
+    """Whether the grouping covers every routed pair (no subset)."""
+    return grouping.num_pairs == top_k_index.numel()

@@ -1,0 +1,349 @@
+"""The native CPU expert backend: ``forward`` / ``backward`` with the same contract as
+``moecc.experts.reference``, computed by the C++ kernels on the model's own bf16 weights (each product task packs
+the slice it needs into per-thread scratch; no second copy of the experts is kept).
+
+A subset of the experts runs as a problem of its own: each of the subset's pairs becomes a token with one slot
+(its hidden row gathered, its routing weight kept), so the kernels see a complete routing of only those pairs and
+do no work for the other experts; the float32 rows are then summed into their tokens.
+
+Supports the standard layout (``gate_up [E, 2I, H]``, ``down [E, H, I]``, SwiGLU, no biases) with bf16 weights
+and activations; anything else raises ``UnsupportedModelError`` naming the reference backend as the way out.
+Numerics: bf16 operands, float32 accumulation, LoRA computed factorised in float32 (not folded into the
+weight as PEFT does), so results agree with the reference to bf16 tolerance, not bit for bit.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from .. import _ops
+from ..errors import MoeccError, UnsupportedModelError
+from .grouping import Grouping, is_full, resolve
+from .types import ExpertLora, ExpertWeights, LoraGrads, SavedState
+
+
+def _kernel_lora(lora: ExpertLora | None) -> tuple | None:
+    """PEFT's ``A [r*E, in]``, ``B [out, r*E]`` as the kernels take them: ``A`` viewed ``[E, r, in]``, both
+    float32 and contiguous (no copy for PEFT's usual float32 adapters; the kernels re-lay B themselves)."""
+    if lora is None:
+        return None
+    experts, rank = lora.num_experts, lora.rank
+    a = lora.A.detach().float().contiguous().view(experts, rank, -1)
+    return a, lora.B.detach().float().contiguous(), lora.scaling
+
+
+def _inner_for(saved: SavedState, gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None) -> tuple | None:
+    """The forward's LoRA inner products where they fit the factors backward is given (same ranks; otherwise the
+    kernel recomputes them), else None."""
+    if saved.lora_inner is None:
+        return None
+    return tuple(inner if inner is not None and lora is not None and inner.shape[1] == lora.rank else None
+                 for inner, lora in zip(saved.lora_inner, (gate_up_lora, down_lora)))
+
+
+def _peft_grads(grads: tuple | None, lora: ExpertLora | None) -> tuple:
+    if grads is None:
+        return None, None
+    grad_a, grad_b = grads
+    return grad_a.view(-1, grad_a.shape[-1]), grad_b
+
+
+@dataclass
+class _SubsetState(SavedState):
+    """A subset's saved state: the kernels' own problem (one slot per pair) and where its rows came from."""
+
+    pair_ids: torch.Tensor | None = None  # [P] the pair id (token * k + slot) of each of the problem's tokens
+    routing_shape: tuple[int, int] = (0, 0)  # (T, k) of the layer's routing
+
+
+class _BufferPool:
+    """Host buffers handed from one call to the next.
+
+    Hundreds of MB per layer of freshly allocated memory cost a page fault per 4 KB on first touch, and the
+    faults of many threads serialise in the kernel: at 8192 tokens that was most of the gate/up product's time.
+    Saved state (gate/up outputs, hidden-state copies, LoRA inner products) lives from a layer's forward to its
+    backward, then returns here for the next step's forward; the pool never holds more buffers than were alive
+    at once.
+    """
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+        # The tensors take() handed out and give() has not had back, weakly (one its caller drops just goes): give()
+        # pools only these very objects, so a foreign tensor, or one given back twice (its pages meanwhile lent
+        # again as another tensor), never reaches two callers at once.
+        self._lent: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()  # forwards run on the engine's worker thread, backwards on autograd's
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for size in shape:
+            numel *= size
+        with self._lock:
+            fitting = [b for b in self._free if b.dtype == dtype and b.numel() >= numel]
+            if fitting:
+                buffer = min(fitting, key=torch.Tensor.numel)
+                self._free = [b for b in self._free if b is not buffer]
+            else:
+                too_small = [b for b in self._free if b.dtype == dtype]
+                if too_small:  # outgrown: let the largest go, so the pool does not fill with unusable buffers
+                    largest = max(too_small, key=torch.Tensor.numel)
+                    self._free = [b for b in self._free if b is not largest]
+                buffer = None
+        if buffer is None:
+            buffer = torch.empty(numel, dtype=dtype)
+        lent = buffer[:numel].view(shape)  # a view: its _base is the buffer
+        with self._lock:
+            self._lent[id(lent)] = lent
+        return lent
+
+    def give(self, tensor: torch.Tensor) -> None:
+        """Takes back a tensor take() handed out; anything else (or a second give) is ignored."""
+        with self._lock:
+            if self._lent.get(id(tensor)) is tensor:
+                del self._lent[id(tensor)]
+                self._free.append(tensor._base)
+
+
+OMP_WAIT_POLICY_ADVICE = (
+    "moecc: torch was imported before moecc with OMP_WAIT_POLICY unset, so torch's OpenMP threads busy-wait after "
+    "each CPU op on the cores moecc's expert kernels use, slowing them (on a 16-core Xeon a 256-token layer's "
+    "backward took 66 ms instead of 37). Import moecc before torch, or start Python with OMP_WAIT_POLICY=PASSIVE "
+    "in its environment "
+    "(setting it later in the process has no effect; OMP_WAIT_POLICY=ACTIVE keeps the spinning and silences this)."
+)
+
+
+def _check_omp_wait_policy() -> None:
+    """Warns when torch's OpenMP threads will spin (Python shows it once per calling line); see
+    ``moecc/__init__.py``."""
+    if not os.environ.get("OMP_WAIT_POLICY"):
+        warnings.warn(OMP_WAIT_POLICY_ADVICE, RuntimeWarning, stacklevel=3)
+
+
+def _available_host_bytes() -> int | None:
+    """Host memory this process can still take: MemAvailable (Linux), or less where a cgroup v2 memory limit
+    (a container) leaves less; None where neither can be read."""
+    available = None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit, open("/sys/fs/cgroup/memory.current") as used:
+            cap = limit.read().strip()
+            if cap != "max":
+                left = int(cap) - int(used.read().strip())
+                available = left if available is None else min(available, left)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+class NativeExperts:
+    """Runs the kernels on each layer's weights as they are now (so PEFT merges are seen at once)."""
+
+    def __init__(self, isa: str, prepack: bool = False) -> None:
+        """``isa``: the kernel variant. ``prepack`` (``MoeccConfig.prepack_weights``): keep a copy of each
+        layer's weights in the kernels' panel layout, which the forward products read instead of packing per
+        task (it doubles the experts' host memory), off by default."""
+        _ops.check_isa(isa)
+        _check_omp_wait_policy()
+        self.isa = isa
+        self.prepack = prepack
+        self._saved_buffers = _BufferPool()  # saved state's buffers, forward to backward
+        self._scratch = _BufferPool()  # float32 results, converted before they leave this object
+        self._results = _BufferPool()  # bf16 outputs / input gradients handed back through release_result
+
+    @staticmethod
+    def supports(weights: ExpertWeights) -> bool:
+        """Whether the kernels run this layer: bf16 SwiGLU experts in the standard layout, no biases."""
+        return not (weights.transposed or weights.interleaved or weights.gate_up_bias is not None
+                    or weights.down_bias is not None or weights.swiglu_limit is not None
+                    or weights.gate_up.dtype != torch.bfloat16 or weights.down.dtype != torch.bfloat16)
+
+    def _matrices(self, weights: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's own weight tensors, which the kernels read in place (no copy is kept)."""
+        if not self.supports(weights):
+            raise UnsupportedModelError(
+                "the native CPU expert kernels run bf16 SwiGLU experts in the standard layout; this model has "
+                f"{weights.gate_up.dtype} experts or gpt-oss-style experts. Use MOECC_BACKEND=reference"
+            )
+        return weights.gate_up.detach().contiguous(), weights.down.detach().contiguous()
+
+    def prepare_layers(self, weights: list[ExpertWeights]) -> None:
+        """Makes the packed copies of the layers the kernels run (under ``prepack``), with a progress bar, after
+        checking that host memory holds them (the copies are as large as the weights)."""
+        weights = [w for w in weights if self.supports(w)]
+        if not self.prepack or not weights:
+            return
+        needed = sum(_ops.packed_nbytes(w.gate_up) + _ops.packed_nbytes(w.down) for w in weights)
+        available = _available_host_bytes()
+        if available is not None and needed > 0.9 * available:
+            raise MoeccError(
+                f"prepack_weights needs {needed / 1e9:.1f} GB of host memory for a packed copy of the experts, "
+                f"{available / 1e9:.1f} GB is available; set prepack_weights=False (MOECC_PREPACK_WEIGHTS=0)"
+            )
+        from tqdm import tqdm
+
+        for layer_weights in tqdm(weights, desc="packing expert weights", unit="layer"):
+            self._packed(layer_weights, self._matrices(layer_weights))
+
+    def _packed(self, weights: ExpertWeights, matrices: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The weights in panel layout under ``prepack``, made once per weight tensors and merge state and kept
+        on the weights' ``cache_owner`` (None without prepack, or without an owner to keep them on)."""
+        owner = weights.cache_owner
+        if not self.prepack or owner is None:
+            return None
+        key = (self.isa, matrices[0].data_ptr(), matrices[1].data_ptr(), weights.revision)
+        cached = getattr(owner, "_moecc_packed", None)
+        if cached is None or cached[0] != key:
+            cached = (key, tuple(_ops.pack_expert_weights(self.isa, m) for m in matrices))
+            owner._moecc_packed = cached
+        return cached[1]
+
+    def forward(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor, gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None, *,
+                expert_mask: torch.Tensor | None = None,
+                grouping: Grouping | None = None) -> tuple[torch.Tensor, SavedState]:
+        """See ``moecc.experts.ExpertBackend``; ``hidden [T, H]`` and the routing in host memory."""
+        loras = (gate_up_lora, down_lora)
+        grouping = resolve(top_k_index, weights.num_experts, expert_mask, grouping)
+        if not is_full(grouping, top_k_index):
+            return self._forward_subset(weights, hidden, top_k_weights, loras, grouping)
+        return self._forward(weights, hidden, top_k_weights, loras, grouping, hidden.dtype, copy_hidden=True)
+
+    def _forward_subset(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_weights: torch.Tensor,
+                        loras: tuple, grouping: Grouping) -> tuple[torch.Tensor, SavedState]:
+        """The subset's pairs as tokens of one slot each, in grouped order (so the order is the identity)."""
+        top_k = top_k_weights.shape[1]
+        pair_ids = grouping.order  # [P]
+        tokens = pair_ids // top_k
+        rows = self._saved_buffers.take((pair_ids.numel(), weights.hidden_size), torch.bfloat16)  # [P, H]
+        torch.index_select(hidden.to(torch.bfloat16), 0, tokens, out=rows)
+        routing = top_k_weights.reshape(-1)[pair_ids].view(-1, 1)  # [P, 1]
+        local = Grouping(grouping.offsets, torch.arange(pair_ids.numel(), dtype=torch.int64))
+        out_rows, saved = self._forward(weights, rows, routing, loras, local, torch.float32, copy_hidden=False)
+        out = torch.zeros(hidden.shape, dtype=torch.float32).index_add_(0, tokens, out_rows)  # [T, H]
+        saved = _SubsetState(**vars(saved), pair_ids=pair_ids, routing_shape=tuple(top_k_weights.shape))
+        return out.to(hidden.dtype), saved
+
+    def _forward(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_weights: torch.Tensor, loras: tuple,
+                 grouping: Grouping, out_dtype: torch.dtype, copy_hidden: bool) -> tuple[torch.Tensor, SavedState]:
+        """The kernels on ``grouping`` (every pair of ``top_k_weights [T, k]``); ``copy_hidden``: ``hidden`` is the
+        caller's buffer, so what backward keeps is a copy."""
+        gate_up_lora, down_lora = loras
+        matrices = self._matrices(weights)
+        shape = (weights.num_experts, weights.hidden_size, weights.intermediate_size)
+        offsets, order = grouping.offsets, grouping.order
+        hidden_bf16 = hidden.to(torch.bfloat16).contiguous()
+        routing = top_k_weights.float().reshape(-1).contiguous()
+        tokens, top_k = top_k_weights.shape
+        gate_up_out = self._saved_buffers.take((tokens * top_k, 2 * shape[2]), torch.bfloat16)
+        # A bf16 output comes straight from the kernel; others through a float32 buffer.
+        direct = out_dtype == torch.bfloat16
+        out = (self._results.take((tokens, shape[1]), torch.bfloat16) if direct
+               else self._scratch.take((tokens, shape[1]), torch.float32))
+        # The caller's buffer (a staging view, reused by the next layer): backward gets a copy, which the kernel
+        # makes as it reads the rows.
+        hidden_copy = (self._saved_buffers.take(tuple(hidden.shape), torch.bfloat16)
+                       if hidden_bf16 is hidden and copy_hidden else None)
+        # The LoRA inner products, kept for backward (512 bytes per token at r = 8, k = 8) so it need not redo them
+        lora_inner = tuple(None if lora is None
+                           else self._saved_buffers.take((tokens * top_k, lora.rank), torch.float32)
+                           for lora in (gate_up_lora, down_lora))
+        try:
+            _ops.expert_ffn_forward(self.isa, matrices, shape, top_k, hidden_bf16, offsets, order, routing,
+                                    _kernel_lora(gate_up_lora), _kernel_lora(down_lora), out=out,
+                                    gate_up_out=gate_up_out, hidden_copy=hidden_copy,
+                                    packed=self._packed(weights, matrices), lora_inner=lora_inner)
+            result = out if direct else out.to(out_dtype, copy=True)
+        finally:
+            if not direct:
+                self._scratch.give(out)
+        if hidden_copy is not None:
+            hidden_bf16 = hidden_copy
+        saved = SavedState(hidden_bf16, top_k_weights.float().clone(), offsets, order, gate_up_out,
+                           top_k_weights.dtype, lora_inner)
+        return result, saved
+
+    def release_result(self, tensor: torch.Tensor) -> None:
+        """Hands back a bf16 output of :meth:`forward` or input gradient of :meth:`backward` once the caller is done
+        with it (co-compute: once it is copied to the device), so a later call writes into the same pages instead
+        of page-faulting fresh ones (a [T, H] bf16 tensor: 33.5 MB at 8192 tokens for Qwen3-30B-A3B). The tensor
+        must not be used afterwards: a later call overwrites it. Tensors this object did not hand out, and a second
+        release of one, are ignored.
+        """
+        self._results.give(tensor)
+
+    def release(self, saved: SavedState) -> None:
+        """Hands a forward's saved buffers back for reuse when no backward will consume them."""
+        if saved.gate_up_out is not None:
+            self._give_back(saved)
+
+    def _give_back(self, saved: SavedState) -> None:
+        """Pools the saved state's large buffers (from ``_saved_buffers``, or made by forward alone)."""
+        self._saved_buffers.give(saved.gate_up_out)
+        self._saved_buffers.give(saved.hidden)
+        for inner in saved.lora_inner or ():
+            if inner is not None:
+                self._saved_buffers.give(inner)
+        saved.gate_up_out = saved.hidden = saved.lora_inner = None
+
+    def backward(self, weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor,
+                 gate_up_lora: ExpertLora | None,
+                 down_lora: ExpertLora | None) -> tuple[torch.Tensor, torch.Tensor, LoraGrads]:
+        """See ``moecc.experts.ExpertBackend``; ``grad_out [T, H]`` in host memory."""
+        if isinstance(saved, _SubsetState):
+            return self._backward_subset(weights, saved, grad_out, gate_up_lora, down_lora)
+        return self._backward(weights, saved, grad_out, gate_up_lora, down_lora)
+
+    def _backward_subset(self, weights: ExpertWeights, saved: _SubsetState, grad_out: torch.Tensor,
+                         gate_up_lora: ExpertLora | None,
+                         down_lora: ExpertLora | None) -> tuple[torch.Tensor, torch.Tensor, LoraGrads]:
+        """The subset's problem differentiated, its float32 rows summed into their tokens."""
+        num_tokens, top_k = saved.routing_shape
+        pair_ids = saved.pair_ids
+        tokens = pair_ids // top_k
+        grad_rows, grad_routing, grads = self._backward(weights, saved, grad_out[tokens].float(), gate_up_lora,
+                                                        down_lora)  # [P, H] float32, [P, 1]
+        grad_hidden = torch.zeros(num_tokens, grad_out.shape[1], dtype=torch.float32).index_add_(0, tokens, grad_rows)
+        grad_weights = torch.zeros(num_tokens * top_k, dtype=torch.float32)
+        grad_weights.index_copy_(0, pair_ids, grad_routing.view(-1))
+        return grad_hidden, grad_weights.view(num_tokens, top_k), grads
+
+    def _backward(self, weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor,
+                  gate_up_lora: ExpertLora | None,
+                  down_lora: ExpertLora | None) -> tuple[torch.Tensor, torch.Tensor, LoraGrads]:
+        if saved.gate_up_out is None:
+            raise RuntimeError("moecc: this forward's saved state was already used by a backward (its buffers are "
+                               "reused); run the forward again to differentiate it again")
+        matrices = self._matrices(weights)
+        shape = (weights.num_experts, weights.hidden_size, weights.intermediate_size)
+        routing = saved.top_k_weights.reshape(-1).contiguous()
+        # bf16 gradients go in and out of the kernel as they are; others through float32 buffers, pooled (fresh
+        # pages would fault on every call)
+        direct = grad_out.dtype == torch.bfloat16
+        pooled = [] if direct else [self._scratch.take(tuple(saved.hidden.shape), torch.float32),
+                                    self._scratch.take(tuple(grad_out.shape), torch.float32).copy_(grad_out)]
+        try:
+            grad_in, grad_routing, gu, down = _ops.expert_ffn_backward(
+                self.isa, matrices, shape, saved.top_k_weights.shape[1], saved.hidden, saved.offsets, saved.order,
+                routing, _kernel_lora(gate_up_lora), _kernel_lora(down_lora), saved.gate_up_out,
+                grad_out.contiguous() if direct else pooled[1],
+                grad_hidden=self._results.take(tuple(saved.hidden.shape), torch.bfloat16) if direct else pooled[0],
+                lora_inner=_inner_for(saved, gate_up_lora, down_lora))
+            grad_hidden = grad_in if direct else grad_in.to(grad_out.dtype, copy=True)
+        finally:
+            for buffer in pooled:
+                self._scratch.give(buffer)
+        self._give_back(saved)  # SavedState is single-use: backward drops it after this
+        grads = LoraGrads(*_peft_grads(gu, gate_up_lora), *_peft_grads(down, down_lora))
+        return grad_hidden, grad_routing.view(saved.top_k_weights.shape), grads

@@ -1,0 +1,66 @@
+"""The backend a paradigm runs, from the names ``MoeccConfig`` holds (``backend``, ``offload_compute``)."""
+from __future__ import annotations
+
+import torch
+
+from .. import _ops
+from ..errors import MoeccError
+from . import grouped, reference
+from .native import NativeExperts
+from .types import ExpertBackend, ExpertWeights, LoraGrads, SavedState
+
+# Device-side math: the modules are the backends (no state).
+DEVICE_BACKENDS: dict[str, ExpertBackend] = {"grouped": grouped, "reference": reference}
+
+
+class PerLayerExperts:
+    """``backend="auto"``: the native kernels on the layers they run, the reference on the rest (float32 /
+    float16 models, gpt-oss-style experts)."""
+
+    def __init__(self, native: NativeExperts) -> None:
+        self.native = native
+
+    def _backend(self, weights: ExpertWeights) -> ExpertBackend:
+        return self.native if self.native.supports(weights) else reference
+
+    def supports(self, weights: ExpertWeights) -> bool:
+        return True
+
+    def forward(self, weights: ExpertWeights, *args, **kwargs) -> tuple[torch.Tensor, SavedState]:
+        return self._backend(weights).forward(weights, *args, **kwargs)
+
+    def backward(self, weights: ExpertWeights, *args) -> tuple[torch.Tensor, torch.Tensor, LoraGrads]:
+        return self._backend(weights).backward(weights, *args)
+
+    def release_result(self, tensor: torch.Tensor) -> None:
+        self.native.release_result(tensor)
+
+    def prepare_layers(self, weights: list[ExpertWeights]) -> None:
+        self.native.prepare_layers(weights)
+
+
+def cpu_backend(name: str, isa: str = "auto", prepack: bool = False) -> ExpertBackend:
+    """Co-compute's host-side math: ``"reference"``, ``"native"`` (``isa``, ``prepack``: see ``MoeccConfig``) or
+    ``"auto"``."""
+    if name == "reference":
+        return reference
+    if name not in ("native", "auto"):
+        raise ValueError(f"unknown CPU expert backend {name!r}; use 'auto', 'native' or 'reference'")
+    native = NativeExperts(_ops.best_isa() if isa == "auto" else isa, prepack=prepack)
+    return native if name == "native" else PerLayerExperts(native)
+
+
+def device_backend(name: str, source: str = "offload_compute") -> ExpertBackend:
+    """The device-side math called ``name``; an error naming ``source`` (where the name came from) otherwise."""
+    if name not in DEVICE_BACKENDS:
+        raise MoeccError(
+            f"{source}={name!r} is not an offload expert computation; use 'grouped' (grouped matrix products, "
+            "LoRA factorised, agrees with HF + PEFT to the dtype's rounding) or 'reference' (bit-exact with "
+            "HF + PEFT, one expert at a time)"
+        )
+    return DEVICE_BACKENDS[name]
+
+
+def default_device_backend(device: torch.device) -> str:
+    """``offload_compute="auto"``: grouped products on CUDA, the exact reference elsewhere (CPU runs stay exact)."""
+    return "grouped" if device.type == "cuda" else "reference"

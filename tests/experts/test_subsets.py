@@ -1,0 +1,133 @@
+"""Every backend computes a subset of a layer's experts: over a partition of the experts the parts sum to the
+full result. Per-pair and per-expert results (routing-weight and LoRA gradients) are disjoint, so for the
+reference they sum to the full result bit for bit; so do the per-token sums (output, hidden-state gradient) of
+tokens whose pairs all lie in one part, while a token split across parts is a float sum in another order, equal
+to rounding. Grouped and native agree to rounding throughout."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moecc import _ops
+from moecc.experts import ExpertLora, ExpertWeights, group_by_expert, grouped, reference
+from moecc.experts.native import NativeExperts
+
+from ..parity import rel_err
+
+EXPERTS, HIDDEN, INTER, TOP_K, RANK = 8, 32, 16, 3, 2
+GRAD_NAMES = ("gate_up_A", "gate_up_B", "down_A", "down_B")
+
+
+def _problem(tokens: int, dtype: torch.dtype, seed: int = 0):
+    """Experts E-1 and E-2 get no pair, the others a few each; LoRA on both projections."""
+    g = torch.Generator().manual_seed(seed)
+    weights = ExpertWeights((torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) * 0.2).to(dtype),
+                            (torch.randn(EXPERTS, HIDDEN, INTER, generator=g) * 0.2).to(dtype))
+    loras = [ExpertLora(torch.randn(RANK * EXPERTS, fan_in, generator=g) * 0.3,
+                        torch.randn(fan_out, RANK * EXPERTS, generator=g) * 0.3, 0.7, EXPERTS)
+             for fan_in, fan_out in ((HIDDEN, 2 * INTER), (INTER, HIDDEN))]
+    index = torch.stack([torch.randperm(EXPERTS - 2, generator=g)[:TOP_K] for _ in range(tokens)]) \
+        if tokens else torch.empty(0, TOP_K, dtype=torch.int64)
+    x = torch.randn(tokens, HIDDEN, generator=g).to(dtype)
+    w = torch.rand(tokens, TOP_K, generator=g)
+    grad_out = torch.randn(tokens, HIDDEN, generator=g).to(dtype)
+    return weights, x, index, w, loras, grad_out
+
+
+def _partitions(seed: int) -> list[list[torch.Tensor]]:
+    """Expert masks, each list a partition: all and nothing, halves, a random three-way split, one expert alone
+    (an idle one, too)."""
+    g = torch.Generator().manual_seed(seed)
+    part = torch.randint(0, 3, (EXPERTS,), generator=g)
+    alone = torch.arange(EXPERTS) == 0
+    idle = torch.arange(EXPERTS) == EXPERTS - 1
+    halves = torch.arange(EXPERTS) % 2 == 0
+    return [[torch.ones(EXPERTS, dtype=torch.bool), torch.zeros(EXPERTS, dtype=torch.bool)],
+            [halves, ~halves], [part == i for i in range(3)], [alone, ~alone], [idle, ~idle]]
+
+
+def _run(backend, problem, **subset):
+    weights, x, index, w, loras, grad_out = problem
+    out, saved = backend.forward(weights, x, index, w, *loras, **subset)
+    grad_hidden, grad_w, grads = backend.backward(weights, saved, grad_out, *loras)
+    return [out.float(), grad_hidden.float(), grad_w] + [getattr(grads, name) for name in GRAD_NAMES]
+
+
+def _sum(parts: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    return [sum(values[1:], values[0].clone()) for values in zip(*parts)]
+
+
+def _check_zeros_outside(results: list[torch.Tensor], mask: torch.Tensor, index: torch.Tensor) -> None:
+    """Routing-weight gradients vanish on pairs outside ``mask``, LoRA gradients on experts outside it."""
+    assert not results[2][~mask[index]].any()
+    dropped = (~mask).nonzero().flatten().tolist()
+    gate_up_a, gate_up_b, down_a, down_b = results[3:]
+    for expert in dropped:
+        for a in (gate_up_a, down_a):
+            assert not a[expert * RANK:(expert + 1) * RANK].any()
+        for b in (gate_up_b, down_b):
+            assert not b[:, expert::EXPERTS].any()
+
+
+def _native():
+    return NativeExperts(_ops.best_isa())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [0, 1, 13])
+def test_reference_parts_sum_to_the_whole_bit_for_bit(dtype, tokens):
+    problem = _problem(tokens, dtype)
+    index = problem[2]
+    full = _run(reference, problem)
+    for seed in range(3):
+        for partition in _partitions(seed):
+            parts = [_run(reference, problem, expert_mask=mask) for mask in partition]
+            for mask, part in zip(partition, parts):
+                _check_zeros_outside(part, mask, index)
+            total = _sum(parts)
+            for got, want in zip(total[2:], full[2:]):  # per pair, per expert: disjoint
+                assert torch.equal(got, want)
+            # tokens whose pairs lie in one part: the same sums, bit for bit; the others to rounding
+            whole = torch.stack([mask[index].all(dim=1) for mask in partition]).any(dim=0)  # [T]
+            for got, want in zip(total[:2], full[:2]):
+                assert torch.equal(got[whole], want[whole])
+                assert rel_err(got, want) <= (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("backend", ["grouped", "native"])
+@pytest.mark.parametrize("tokens", [0, 1, 13])
+def test_fast_backends_parts_sum_to_the_whole(backend, tokens):
+    if backend == "grouped":
+        dtype, module, tolerance = torch.float32, grouped, 1e-5
+    else:
+        dtype, tolerance = torch.bfloat16, 1e-2  # bf16 outputs round once per part
+        module = _native()
+    problem = _problem(tokens, dtype, seed=1)
+    full = _run(module, problem)
+    for partition in _partitions(4):
+        parts = [_run(module, problem, expert_mask=mask) for mask in partition]
+        for mask, part in zip(partition, parts):
+            _check_zeros_outside(part, mask, problem[2])
+        for got, want in zip(_sum(parts), full):
+            assert rel_err(got, want) <= tolerance
+
+
+@pytest.mark.parametrize("backend", ["reference", "grouped", "native"])
+def test_a_grouping_selects_the_same_subset_as_a_mask(backend):
+    module = {"reference": reference, "grouped": grouped}.get(backend) or _native()
+    problem = _problem(9, torch.bfloat16, seed=2)
+    mask = torch.arange(EXPERTS) % 3 == 1
+    by_mask = _run(module, problem, expert_mask=mask)
+    by_grouping = _run(module, problem, grouping=group_by_expert(problem[2], EXPERTS).subset(mask))
+    for a, b in zip(by_mask, by_grouping):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="not both"):
+        module.forward(*problem[:4], *problem[4], expert_mask=mask, grouping=group_by_expert(problem[2], EXPERTS))
+
+
+def test_empty_subset_computes_nothing():
+    problem = _problem(5, torch.bfloat16, seed=3)
+    for module in (reference, grouped, _native()):
+        results = _run(module, problem, expert_mask=torch.zeros(EXPERTS, dtype=torch.bool))
+        assert all(not r.any() for r in results)
+        assert results[0].shape == (5, HIDDEN) and results[2].shape == (5, TOP_K)

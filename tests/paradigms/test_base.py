@@ -1,0 +1,75 @@
+"""The paradigm interface: every ``model.moecc`` accessor under every registered paradigm, and a paradigm added
+through the registry alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moecc
+from moecc.experts import reference
+from moecc.paradigms import PARADIGMS, Engine, ExpertLayer
+from moecc.paradigms.base import Ready
+from moecc.tiny_models import tiny_model
+
+from ..parity import batches, build_pair, forward_backward_both, lora_config
+
+COMMON_METRICS = {"cpu_experts_s", "h2d_gb", "d2h_gb", "gpu_wait_s", "tokens", "routing_skew"}
+
+
+@pytest.mark.parametrize("paradigm", sorted(PARADIGMS))
+def test_every_state_accessor_works_under_every_paradigm(paradigm):
+    _, model = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm=paradigm)
+    state = model.moecc
+    assert state.paradigm == paradigm and isinstance(state.engine, PARADIGMS[paradigm])
+    assert state.family.model_type == "qwen3_moe" and state.device.type == "cpu"
+    assert isinstance(state.config, moecc.MoeccConfig)
+    assert state.layers == state.engine.layers and [layer.index for layer in state.layers] == [0, 1]
+    assert state.expert_bytes == sum(p.nbytes for n, p in model.named_parameters()
+                                     if n.endswith(("gate_up_proj", "down_proj")))
+    for layer in state.layers:
+        assert isinstance(layer, ExpertLayer) and layer.engine is state.engine
+        assert layer.weights.num_experts == layer.experts.gate_up_proj.shape[0]
+        assert all(part is not None for part in layer.lora()) and layer.revision() == layer.weights.revision
+    state.engine.reset_metrics()
+    (ids, _, labels), = batches(model.config.vocab_size, 1, batch=2, seq=5)
+    model(input_ids=ids, labels=labels).loss.backward()
+    metrics = state.engine.metrics_since_reset()
+    assert COMMON_METRICS <= set(metrics) and metrics["tokens"] == ids.numel()
+    assert state.engine.metrics.tokens_routed >= 0 and state.engine.metrics.routing_skew >= 1.0
+
+
+class _EagerLayer(ExpertLayer):
+    """The reference's autograd formulation on the device, in place: a paradigm in a dozen lines."""
+
+    def submit(self, hidden, top_k_index, top_k_weights):
+        self.begin_call(hidden)
+        return Ready(reference.autograd(self.weights, hidden, top_k_index, top_k_weights, *self.lora()))
+
+
+class _EagerEngine(Engine):
+    name = "eager"
+    layer_class = _EagerLayer
+
+    @classmethod
+    def from_config(cls, device, config):
+        return cls(device)
+
+    def reset_metrics(self):
+        self.metrics.reset()
+
+    def metrics_since_reset(self):
+        return {"tokens": float(self.metrics.tokens)}
+
+
+def test_a_registered_paradigm_is_prepared_like_the_others(monkeypatch):
+    monkeypatch.setitem(PARADIGMS, "eager", _EagerEngine)
+    reference_model, model = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="eager")
+    assert isinstance(model.moecc.engine, _EagerEngine) and len(model.moecc.layers) == 2
+    batch, = batches(model.config.vocab_size, 1, seed=3)
+    forward_backward_both(reference_model, model, batch, 1e-5)
+    assert model.moecc.engine.metrics_since_reset()["tokens"] == batch[0].numel()
+
+
+def test_unknown_paradigm_lists_the_registered_ones():
+    with pytest.raises(moecc.MoeccError, match="paradigm 'hybrid' is not available; choose one of cocompute, offload"):
+        moecc.prepare(tiny_model("qwen3_moe"), paradigm="hybrid", device="cpu")
