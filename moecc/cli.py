@@ -3,6 +3,9 @@
     moecc info      CPU features and kernel ISA, threads, GPU, library versions
     moecc bench     time training steps per paradigm on a real-shaped random model; table, JSON, plots
     moecc plan      predict each paradigm's step time from measured machine rates; the crossover point
+
+Arguments are checked before anything is measured or built (exit status 2 with the argument named). ``moecc
+bench`` exits 1 when no row could be timed and 3 when some could not, listing each failed row.
 """
 from __future__ import annotations
 
@@ -10,6 +13,50 @@ import argparse
 import os
 import platform
 import sys
+
+
+EXIT_ALL_ROWS_FAILED = 1
+EXIT_SOME_ROWS_FAILED = 3
+PARADIGM_NAMES = ("cocompute", "offload", "gpu", "hf-offload")  # moecc.bench.runner.PARADIGMS
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a number greater than 0")
+    return value
+
+
+def token_counts(text: str) -> list[int]:
+    """argparse type: comma-separated token counts per step, each >= 1 (e.g. ``512,2048``)."""
+    parts = [part.strip() for part in text.split(",")]
+    if not text.strip() or any(not part for part in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: give token counts separated by commas, e.g. 512,2048")
+    return [positive_int(part) for part in parts]
+
+
+def paradigm_list(text: str) -> list[str]:
+    """argparse type: comma-separated paradigm names."""
+    names = [part.strip() for part in text.split(",")]
+    unknown = [name for name in names if name not in PARADIGM_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown paradigm {unknown[0]!r}; choose from {', '.join(PARADIGM_NAMES)}")
+    return names
 
 
 def info() -> dict:
@@ -59,11 +106,8 @@ def bench(args: argparse.Namespace) -> list[dict]:
     from .bench.runner import PARADIGMS, run_case_isolated
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    tokens = [int(t) for t in args.tokens.split(",")]
-    paradigms = args.paradigms.split(",")
-    unknown = [p for p in paradigms if p not in PARADIGMS]
-    if unknown:
-        raise SystemExit(f"moecc bench: unknown paradigm {unknown[0]!r}; choose from {', '.join(PARADIGMS)}")
+    tokens, paradigms = args.tokens, args.paradigms
+    assert set(PARADIGM_NAMES) == set(PARADIGMS), "cli.PARADIGM_NAMES is out of date"
     from .bench.plan import predict
     from .bench.rates import measure
 
@@ -97,7 +141,7 @@ def plan(args: argparse.Namespace) -> dict:
     print("machine rates:", {k: round(v, 2) for k, v in rates.items() if k != "shapes"})
     rank = getattr(args, "rank", RANK)
     table = {}
-    for count in (int(t) for t in args.tokens.split(",")):
+    for count in args.tokens:
         table[count] = predict(args.preset, count, rates, args.layers, rank)
         print(f"{count:>7} tokens/step: " + ", ".join(f"{p} {s:.3f} s" for p, s in table[count].items()))
     print(f"timed on one {args.preset} MoE layer, forward + backward:", *describe(args.preset, rates), sep="\n")
@@ -109,40 +153,69 @@ def plan(args: argparse.Namespace) -> dict:
     return {"rates": rates, "predictions": table, "crossover_tokens": point}
 
 
+def failed_rows(rows: list[dict]) -> list[dict]:
+    """The rows ``moecc bench`` could not time (a row with times and a caveat counts as timed)."""
+    return [row for row in rows if "step_s" not in row]
+
+
+def bench_exit_status(rows: list[dict]) -> int:
+    """0 when every row was timed, 3 when some were not, 1 when none was; each failure goes to stderr."""
+    failed = failed_rows(rows)
+    for row in failed:
+        print(f"moecc bench: {row.get('paradigm')} at {row.get('tokens')} tokens failed: {row.get('error')}",
+              file=sys.stderr)
+    if not failed:
+        return 0
+    print(f"moecc bench: {len(failed)} of {len(rows)} rows failed", file=sys.stderr)
+    return EXIT_ALL_ROWS_FAILED if len(failed) == len(rows) else EXIT_SOME_ROWS_FAILED
+
+
+def _check_preset(parser: argparse.ArgumentParser, preset: str) -> None:
+    from .bench.presets import PRESETS
+
+    if preset not in PRESETS:
+        parser.error(f"argument --preset: unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="moecc", description="LoRA fine-tuning of MoE models with CPU experts")
+    parser = argparse.ArgumentParser(prog="moecc", description="LoRA fine-tuning of MoE models with CPU experts",
+                                     epilog="exit status: 0 done, 2 bad arguments; bench: 1 no row timed, "
+                                            "3 some rows not timed")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="CPU features and kernel ISA, threads, GPU, versions")
     bench_parser = commands.add_parser("bench", help="compare paradigms on a real-shaped random model")
     bench_parser.add_argument("--preset", default="qwen3-30b-a3b",
                               help="qwen3-30b-a3b, deepseek-v2-lite, olmoe-1b-7b, mixtral-8x7b, gpt-oss-20b, tiny")
-    bench_parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: all)")
-    bench_parser.add_argument("--tokens", default="512,2048,8192", help="tokens per step, comma-separated")
-    bench_parser.add_argument("--paradigms", default="cocompute,offload,gpu,hf-offload",
+    bench_parser.add_argument("--layers", type=positive_int, default=None, help="decoder layers (default: all)")
+    bench_parser.add_argument("--tokens", type=token_counts, default="512,2048,8192",
+                              help="tokens per step, comma-separated")
+    bench_parser.add_argument("--paradigms", type=paradigm_list, default="cocompute,offload,gpu,hf-offload",
                               help="comma-separated: cocompute, offload, gpu (whole model on the GPU), "
                                    "hf-offload (PEFT + accelerate's CPU offload of the experts)")
-    bench_parser.add_argument("--gpu-budget", type=float, default=24.0, help="GPU memory budget in GB")
-    bench_parser.add_argument("--steps", type=int, default=3, help="timed steps per row, after one warm-up step")
-    bench_parser.add_argument("--row-seconds", type=float, default=20.0,
+    bench_parser.add_argument("--gpu-budget", type=positive_float, default=24.0, help="GPU memory budget in GB")
+    bench_parser.add_argument("--steps", type=positive_int, default=3, help="timed steps per row, after one warm-up step")
+    bench_parser.add_argument("--row-seconds", type=positive_float, default=20.0,
                               help="time fewer steps (at least one) where --steps of them would take longer")
     bench_parser.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"],
                               help="Hugging Face gradient checkpointing: auto = turned on for a paradigm once a token "
                                    "count runs out of GPU memory (each row says whether it was on)")
-    bench_parser.add_argument("--rank", type=int, default=8)
+    bench_parser.add_argument("--rank", type=positive_int, default=8)
     bench_parser.add_argument("--out", default="benchmarks/results/bench")
     plan_parser = commands.add_parser("plan", help="predict each paradigm's step time on this machine")
     plan_parser.add_argument("--preset", default="qwen3-30b-a3b")
-    plan_parser.add_argument("--layers", type=int, default=None)
-    plan_parser.add_argument("--tokens", default="512,2048,8192")
+    plan_parser.add_argument("--layers", type=positive_int, default=None)
+    plan_parser.add_argument("--tokens", type=token_counts, default="512,2048,8192")
     plan_parser.add_argument("--remeasure", action="store_true", help="measure the rates again")
     args = parser.parse_args(argv)
+    if args.command in ("plan", "bench"):
+        _check_preset(parser, args.preset)
     if args.command == "plan":
         plan(args)
     elif args.command == "info":
         for key, value in info().items():
             print(f"{key:>15}: {value}")
     elif args.command == "bench":
-        bench(args)
+        return bench_exit_status(bench(args))
     return 0
 
 

@@ -7,6 +7,10 @@ tensor (per-expert keys such as ``mlp.experts.<e>.gate_proj.weight`` or Mixtral'
 slice of ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``). A shard is closed before the next is opened,
 so host memory peaks at the experts (held once) plus one shard.
 
+Every expert slice is accounted for by name: a slice given twice (in one shard or two, or per expert beside the
+fused tensor), an expert index past the config's count, and a slice no shard holds are each refused with the
+keys named, because a fused tensor with a gap would otherwise hold uninitialised memory.
+
 Quantised checkpoints (FP8, MXFP4) are refused with a message: moecc trains bf16/fp16/fp32 experts, and
 dequantising inside the loader would need the quantised kernels' packages; dequantise once, save, then load.
 """
@@ -23,6 +27,30 @@ from tqdm import tqdm
 from .errors import MoeccError, UnsupportedModelError
 from .models import FAMILIES
 
+_INDEX = "model.safetensors.index.json"
+
+
+def _read_json(path: Path, what: str) -> dict:
+    """A JSON object from ``path``; a truncated or hand-edited file is named with the parser's position."""
+    try:
+        fields = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise MoeccError(f"{what} {str(path)!r} is not valid JSON ({error}); copy the file again from the "
+                         "original checkpoint") from None
+    if not isinstance(fields, dict):
+        raise MoeccError(f"{what} {str(path)!r} holds a {type(fields).__name__}, not a JSON object")
+    return fields
+
+
+def _index_shards(directory: Path) -> list[str]:
+    """Shard file names listed by the checkpoint's index, sorted."""
+    index = _read_json(directory / _INDEX, "checkpoint index")
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise MoeccError(f"checkpoint index {str(directory / _INDEX)!r} has no 'weight_map' of tensor names to "
+                         "shard files; copy it again from the original checkpoint")
+    return sorted(set(weight_map.values()))
+
 
 def check_checkpoint(path: str | Path) -> dict:
     """Validates a checkpoint directory; returns its ``config.json`` fields."""
@@ -32,7 +60,7 @@ def check_checkpoint(path: str | Path) -> dict:
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise MoeccError(f"{str(directory)!r} has no config.json; pass a Hugging Face checkpoint directory")
-    fields = json.loads(config_file.read_text())
+    fields = _read_json(config_file, "checkpoint config")
     model_type = fields.get("model_type")
     if model_type not in FAMILIES:
         raise UnsupportedModelError(
@@ -46,9 +74,8 @@ def check_checkpoint(path: str | Path) -> dict:
             f"checkpoint is quantized ({method}); moecc trains bf16/fp16/fp32 experts. Dequantize it once "
             "(load with transformers' dequantize option, save_pretrained) and load the bf16 copy"
         )
-    index_file = directory / "model.safetensors.index.json"
-    if index_file.is_file():
-        shards = sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
+    if (directory / _INDEX).is_file():
+        shards = _index_shards(directory)
         missing = [name for name in shards if not (directory / name).is_file()]
         if missing:
             raise MoeccError(
@@ -61,9 +88,8 @@ def check_checkpoint(path: str | Path) -> dict:
 
 
 def _shard_files(directory: Path) -> list[Path]:
-    index_file = directory / "model.safetensors.index.json"
-    if index_file.is_file():
-        return [directory / n for n in sorted(set(json.loads(index_file.read_text())["weight_map"].values()))]
+    if (directory / _INDEX).is_file():
+        return [directory / name for name in _index_shards(directory)]
     return [directory / "model.safetensors"]
 
 
@@ -71,6 +97,17 @@ def _shard_files(directory: Path) -> list[Path]:
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
                          r"(?P<part>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_PART_KEY = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+_WHOLE = "whole"  # the fused tensor itself, given in one piece
+
+
+def _parts_of(name: str) -> tuple[str, ...]:
+    return ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
+
+
+def _listing(items: list[str], limit: int = 3) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
 class _ModelFiller:
@@ -80,16 +117,19 @@ class _ModelFiller:
         self.model, self.device, self.dtype = model, device, dtype
         self.expected = dict(model.named_parameters(remove_duplicate=False))
         self.expected.update(dict(model.named_buffers(remove_duplicate=False)))
-        self.expert_parts: dict[str, int] = {}  # fused parameter name -> slices filled
+        # fused parameter name -> {(expert, part) or WHOLE: the key and shard that filled it}
+        self.expert_slices: dict[str, dict] = {}
+        self.seen: dict[str, str] = {}  # non-expert key -> shard it came from
         self.unexpected: list[str] = []
+        self.shard = ""  # file name of the shard being read, for messages
 
     def _place(self, name: str, tensor: torch.Tensor, device: torch.device) -> None:
         module_name, _, attr = name.rpartition(".")
         module = self.model.get_submodule(module_name)
         target = self.expected[name]
         if tuple(tensor.shape) != tuple(target.shape):
-            raise MoeccError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the config implies "
-                             f"{tuple(target.shape)}; the checkpoint does not match its config.json")
+            raise MoeccError(f"checkpoint tensor {name} ({self.shard}) has shape {tuple(tensor.shape)}, the config "
+                             f"implies {tuple(target.shape)}; the checkpoint does not match its config.json")
         value = tensor.to(device=device, dtype=self.dtype if tensor.is_floating_point() else tensor.dtype)
         if attr in module._parameters:
             module._parameters[attr] = torch.nn.Parameter(value, requires_grad=target.requires_grad)
@@ -105,41 +145,85 @@ class _ModelFiller:
             module._parameters[attr] = current
         return current.data
 
+    def _claim(self, name: str, piece, key: str) -> None:
+        """Records that ``key`` fills ``piece`` of the fused parameter ``name``; a second filler is refused."""
+        slices = self.expert_slices.setdefault(name, {})
+        if piece == _WHOLE:
+            clash = next(iter(slices.values()), None)
+        else:
+            clash = slices.get(piece) or slices.get(_WHOLE)
+        if clash is not None:
+            earlier_key, earlier_shard = clash
+            raise MoeccError(
+                f"checkpoint gives {name} twice: {key} ({self.shard}) and {earlier_key} ({earlier_shard}) fill the "
+                "same expert slice; the shards come from different saves, copy the checkpoint again"
+            )
+        slices[piece] = (key, self.shard)
+
     def add(self, key: str, tensor: torch.Tensor) -> None:
         key = key.replace(".block_sparse_moe.", ".mlp.")
         if key in self.expected:
             is_expert = ".experts." in key
-            self._place(key, tensor, torch.device("cpu") if is_expert else self.device)
             if is_expert:
-                self.expert_parts[key] = -1  # loaded whole
+                self._claim(key, _WHOLE, key)
+            elif key in self.seen:
+                raise MoeccError(f"checkpoint tensor {key} is in both {self.seen[key]} and {self.shard}; the shards "
+                                 "come from different saves, copy the checkpoint again")
+            else:
+                self.seen[key] = self.shard
+            self._place(key, tensor, torch.device("cpu") if is_expert else self.device)
             return
         match = _PER_EXPERT.match(key)
         if match is None:
             if not key.endswith("rotary_emb.inv_freq"):
                 self.unexpected.append(key)
             return
+        self._add_expert_slice(key, match, tensor)
+
+    def _add_expert_slice(self, key: str, match: re.Match, tensor: torch.Tensor) -> None:
         experts, expert, part = match["prefix"] + ".mlp.experts", int(match["expert"]), _PART[match["part"]]
-        if part == "down":
-            name, rows = experts + ".down_proj", slice(None)
-        else:
-            name = experts + ".gate_up_proj"
-            half = self.expected[name].shape[1] // 2
-            rows = slice(0, half) if part == "gate" else slice(half, 2 * half)
+        name = experts + (".down_proj" if part == "down" else ".gate_up_proj")
         if name not in self.expected:
             self.unexpected.append(key)
             return
+        num_experts = self.expected[name].shape[0]
+        if expert >= num_experts:
+            raise MoeccError(f"checkpoint tensor {key} ({self.shard}) is for expert {expert}, but config.json gives "
+                             f"{num_experts} experts per layer (0-{num_experts - 1}); the checkpoint does not "
+                             "match its config.json")
+        rows = slice(None)
+        if part != "down":
+            half = self.expected[name].shape[1] // 2
+            rows = slice(0, half) if part == "gate" else slice(half, 2 * half)
         fused = self._fused(name)
         if tuple(fused[expert, rows].shape) != tuple(tensor.shape):
-            raise MoeccError(f"checkpoint tensor {key} has shape {tuple(tensor.shape)}, the config implies "
-                             f"{tuple(fused[expert, rows].shape)}; the checkpoint does not match its config.json")
+            raise MoeccError(f"checkpoint tensor {key} ({self.shard}) has shape {tuple(tensor.shape)}, the config "
+                             f"implies {tuple(fused[expert, rows].shape)}; the checkpoint does not match its "
+                             "config.json")
+        self._claim(name, (expert, part), key)
         fused[expert, rows].copy_(tensor)
-        self.expert_parts[name] = self.expert_parts.get(name, 0) + 1
+
+    def _check_expert_slices(self) -> None:
+        """Every fused expert parameter is filled whole or by exactly one slice per (expert, part)."""
+        for name, slices in self.expert_slices.items():
+            if _WHOLE in slices:
+                continue
+            num_experts, parts = self.expected[name].shape[0], _parts_of(name)
+            gaps = [f"{name.rpartition('.')[0]}.{e}.{_PART_KEY[p]}.weight"
+                    for e in range(num_experts) for p in parts if (e, p) not in slices]
+            if gaps:
+                raise MoeccError(
+                    f"checkpoint holds {len(slices)} of the {num_experts * len(parts)} expert slices of {name}; "
+                    f"missing: {_listing(gaps)}. Those experts would hold uninitialised memory: copy the "
+                    "complete checkpoint"
+                )
 
     def finish(self) -> None:
         """Recomputes non-persistent buffers, ties weights and checks that nothing is left unloaded."""
         if self.unexpected:
             raise MoeccError(f"checkpoint has {len(self.unexpected)} tensors this {self.model.config.model_type} "
                              f"model has no place for (e.g. {self.unexpected[0]})")
+        self._check_expert_slices()
         for name, module in list(self.model.named_modules()):
             if type(module).__name__.endswith("RotaryEmbedding") and any(
                     b.device.type == "meta" for b in module.buffers()):
@@ -147,16 +231,24 @@ class _ModelFiller:
                 fresh = type(module)(config=self.model.config).to(self.device)
                 setattr(self.model.get_submodule(parent_name), attr, fresh)
         self.model.tie_weights()
-        for name, parts in self.expert_parts.items():
-            num_experts = self.expected[name].shape[0]
-            needed = num_experts * (2 if name.endswith("gate_up_proj") else 1)
-            if parts not in (-1, needed):
-                raise MoeccError(f"checkpoint holds {parts} of the {needed} expert slices of {name}; "
-                                 "some experts are missing from the shards")
         missing = [n for n, t in list(self.model.named_parameters()) + list(self.model.named_buffers())
                    if t.device.type == "meta"]
         if missing:
             raise MoeccError(f"checkpoint is missing {len(missing)} tensors the model needs (e.g. {missing[0]})")
+
+
+def _read_shard(shard: Path, filler: _ModelFiller) -> None:
+    """Feeds every tensor of one safetensors shard to ``filler``; an unreadable file is named."""
+    filler.shard = shard.name
+    try:
+        with safe_open(str(shard), framework="pt") as handle:
+            for key in handle.keys():
+                filler.add(key, handle.get_tensor(key))
+    except MoeccError:
+        raise
+    except Exception as error:  # SafetensorError, OSError: truncated, corrupted or unreadable
+        raise MoeccError(f"checkpoint shard {str(shard)!r} cannot be read ({type(error).__name__}: {error}); it is "
+                         "truncated or corrupted: copy it again from the original checkpoint") from error
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
@@ -170,8 +262,6 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> to
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     filler = _ModelFiller(model, device, dtype)
     for shard in tqdm(_shard_files(directory), desc="loading shards", unit="shard"):
-        with safe_open(str(shard), framework="pt") as handle:
-            for key in handle.keys():
-                filler.add(key, handle.get_tensor(key))
+        _read_shard(shard, filler)
     filler.finish()
     return model.eval()

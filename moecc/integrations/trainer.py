@@ -6,7 +6,10 @@ logging window) into the printed logs, ``state.log_history`` and every reporting
 the adapter in PEFT's format because the prepared model is a ``PeftModel``; resuming loads it back in place,
 into the expert LoRA factors wherever the engine keeps them (host memory, or the GPU under offload's
 ``offload_lora``). The experts refuse device moves, so ``Trainer``/``accelerate`` may call ``model.to(device)``
-freely.
+freely. Checkpoints are saved atomically (``moecc.adapter_files``): a run killed mid-save keeps the previous
+adapter whole. With ``check_finite`` (the default) the trainable parameters' gradients are checked before the
+optimizer step of every logging step, and a NaN or inf stops training with the parameter (so the layer) and the
+step named, before the optimizer writes it into the weights.
 """
 from __future__ import annotations
 
@@ -17,8 +20,10 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
+from ..adapter_files import install_atomic_save
 from ..api import prepare
 from ..errors import MoeccError
+from ..lora import check_finite_gradients
 
 METRIC_PREFIX = "moecc/"
 
@@ -27,11 +32,13 @@ class MoeccCallback(TrainerCallback):
     """Trainer callback for models prepared by moecc.
 
     Args:
+        check_finite: check gradients for NaN / inf before the optimizer step at logging steps.
         prepare_kwargs: arguments for :func:`moecc.prepare` used by :meth:`prepare` (``lora_config``,
             ``paradigm``, ``device``, ...), for when the callback should prepare the model itself.
     """
 
-    def __init__(self, **prepare_kwargs) -> None:
+    def __init__(self, check_finite: bool = True, **prepare_kwargs) -> None:
+        self.check_finite = check_finite
         self.prepare_kwargs = prepare_kwargs
         self._engine = None
         self._window_steps = 0
@@ -54,7 +61,12 @@ class MoeccCallback(TrainerCallback):
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._engine = self._engine_of(model)
+        install_atomic_save(model)
         self._go_first()
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if self.check_finite and model is not None and _is_logging_step(args, state, state.global_step + 1):
+            check_finite_gradients(model, state.global_step + 1)
 
     def _go_first(self) -> None:
         """Moves this callback to the front of the Trainer's callback list, so the metrics it adds to ``logs``
@@ -96,3 +108,11 @@ class MoeccCallback(TrainerCallback):
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(metrics)
         self._window_steps, self._window_s, self._totals = 0, 0.0, {}
+
+
+def _is_logging_step(args, state, step: int) -> bool:
+    """Whether the Trainer logs at optimizer step ``step`` (``logging_strategy="steps"``)."""
+    if str(getattr(args.logging_strategy, "value", args.logging_strategy)) != "steps":
+        return False
+    every = state.logging_steps or args.logging_steps
+    return step == 1 or step % max(1, int(every)) == 0
