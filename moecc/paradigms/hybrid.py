@@ -1,0 +1,429 @@
+"""Hybrid paradigm: in every MoE layer pass the GPU computes the hot experts from copied weights while the CPU
+computes the cold ones in place, both at once; the layer's output and every gradient are the two parts' sums.
+
+Forward, layer i: the router's counts come to the host (one sync, which the CPU side needs anyway). Every routed
+expert whose weights are in layer i's device slot runs on the GPU (``moecc.experts`` subset, ``expert_mask``);
+every other routed expert runs on the CPU (the native kernels, on a worker thread). The slot was filled a layer
+ahead from a forecast of layer i's routing (recent passes, ``RoutingForecast``), planned by ``plan_split`` to
+balance CPU seconds against copy and GPU seconds; layer i's forward queues layer i+1's copies the same way.
+Backward, where routing is known from forward: each layer runs the same split as its forward (each side holds its
+own saved state), and layer i's backward prefetches layer i-1's GPU experts and parked activations.
+
+One set of LoRA factors: host parameters, read in place by the CPU and copied to the device once per pass for the
+GPU; their gradient is the sum of both sides' (each zero outside its experts). The split's costs start from the
+machine's rates and follow what each pass measures while both sides run (``CostTracker``).
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+from torch.profiler import record_function
+
+from .. import _ops
+from ..config import MoeccConfig
+from ..errors import MoeccError
+from ..experts import ExpertBackend, ExpertLora, LoraGrads, SavedState
+from ..experts.select import cpu_backend, default_device_backend, device_backend
+from ..lora import lora_tensors
+from ..staging import StagingBuffers
+from .base import expert_lora_params, node_gradients, saved_state_gone
+from .hybrid_split import CostTracker, RoutingForecast, SideCosts, hit_rate, physical_costs, plan_split
+from .offload import OffloadEngine, OffloadLayer, ParkedState, _Call, offload_gpu_bytes
+
+# Split hook: (layer index, tokens per expert, "forward") -> the experts to run on the GPU.
+SplitRule = Callable[[int, list, str], Iterable[int]]
+
+
+@dataclass
+class SideMetrics:
+    """Per-side counters since the last reset (seconds, experts and routed pairs; forward and backward)."""
+
+    cpu_s: float = 0.0
+    cpu_experts: int = 0
+    cpu_pairs: int = 0
+    gpu_experts: int = 0
+    gpu_pairs: int = 0
+    cpu_wait_s: float = 0.0  # the caller blocked on the CPU part (forward result, backward join)
+    layer_passes: int = 0
+    both_sides: int = 0  # layer passes that ran on both sides
+    prefetch_hits: list = field(default_factory=list)  # share of a forward's pairs the prefetch put on the GPU
+
+
+class HybridEngine(OffloadEngine):
+    """Offload's device slots, copy stream and parking for the GPU part, plus co-compute's staging, worker and
+    CPU backend for the CPU part, and the split's forecast and costs."""
+
+    name = "hybrid"
+
+    def __init__(self, device: torch.device, cpu: ExpertBackend, slots: int = 2, compute: str | None = None,
+                 cache_bytes: int = 0, costs: tuple[SideCosts, SideCosts] | None = None) -> None:
+        super().__init__(device, max(2, slots), compute, cache_bytes)
+        self.cpu = cpu
+        self.staging = StagingBuffers(device)
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecc-hybrid-cpu")
+        self.forecast = RoutingForecast()
+        self.trackers: dict[str, CostTracker] | None = None if costs is None else {
+            "forward": CostTracker(costs[0]), "backward": CostTracker(costs[1])}
+        self.split_rule: SplitRule | None = None  # tests and experiments: force the GPU set per layer pass
+        self.planned: dict[int, tuple[int, ...]] = {}  # layer -> GPU experts its forward prefetch planned
+        self.sides = SideMetrics()
+        self._copy_samples: list[tuple[str, int, object]] = []  # (pass, experts copied, (begin, end) | seconds)
+
+    @classmethod
+    def from_config(cls, device: torch.device, config: MoeccConfig) -> HybridEngine:
+        if config.num_threads is None and device.type == "cuda":
+            # Leave two cores to the threads that queue the GPU work and drive the copies: with every core in the
+            # pool the CPU kernels ran 2.2x slower while PCIe streamed (benchmarks/results/README.md).
+            _ops.configure_pool(max(1, _ops.available_cpus() - 2), config.pin_threads)
+        compute = config.offload_compute
+        engine = cls(device, cpu_backend(config.backend, config.isa, prepack=config.prepack_weights),
+                     config.offload_slots, default_device_backend(device) if compute == "auto" else compute,
+                     int(config.offload_cache_gb * 1e9))
+        return engine
+
+    def finish(self, model: torch.nn.Module, config: MoeccConfig) -> None:
+        """Expert LoRA stays in host memory (the CPU reads it in place); the device gets a copy per pass."""
+        self.lora_on_device = False
+        self.place_lora(expert_lora_params(self.layers))
+        self.cpu.prepare_layers([layer.weights for layer in self.layers])
+        if self.trackers is None and self.layers:
+            self.trackers = {p: CostTracker(c) for p, c in zip(("forward", "backward"), default_costs(self))}
+
+    def gpu_bytes(self, config: MoeccConfig) -> int:
+        return offload_gpu_bytes(self.layers, config, lora_on_device=False)
+
+    def budget_advice(self) -> str:
+        return " or lower offload_slots / offload_cache_gb"
+
+    def pass_begins(self) -> None:
+        super().pass_begins()
+        self._learn_copy_rates()
+
+    def costs(self, phase: str) -> SideCosts:
+        return self.trackers[phase].costs()
+
+    def reset_metrics(self) -> None:
+        super().reset_metrics()
+        self.sides = SideMetrics()
+        self._bytes_mark_staging = (self.staging.bytes_to_device, self.staging.bytes_to_host)
+
+    def metrics_since_reset(self) -> dict[str, float]:
+        """Offload's keys (``copy_s``, ``gpu_wait_s``, ...) plus each side's work: ``cpu_experts_s`` (CPU seconds),
+        ``cpu_experts`` / ``gpu_experts`` and ``cpu_pairs`` / ``gpu_pairs`` (summed over layer passes),
+        ``cpu_wait_s``, ``both_sides_share`` (layer passes split between both sides), ``prefetch_hit_rate`` and the
+        cost model's measured ``cpu_slowdown`` / ``copy_slowdown`` (measured over predicted seconds)."""
+        out = super().metrics_since_reset()
+        s = self.sides
+        mark = getattr(self, "_bytes_mark_staging", (0, 0))
+        out.update({
+            "cpu_experts_s": s.cpu_s, "cpu_experts": float(s.cpu_experts), "gpu_experts": float(s.gpu_experts),
+            "cpu_pairs": float(s.cpu_pairs), "gpu_pairs": float(s.gpu_pairs), "cpu_wait_s": s.cpu_wait_s,
+            "both_sides_share": s.both_sides / s.layer_passes if s.layer_passes else 0.0,
+            "prefetch_hit_rate": sum(s.prefetch_hits) / len(s.prefetch_hits) if s.prefetch_hits else 0.0,
+            "cpu_slowdown": self.trackers["forward"].cpu_scale if self.trackers else 1.0,
+            "copy_slowdown": self.trackers["forward"].copy_scale if self.trackers else 1.0,
+        })
+        out["h2d_gb"] += (self.staging.bytes_to_device - mark[0]) / 1e9
+        out["d2h_gb"] += (self.staging.bytes_to_host - mark[1]) / 1e9
+        return out
+
+    def forward_split(self, layer: HybridLayer, counts: list[int], recompute: bool) -> tuple[int, ...]:
+        """The experts layer ``layer`` runs on the GPU in this forward: the rule's when one is set; else every
+        routed expert already in its slot (prefetched from the forecast), or, before any forecast, the plan for
+        these very counts."""
+        if self.split_rule is not None:
+            return tuple(sorted({int(e) for e in self.split_rule(layer.index, counts, "forward")}))
+        slot = self.slots.get(layer.index)
+        present = slot.present if slot is not None and slot.revision == layer.revision() else set()
+        if layer.index not in self.planned and not present:
+            return plan_split(counts, self.costs("forward")).gpu
+        return tuple(sorted(e for e in present if counts[e] > 0))
+
+    def prefetch_forward(self, index: int) -> None:
+        """Queues layer ``index``'s forecast GPU experts (after this layer's own copies)."""
+        if not (0 <= index < len(self.layers)) or self.capacity < 2 or self.split_rule is not None:
+            return
+        expected = self.forecast.expected(index)
+        if expected is None:
+            return
+        plan = plan_split(expected, self.costs("forward")).gpu
+        self.planned[index] = plan
+        if plan:
+            self._timed_fetch("forward", self.layers[index], list(plan))
+
+    def _timed_fetch(self, phase: str, layer: HybridLayer, experts: list[int], lora: tuple | None = None):
+        """``fetch``, remembering how many experts crossed PCIe and how long that took, for the cost tracker."""
+        before_bytes, before_events, before_s = self.h2d_bytes, len(self._copy_events), self.copy_s
+        slot = self.fetch(layer, experts, lora)
+        per_expert = layer.weights.gate_up[0].nbytes + layer.weights.down[0].nbytes
+        copied = int((self.h2d_bytes - before_bytes) // per_expert) if per_expert else 0
+        if copied:
+            timing = self._copy_events[-1] if len(self._copy_events) > before_events else self.copy_s - before_s
+            self._copy_samples.append((phase, copied, timing))
+        return slot
+
+    def _learn_copy_rates(self) -> None:
+        """Feeds the last pass's copy timings (complete by now) to the cost trackers."""
+        samples, self._copy_samples = self._copy_samples, []
+        if self.trackers is None:
+            return
+        for phase, experts, timing in samples:
+            if not isinstance(timing, float):
+                timing[1].synchronize()  # long done: the layer's compute waited for it
+            seconds = timing if isinstance(timing, float) else timing[0].elapsed_time(timing[1]) / 1e3
+            self.trackers[phase].observe((), 0.0, experts, seconds)
+
+    def run_cpu(self, fn, *args) -> Future:
+        return self.worker.submit(fn, *args)
+
+
+def default_costs(engine: HybridEngine) -> tuple[SideCosts, SideCosts]:
+    """First (forward, backward) costs for the model's first layer from nominal rates of the machine kind at hand
+    (a CUDA GPU on PCIe Gen5; the CPU device standing in for one); measured passes correct them."""
+    weights = engine.layers[0].weights
+    hidden, inter = weights.hidden_size, weights.intermediate_size
+    if engine.device.type == "cuda":
+        rates = dict(dram_gbps=100.0, cpu_tflops=3.0, pcie_gbps=50.0, gpu_tflops=400.0)
+    else:  # no link: "copies" are host copies, and the same CPU runs both sides
+        rates = dict(dram_gbps=20.0, cpu_tflops=0.2, pcie_gbps=20.0, gpu_tflops=0.2)
+    return (physical_costs(hidden, inter, 8, 8, **rates), physical_costs(hidden, inter, 8, 8, backward=True, **rates))
+
+
+class HybridLayer(OffloadLayer):
+    """One MoE layer's routed experts, split per pass between the GPU (copied weights) and the CPU (in place)."""
+
+    engine: HybridEngine
+
+    def __init__(self, name: str, experts: torch.nn.Module, wrappers: dict, engine: HybridEngine,
+                 index: int) -> None:
+        super().__init__(name, experts, wrappers, engine, index)
+        self.last_gpu: tuple[int, ...] | None = None  # the GPU experts of the latest forward; backward prefetches
+
+    def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> HybridPending:
+        lora = self.lora()
+        factors = lora_tensors(lora)
+        self.engine.place_lora(factors)
+        counts = routed_counts(top_k_index, self.weights.num_experts)  # validated before any state changes
+        recompute = self.begin_call(hidden)
+        keep = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (hidden, top_k_weights, *factors))
+        call = _Call(keep, recompute, (self.engine.forward_passes, self.index))
+        parts = _Parts()
+        out = HybridExpertsFunction.apply(hidden, top_k_weights, top_k_index, self, lora, call, counts, parts,
+                                          *factors)
+        return HybridPending(out, parts, self.engine)
+
+
+def routed_counts(top_k_index: torch.Tensor, num_experts: int) -> list[int]:
+    """``[E]`` routed pairs per expert on the host (one sync); ids outside ``[0, E)`` are refused first."""
+    flat = top_k_index.reshape(-1).long()
+    bad = (flat < 0) | (flat >= num_experts)
+    counts = torch.bincount(torch.where(bad, num_experts, flat), minlength=num_experts + 1).tolist()
+    if counts[num_experts]:
+        seen = flat[bad][:4].tolist()
+        raise MoeccError(f"the router produced expert ids outside [0, {num_experts}) (e.g. {seen}); check the "
+                         "model's router (num_experts in its config) — nothing was computed or cached")
+    return counts[:num_experts]
+
+
+@dataclass
+class _Parts:
+    """What one layer call's forward leaves for ``result()`` and backward."""
+
+    gpu: tuple[int, ...] = ()
+    cpu: tuple[int, ...] = ()
+    cpu_future: Future | None = None  # -> (host output, SavedState)
+    cpu_saved: SavedState | None = None
+    gpu_state: SavedState | ParkedState | None = None
+    math: ExpertBackend | None = None
+    lora: tuple = (None, None)
+    weights_host: object = None
+    done: bool = False
+
+
+class HybridPending:
+    """``result()`` waits for the CPU part, brings it to the device and adds it to the GPU part."""
+
+    def __init__(self, output: torch.Tensor, parts: _Parts, engine: HybridEngine) -> None:
+        self._output, self._parts, self._engine = output, parts, engine
+
+    def result(self) -> torch.Tensor:
+        parts, engine = self._parts, self._engine
+        if parts.cpu_future is not None and not parts.done:
+            start = time.perf_counter()
+            host, saved = parts.cpu_future.result()
+            engine.sides.cpu_wait_s += time.perf_counter() - start
+            parts.cpu_saved = saved
+            with torch.no_grad(), record_function("moecc.hybrid.cpu_to_device"):
+                if parts.gpu:
+                    self._output.add_(engine.staging.to_device("out", host))
+                else:
+                    engine.staging.copy_to_device("out", host, self._output)
+            engine.cpu.release_result(host)
+        parts.done = True
+        return self._output
+
+
+def _mask(experts: Iterable[int], num_experts: int, device: torch.device) -> torch.Tensor:
+    mask = torch.zeros(num_experts, dtype=torch.bool)
+    mask[list(experts)] = True
+    return mask.to(device)
+
+
+def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora: tuple, cpu: tuple[int, ...],
+                 counts: list[int]):
+    views = staged.wait()
+    start = time.perf_counter()
+    with record_function("moecc.hybrid.cpu_forward"):
+        out, saved = engine.cpu.forward(weights, views["hidden"], views["top_k_index"], views["top_k_weights"],
+                                        *lora, expert_mask=_mask(cpu, weights.num_experts, torch.device("cpu")))
+    seconds = time.perf_counter() - start
+    engine.sides.cpu_s += seconds
+    if engine.trackers is not None:
+        engine.trackers["forward"].observe([counts[e] for e in cpu], seconds, 0, 0.0)
+    return out, saved
+
+
+def _cpu_backward(engine: HybridEngine, parts: _Parts, staged, counts: list[int]):
+    views = staged.wait()
+    start = time.perf_counter()
+    with record_function("moecc.hybrid.cpu_backward"):
+        result = engine.cpu.backward(parts.weights_host, parts.cpu_saved, views["grad_out"], *parts.lora)
+    seconds = time.perf_counter() - start
+    engine.sides.cpu_s += seconds
+    if engine.trackers is not None:
+        engine.trackers["backward"].observe(counts, seconds, 0, 0.0)
+    return result
+
+
+class HybridExpertsFunction(torch.autograd.Function):
+    """Autograd node of one hybrid layer: both parts' forward and backward, their results summed."""
+
+    @staticmethod
+    def forward(ctx, hidden, top_k_weights, top_k_index, layer, lora, call, counts, parts, *factors):
+        engine, num_experts = layer.engine, layer.weights.num_experts
+        gpu = engine.forward_split(layer, counts, call.recompute)
+        on_gpu = set(gpu)
+        cpu = tuple(e for e, n in enumerate(counts) if n > 0 and e not in on_gpu)
+        parts.gpu, parts.cpu, parts.lora, parts.weights_host = gpu, cpu, lora, layer.weights
+        if cpu:  # first: the CPU starts as soon as the activations reach the host
+            staged = engine.staging.to_host({"hidden": hidden.detach().contiguous(),
+                                             "top_k_index": top_k_index.contiguous(),
+                                             "top_k_weights": top_k_weights.detach().contiguous()})
+            parts.cpu_future = engine.run_cpu(_cpu_forward, engine, layer, staged, parts.weights_host, lora, cpu,
+                                              counts)
+        slot = engine._timed_fetch("forward", layer, list(gpu)) if gpu else None
+        if not call.recompute:
+            _record_forward(engine, layer, counts, gpu, cpu)
+            engine.prefetch_forward(layer.index + 1)
+        if gpu:
+            out, parts.gpu_state, parts.math = _gpu_forward(engine, layer, slot, hidden, top_k_index, top_k_weights,
+                                                            lora, gpu, call)
+        else:
+            out = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+        ctx.layer, ctx.parts, ctx.call, ctx.counts = layer, parts, call, counts
+        ctx.dtypes = (hidden.dtype, top_k_weights.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        layer, parts, engine = ctx.layer, ctx.parts, ctx.layer.engine
+        if not parts.done or (parts.cpu and parts.cpu_saved is None) or (parts.gpu and parts.gpu_state is None):
+            raise saved_state_gone("hybrid")
+        cpu_future = None
+        if parts.cpu:
+            staged = engine.staging.to_host({"grad_out": grad_out.contiguous()})
+            cpu_future = engine.run_cpu(_cpu_backward, engine, parts, staged, [ctx.counts[e] for e in parts.cpu])
+        grads = _gpu_backward(engine, layer, parts, grad_out, ctx.call) if parts.gpu else None
+        _prefetch_backward(engine, layer, ctx.call)
+        if cpu_future is not None:
+            start = time.perf_counter()
+            cpu_hidden, cpu_weights, cpu_lora = cpu_future.result()
+            engine.sides.cpu_wait_s += time.perf_counter() - start
+            parts.cpu_saved = None
+            cpu_hidden_device = engine.staging.to_device("grad_hidden", cpu_hidden.to(ctx.dtypes[0]))
+            engine.cpu.release_result(cpu_hidden)
+            cpu_weights = engine.staging.to_device("grad_weights", cpu_weights.to(ctx.dtypes[1]))
+            grads = _add(grads, (cpu_hidden_device, cpu_weights, cpu_lora))
+        grad_hidden, grad_weights, lora_grads = grads
+        return node_gradients(grad_hidden.to(ctx.dtypes[0]), grad_weights.to(ctx.dtypes[1]), 6, parts.lora,
+                              lora_grads)
+
+
+def _record_forward(engine: HybridEngine, layer: HybridLayer, counts: list[int], gpu: tuple, cpu: tuple) -> None:
+    """Metrics and the forecast, once per real (not recomputed) forward of a layer."""
+    s = engine.sides
+    s.layer_passes += 1
+    s.both_sides += bool(gpu and cpu)
+    s.cpu_experts += len(cpu)
+    s.cpu_pairs += sum(counts[e] for e in cpu)
+    s.gpu_experts += sum(1 for e in gpu if counts[e] > 0)
+    s.gpu_pairs += sum(counts[e] for e in gpu)
+    planned = engine.planned.get(layer.index)
+    if planned is not None:
+        s.prefetch_hits.append(hit_rate(planned, counts))
+    engine.metrics.expert_token_counts.append(counts)
+    engine.metrics.tokens_routed += sum(counts)
+    engine.forecast.observe(layer.index, counts)
+    layer.last_gpu = gpu
+
+
+def _gpu_forward(engine: HybridEngine, layer: HybridLayer, slot, hidden, top_k_index, top_k_weights, lora, gpu,
+                 call):
+    engine.use(slot)
+    begun = engine.compute_begins()
+    device_lora = engine.device_lora(slot, lora)
+    math = device_backend(engine.compute)
+    with record_function("moecc.hybrid.gpu_forward"):
+        out, saved = math.forward(layer.device_weights(slot), hidden, top_k_index, top_k_weights, *device_lora,
+                                  expert_mask=_mask(gpu, layer.weights.num_experts, hidden.device))
+    engine.done_with(slot)
+    engine.compute_ends(begun, backward=False)
+    return out, engine.keep_for_backward(call, saved), math
+
+
+def _gpu_backward(engine: HybridEngine, layer: HybridLayer, parts: _Parts, grad_out, call):
+    state, parts.gpu_state = parts.gpu_state, None
+    slot = engine._timed_fetch("backward", layer, list(parts.gpu), parts.lora)
+    if isinstance(state, ParkedState):
+        engine.parking.restore(state)
+    engine.use(slot)
+    saved = engine.unpark(state)
+    begun = engine.compute_begins()
+    device_lora = engine.device_lora(slot, parts.lora)
+    with record_function("moecc.hybrid.gpu_backward"):
+        result = parts.math.backward(layer.device_weights(slot), saved, grad_out, *device_lora)
+    engine.done_with(slot)
+    engine.compute_ends(begun, backward=True)
+    return result
+
+
+def _prefetch_backward(engine: HybridEngine, layer: HybridLayer, call) -> None:
+    """Queues the layer before's GPU experts (known exactly from its forward) and its parked activations."""
+    if layer.index == 0:
+        return
+    previous = engine.layers[layer.index - 1]
+    if previous.last_gpu and engine.capacity > 1:
+        engine._timed_fetch("backward", previous, list(previous.last_gpu))
+    engine.parking.prefetch((call.key[0], previous.index))
+
+
+def _add(gpu: tuple | None, cpu: tuple) -> tuple:
+    """Both parts' (grad_hidden, grad_top_k_weights, LoraGrads) summed, on the GPU part's devices; the LoRA
+    gradients in host memory, where the factors live."""
+    if gpu is None:
+        return cpu
+    hidden = gpu[0].float() + cpu[0].float()
+    weights = gpu[1].float() + cpu[1].float()
+    g, c = gpu[2], cpu[2]
+    lora = LoraGrads(*(None if a is None else a.to(b.device) + b if b is not None else a.cpu()
+                       for a, b in ((g.gate_up_A, c.gate_up_A), (g.gate_up_B, c.gate_up_B),
+                                    (g.down_A, c.down_A), (g.down_B, c.down_B))))
+    return hidden, weights, lora
+
+
+HybridEngine.layer_class = HybridLayer

@@ -1,0 +1,117 @@
+"""The hybrid paradigm against HF + PEFT with the split forced every way (all CPU, all GPU, alternating, random
+per layer and pass, experts with no tokens on either side), and its own split, metrics and state."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import moecc
+from moecc.errors import MoeccError
+
+from ..parity import TOLERANCE, assert_grads_match, batches, build_pair, forward_backward_both, lora_config
+
+
+def _all_cpu(layer, counts, phase):
+    return ()
+
+
+def _all_gpu(layer, counts, phase):
+    return range(len(counts))  # every expert, routed or not: the unrouted ones have no tokens on the GPU
+
+
+def _alternating(layer, counts, phase):
+    return range(layer % 2, len(counts), 2)
+
+
+def _random(seed):
+    rng = random.Random(seed)
+    return lambda layer, counts, phase: [e for e in range(len(counts)) if rng.random() < 0.5]
+
+
+def _unrouted_on_gpu(layer, counts, phase):
+    """Every unrouted expert on the GPU, every routed one on the CPU: both sides hold experts with no tokens."""
+    return [e for e, n in enumerate(counts) if n == 0]
+
+
+RULES = {"all_cpu": _all_cpu, "all_gpu": _all_gpu, "alternating": _alternating, "random": _random(3),
+         "unrouted_on_gpu": _unrouted_on_gpu}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("rule", list(RULES))
+def test_hybrid_trains_like_hf_peft_whatever_the_split(family, rule):
+    """Two training steps: logits and every trainable gradient (attention LoRA through the routing weights'
+    gradient, every expert LoRA factor) match HF + PEFT, however the experts are split."""
+    reference, engine = build_pair(family, torch.float32, lora_config(family), paradigm="hybrid")
+    engine.moecc.engine.split_rule = RULES[rule]
+    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05)
+                  for m in (reference, engine)]
+    for batch in batches(256, 2, batch=3, seq=10, seed=7, pad=True):
+        forward_backward_both(reference, engine, batch, TOLERANCE[torch.float32])
+        assert_grads_match(reference, engine, TOLERANCE[torch.float32])
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    metrics = engine.moecc.engine.metrics_since_reset()
+    if rule == "all_cpu":
+        assert metrics["gpu_pairs"] == 0 and metrics["cpu_pairs"] > 0
+    if rule in ("all_gpu", "unrouted_on_gpu"):
+        assert metrics["gpu_pairs"] == (metrics["cpu_pairs"] + metrics["gpu_pairs"]) * (rule == "all_gpu")
+    if rule in ("alternating", "random"):
+        assert metrics["gpu_pairs"] > 0 and metrics["cpu_pairs"] > 0 and metrics["both_sides_share"] > 0
+
+
+def test_hybrid_own_split_matches_hf_peft_in_bf16_with_native_kernels():
+    """The default engine (its own split, native kernels on the CPU side) in bf16, held to float32 HF + PEFT like
+    the other paradigms' bf16 tests."""
+    from .test_offload import _assert_bf16_as_accurate_as_hf_peft
+
+    reference, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
+                                   backend="auto")
+    _assert_bf16_as_accurate_as_hf_peft(reference, engine)
+
+
+def test_split_follows_the_forecast_and_prefetches_the_next_layer():
+    """After a first pass the forward prefetch plans each later layer from the forecast; a second forward finds
+    the planned experts in the slots and the metrics count both sides."""
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid")
+    hybrid = engine.moecc.engine
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        engine(input_ids=ids, labels=ids).loss.backward()
+    assert hybrid.forecast.expected(1) is not None
+    assert set(hybrid.planned) >= {1}
+    metrics = hybrid.metrics_since_reset()
+    assert metrics["cpu_pairs"] + metrics["gpu_pairs"] == 3 * 2 * 16 * 2 * len(hybrid.layers)  # T*k per layer
+    assert 0.0 <= metrics["prefetch_hit_rate"] <= 1.0
+
+
+def test_bad_expert_ids_are_refused_before_any_state_changes():
+    reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid")
+    layer = engine.moecc.layers[0]
+    hidden = torch.randn(3, layer.weights.hidden_size)
+    weights = torch.full((3, 2), 0.5)
+    passes = layer.engine.forward_passes
+    for bad in (-1, layer.weights.num_experts):
+        with pytest.raises(MoeccError, match=r"expert ids outside \[0, 8\)"):
+            layer.submit(hidden, torch.tensor([[0, 1], [2, bad], [3, 4]]), weights)
+    assert layer.engine.forward_passes == passes and not layer.engine.slots
+    forward_backward_both(reference, engine, batches(256, 1, seed=2)[0], TOLERANCE[torch.float32])
+    assert_grads_match(reference, engine, TOLERANCE[torch.float32])
+
+
+def test_hybrid_is_registered_and_reports_its_sides():
+    assert "hybrid" in moecc.paradigms.PARADIGMS
+    _, engine = build_pair("olmoe", torch.float32, lora_config("olmoe"), paradigm="hybrid")
+    engine.moecc.engine.split_rule = _alternating
+    engine.moecc.engine.reset_metrics()
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    engine(input_ids=ids, labels=ids).loss.backward()
+    metrics = engine.moecc.engine.metrics_since_reset()
+    for key in ("cpu_experts_s", "cpu_experts", "gpu_experts", "cpu_pairs", "gpu_pairs", "copy_s", "h2d_gb",
+                "cpu_wait_s", "both_sides_share", "tokens"):
+        assert key in metrics, key
+    assert metrics["tokens"] == 8 and metrics["cpu_experts_s"] > 0
+    assert engine.moecc.expert_bytes > 0
