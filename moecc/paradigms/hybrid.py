@@ -271,7 +271,8 @@ class HybridPending:
 def _mask(experts: Iterable[int], num_experts: int, device: torch.device) -> torch.Tensor:
     mask = torch.zeros(num_experts, dtype=torch.bool)
     mask[list(experts)] = True
-    return mask.to(device)
+    # non_blocking: a pageable source is staged at once, so the host does not wait for the stream to drain
+    return mask.to(device, non_blocking=True)
 
 
 def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora: tuple, cpu: tuple[int, ...],
