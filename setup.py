@@ -44,13 +44,44 @@ def takes_quietly(compiler, flag: str) -> bool:
     return True
 
 
+# Per-ISA translation units (tinyBLAS style): each file in cpp/kernels/isa/ is compiled with the flags of the ISA its
+# name ends with, so the untargeted vector helpers it inlines (vector16.h) are built for that ISA, which clang
+# requires. Every other file has the baseline x86-64 flags, so the module loads, and its dispatchers choose, on any
+# x86-64 CPU. "avx512" is the ISA target_clones("avx512f") gives a copy (vector16.h), "avx512bf16" the one the
+# AVX512-BF16 panel kernels' target attributes name.
+ISA_DIR = "cpp/kernels/isa"
+ISA_FLAGS = {
+    "avx512": ["-mavx512f"],
+    "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
+}
+
+
+def isa_flags(source: str) -> list:
+    """The ISA flags for ``source`` (a path as the compiler gets it): none outside ISA_DIR."""
+    path = Path(source).resolve()
+    if path.parent != (ROOT / ISA_DIR).resolve():
+        return []
+    isa = path.stem.rsplit("_", 1)[-1]
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"{source}: files in {ISA_DIR} end with _<isa>.cpp, <isa> one of {sorted(ISA_FLAGS)}")
+    return ISA_FLAGS[isa]
+
+
 class BuildExt(build_ext):
-    """build_ext that adds FMA_FLAG where the compiler takes it without a warning (GCC; others go without)."""
+    """build_ext that adds FMA_FLAG where the compiler takes it without a warning (GCC; others go without), and the
+    per-file ISA flags (ISA_FLAGS)."""
 
     def build_extensions(self) -> None:
         if takes_quietly(self.compiler, FMA_FLAG):
             for ext in self.extensions:
                 ext.extra_compile_args.append(FMA_FLAG)
+        # distutils has no per-source flags; _compile (one source) is the hook numpy.distutils and others use too.
+        compile_one = self.compiler._compile
+
+        def compile_with_isa(obj, src, ext, cc_args, extra_postargs, pp_opts):
+            compile_one(obj, src, ext, cc_args, list(extra_postargs) + isa_flags(src), pp_opts)
+
+        self.compiler._compile = compile_with_isa
         super().build_extensions()
 
 

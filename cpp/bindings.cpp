@@ -12,6 +12,7 @@
 
 #include "kernels/aligned_buffer.h"
 #include "kernels/amx_self_check.h"
+#include "kernels/bf16_rounding.h"
 #include "kernels/cpu_features.h"
 #include "kernels/expert_ffn.h"
 #include "kernels/lora_products.h"
@@ -46,10 +47,6 @@ void pool_raise_test(int64_t n, int64_t failing_task) {
 
 // Rounds n (a multiple of 16) floats to bf16 with the epilogues' 16-lane rounding, integer (native false) or
 // AVX512-BF16's instruction; a test of the two against each other and torch.
-MOECC_BF16_TARGET void round_native(const float* src, uint16_t* dst, int64_t n) {
-  using namespace moecc::kernels::v16;
-  for (int64_t i = 0; i < n; i += kLanes) store16<NativeBf16>(dst + i, load16(src + i));
-}
 void round_bf16_test(std::uintptr_t src_address, std::uintptr_t dst_address, int64_t n, bool native) {
   using namespace moecc::kernels::v16;
   if (n % kLanes != 0) throw std::invalid_argument("_round_bf16_test: n must be a multiple of 16");
@@ -57,7 +54,7 @@ void round_bf16_test(std::uintptr_t src_address, std::uintptr_t dst_address, int
   uint16_t* dst = as_pointer<uint16_t>(dst_address);
   if (native) {
     if (!native_bf16()) throw std::invalid_argument("_round_bf16_test: this CPU has no AVX512-BF16");
-    round_native(src, dst, n);
+    moecc::kernels::round_bf16_native(src, dst, n);
   } else {
     for (int64_t i = 0; i < n; i += kLanes) store16<PortableBf16>(dst + i, load16(src + i));
   }

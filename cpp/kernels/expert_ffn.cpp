@@ -152,9 +152,17 @@ WeightRange column_slice(const uint16_t* w, int64_t n, int64_t k, const Task& ta
 // baseline copy of each, one picked at load time from the running CPU, so no code here assumes AVX512.
 
 // y += bf16(x) * coef, the product rounded to float32 before the sum, as when the forward applied the routing
-// weight per pair: GCC contracts C++ into FMAs by default (it did in the scalar tail), so contraction is off here.
-__attribute__((optimize("fp-contract=off"))) MOECC_VECTOR_CLONES void axpy_bf16(float coef, const uint16_t* x,
-                                                                               float* y, int64_t n) {
+// weight per pair: GCC and clang contract C++ into FMAs by default (GCC did in the scalar tail), so contraction is off
+// here (clang has no optimize attribute; its pragma does the same).
+#if defined(__clang__)
+#define MOECC_NO_FP_CONTRACT
+#else
+#define MOECC_NO_FP_CONTRACT __attribute__((optimize("fp-contract=off")))
+#endif
+MOECC_NO_FP_CONTRACT MOECC_VECTOR_CLONES void axpy_bf16(float coef, const uint16_t* x, float* y, int64_t n) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += bf16_to_float(x[i]) * coef;
 }

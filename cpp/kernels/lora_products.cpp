@@ -1,218 +1,29 @@
-// Rank-r LoRA products (lora_products.h) with GCC vector types: one source, compiled by target_clones for AVX512
-// (16 floats per register) and for the baseline ISA (the same code split into SSE registers). Ranks are taken
-// in groups of up to 8 so the accumulators stay in registers whatever r is.
+// Rank-r LoRA products (lora_products.h): the dispatcher, which picks a build of lora_products_body.h once from the
+// running CPU, and the baseline build (this file has the baseline ISA's flags, as everything that runs before the
+// choice must).
 #include "lora_products.h"
 
 #include <algorithm>
 
-#include "panel_gemm.h"  // float_to_bf16
-#include "vector16.h"
+#include "lora_products_body.h"
 
 namespace moecc::kernels {
+
+const LoraKernels& lora_products_baseline() { return LoraBuild<v16::PortableBf16>::kernels; }
+
 namespace {
 
-using namespace v16;
-
-constexpr int kGroup = 8;
-
-MOECC_INLINE void put(float* p, float v) { *p = v; }
-MOECC_INLINE void put(uint16_t* p, float v) { *p = float_to_bf16(v); }
-MOECC_INLINE float widen(float v) { return v; }
-MOECC_INLINE float widen(uint16_t bits) { return bf16_to_float(bits); }
-
-// Rows in chunks of kRowChunk, and within a chunk columns in steps of 2 x 16 (2G accumulators), then 16, then
-// one at a time. A chunk's factors are computed once, and its rows (at most 32 x 256 bf16 = 16 KB for the
-// 256-column tasks of expert_ffn.cpp) stay in L1 while every column step reads them; the next chunk's rows are
-// prefetched meanwhile. Walking all of an expert's rows per column step instead (the first version) touched one
-// cache line per row at the row stride, which the hardware prefetchers do not follow, and recomputed each factor
-// once per column step.
-constexpr int64_t kRowChunk = 32;
-
-template <int G, typename Rows>
-MOECC_INLINE void outer_group(const float* coef, int64_t rank, const float* row_scale, float scale, const Rows& rows,
-                              int64_t count, int64_t c0, int64_t c1, float* out, int64_t out_ld) {
-  float factors[kRowChunk * G];
-  for (int64_t g0 = 0; g0 < count; g0 += kRowChunk) {
-    const int64_t n = count - g0 < kRowChunk ? count - g0 : kRowChunk;
-    for (int64_t g = 0; g < n; ++g) {
-      const float row_factor = scale * (row_scale ? row_scale[g0 + g] : 1.0f);
-      for (int j = 0; j < G; ++j) factors[g * G + j] = coef[(g0 + g) * rank + j] * row_factor;
-    }
-    // The next chunk's rows, each line of them asked for beside the same line of this chunk's row: spread over
-    // the column steps, where asking for all of a chunk at once (256 lines) stalled on the core's few line-fill
-    // buffers. Columns past the first 2 x 16-column steps are not prefetched (short tails).
-    const int64_t next_rows = count - g0 - n < kRowChunk ? count - g0 - n : kRowChunk;
-    int64_t c = c0;
-    for (; c + 2 * kLanes <= c1; c += 2 * kLanes) {
-      vf lo[G], hi[G];
-      for (int j = 0; j < G; ++j) {
-        lo[j] = load16(out + j * out_ld + c);
-        hi[j] = load16(out + j * out_ld + c + kLanes);
-      }
-      for (int64_t g = 0; g < n; ++g) {
-        if (g < next_rows) __builtin_prefetch(rows(g0 + n + g) + c);
-        const uint16_t* row = rows(g0 + g);
-        const vf x0 = load16(row + c), x1 = load16(row + c + kLanes);
-        for (int j = 0; j < G; ++j) {
-          const float f = factors[g * G + j];
-          lo[j] += f * x0;
-          hi[j] += f * x1;
-        }
-      }
-      for (int j = 0; j < G; ++j) {
-        store16(out + j * out_ld + c, lo[j]);
-        store16(out + j * out_ld + c + kLanes, hi[j]);
-      }
-    }
-    for (; c + kLanes <= c1; c += kLanes) {
-      vf acc[G];
-      for (int j = 0; j < G; ++j) acc[j] = load16(out + j * out_ld + c);
-      for (int64_t g = 0; g < n; ++g) {
-        const vf x = load16(rows(g0 + g) + c);
-        for (int j = 0; j < G; ++j) acc[j] += factors[g * G + j] * x;
-      }
-      for (int j = 0; j < G; ++j) store16(out + j * out_ld + c, acc[j]);
-    }
-    for (; c < c1; ++c) {
-      for (int j = 0; j < G; ++j) {
-        float sum = 0.0f;
-        for (int64_t g = 0; g < n; ++g) sum += factors[g * G + j] * widen(rows(g0 + g)[c]);
-        out[j * out_ld + c] += sum;
-      }
-    }
-  }
+// The AVX512 build where the CPU (and OS) runs AVX512F, else the baseline one; bf16 outputs rounded by
+// AVX512-BF16's instruction where native_bf16() (vector16.h) says so.
+struct Dispatch {
+  const LoraKernels& kernels = __builtin_cpu_supports("avx512f") ? lora_products_avx512() : lora_products_baseline();
+  decltype(LoraKernels::combine_rows_bf16) combine_rows_bf16 =
+      v16::native_bf16() ? lora_combine_bf16_rows_avx512bf16() : kernels.combine_rows_bf16;
+};
+const Dispatch& dispatch() {
+  static const Dispatch chosen;
+  return chosen;
 }
-
-template <typename Rows>
-MOECC_INLINE void outer(const float* coef, const float* row_scale, float scale, const Rows& rows, int64_t count,
-                        int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld) {
-  for (int64_t j0 = 0; j0 < rank; j0 += kGroup) {
-    const float* k = coef + j0;
-    float* o = out + j0 * out_ld;
-    switch (rank - j0 < kGroup ? rank - j0 : kGroup) {
-      case 8: outer_group<8>(k, rank, row_scale, scale, rows, count, c0, c1, o, out_ld); break;
-      case 7: outer_group<7>(k, rank, row_scale, scale, rows, count, c0, c1, o, out_ld); break;
-      case 6: outer_group<6>(k, rank, row_scale, scale, rows, count, c0, c1, o, out_ld); break;
-      case 5: outer_group<5>(k, rank, row_scale, scale, rows, count, c0, c1, o, out_ld); break;
-      case 4: outer_group<4>(k, rank, row_scale, scale, rows, count, c0, c1, o, out_ld); break;
-      case 3: outer_group<3>(k, rank, row_scale, scale, rows, count, c0, c1, o, out_ld); break;
-      case 2: outer_group<2>(k, rank, row_scale, scale, rows, count, c0, c1, o, out_ld); break;
-      default: outer_group<1>(k, rank, row_scale, scale, rows, count, c0, c1, o, out_ld); break;
-    }
-  }
-}
-
-// outs[r][c] = rows[r][c] + sum_j (scale * coef[r][j]) * factors[j * ld + c] for R rows at once (row r's
-// coefficients at coef + r * coef_ld, its row at rows + r * rows_ld): each factor vector loaded once for the R rows.
-// Out float (an output may be its row) or bf16 bits (rounded by Bf16 in whole vectors; the last n % 16 columns by
-// float_to_bf16, which differs only on float32 denormals). kStream (bf16 out, 16-byte aligned): whole vectors leave
-// with non-temporal stores.
-template <typename Bf16, typename Out, bool kStream, int R>
-MOECC_INLINE void combine_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
-                               int64_t rank, int64_t n, const float* rows, int64_t rows_ld, Out* const* outs) {
-  int64_t c = 0;
-  for (; c + kLanes <= n; c += kLanes) {
-    vf acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = load16(rows + r * rows_ld + c);
-    for (int64_t j = 0; j < rank; ++j) {
-      const vf f = load16(factors + j * ld + c);
-      for (int r = 0; r < R; ++r) acc[r] += (scale * coef[r * coef_ld + j]) * f;
-    }
-    for (int r = 0; r < R; ++r) {
-      if constexpr (sizeof(Out) == sizeof(float)) {
-        store16(outs[r] + c, acc[r]);
-      } else {
-        put16<Bf16, kStream>(outs[r] + c, acc[r]);
-      }
-    }
-  }
-  for (; c < n; ++c) {
-    for (int r = 0; r < R; ++r) {
-      float acc = rows[r * rows_ld + c];
-      for (int64_t j = 0; j < rank; ++j) acc += (scale * coef[r * coef_ld + j]) * factors[j * ld + c];
-      put(outs[r] + c, acc);
-    }
-  }
-}
-
-// dots for R rows and G ranks at once (row r at rows + r * rows_ld, its dots at out + r * out_ld): each factor
-// vector loaded once for the R rows. Each (row, rank) sum runs over the columns in order in 16 lanes, a tree lane
-// sum, then the scalar tail, whatever the grouping of rows and ranks (lora_products.h says where the bits may still
-// differ between groupings).
-template <int R, int G, typename T>
-MOECC_INLINE void dots_rows_group(const T* rows, int64_t rows_ld, const float* factors, int64_t ld, int64_t n,
-                                  float scale, float* out, int64_t out_ld) {
-  vf acc[R][G];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < G; ++j) acc[r][j] = vf{};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    vf x[R];
-    for (int r = 0; r < R; ++r) x[r] = load16(rows + r * rows_ld + i);
-    for (int j = 0; j < G; ++j) {
-      const vf f = load16(factors + j * ld + i);
-      for (int r = 0; r < R; ++r) acc[r][j] += x[r] * f;
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < G; ++j) {
-      float s = lane_sum(acc[r][j]);
-      for (int64_t t = i; t < n; ++t) s += widen(rows[r * rows_ld + t]) * factors[j * ld + t];
-      out[r * out_ld + j] = scale * s;
-    }
-  }
-}
-
-// Ranks in groups of kRanks: R x kRanks accumulators, 16 registers for 4 rows, 8 for one row (whose row vector is
-// then loaded once for 8 ranks).
-template <int R, typename T>
-MOECC_INLINE void dots_rows(const T* rows, int64_t rows_ld, const float* factors, int64_t ld, int64_t rank,
-                            int64_t n, float scale, float* out, int64_t out_ld) {
-  constexpr int kRanks = R == 1 ? kGroup : 4;
-  for (int64_t j0 = 0; j0 < rank; j0 += kRanks) {
-    const float* f = factors + j0 * ld;
-    float* o = out + j0;
-    switch (rank - j0 < kRanks ? rank - j0 : kRanks) {
-      case 8: if constexpr (kRanks >= 8) dots_rows_group<R, 8>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
-      case 7: if constexpr (kRanks >= 7) dots_rows_group<R, 7>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
-      case 6: if constexpr (kRanks >= 6) dots_rows_group<R, 6>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
-      case 5: if constexpr (kRanks >= 5) dots_rows_group<R, 5>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
-      case 4: dots_rows_group<R, 4>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
-      case 3: dots_rows_group<R, 3>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
-      case 2: dots_rows_group<R, 2>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
-      default: dots_rows_group<R, 1>(rows, rows_ld, f, ld, n, scale, o, out_ld); break;
-    }
-  }
-}
-
-// One row of dots_rows.
-template <typename T>
-MOECC_INLINE void dots(const T* row, const float* factors, int64_t ld, int64_t rank, int64_t n, float scale,
-                       float* out) {
-  dots_rows<1>(row, 0, factors, ld, rank, n, scale, out, 0);
-}
-
-template <typename T>
-MOECC_INLINE void dots_rows_any(const T* rows, int64_t rows_ld, const float* factors, int64_t ld, int64_t rank,
-                                int64_t n, float scale, float* out, int64_t out_ld, int count) {
-  switch (count) {
-    case 4: return dots_rows<4>(rows, rows_ld, factors, ld, rank, n, scale, out, out_ld);
-    case 3: return dots_rows<3>(rows, rows_ld, factors, ld, rank, n, scale, out, out_ld);
-    case 2: return dots_rows<2>(rows, rows_ld, factors, ld, rank, n, scale, out, out_ld);
-    default: return dots_rows<1>(rows, rows_ld, factors, ld, rank, n, scale, out, out_ld);
-  }
-}
-
-MOECC_VECTOR_CLONES void dots_rows_f32(const float* rows, int64_t rows_ld, const float* factors, int64_t ld,
-                                       int64_t rank, int64_t n, float scale, float* out, int64_t out_ld, int count) {
-  dots_rows_any(rows, rows_ld, factors, ld, rank, n, scale, out, out_ld, count);
-}
-MOECC_VECTOR_CLONES void dots_rows_bf16(const uint16_t* rows, int64_t rows_ld, const float* factors, int64_t ld,
-                                        int64_t rank, int64_t n, float scale, float* out, int64_t out_ld, int count) {
-  dots_rows_any(rows, rows_ld, factors, ld, rank, n, scale, out, out_ld, count);
-}
-
-constexpr int kCombineRows = 4;
 
 // fn(r0, group) for the groups of at most kCombineRows rows that the grouped-row entry points take a call each.
 template <typename Fn>
@@ -222,95 +33,26 @@ void for_row_groups(int64_t count, Fn&& fn) {
   }
 }
 
-// combine_rows for count <= kCombineRows rows, R picked at run time.
-template <typename Bf16, typename Out, bool kStream>
-MOECC_INLINE void combine_rows_any(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
-                                   int64_t rank, int64_t n, const float* rows, int64_t rows_ld, Out* const* outs,
-                                   int count) {
-  // Calls, not pointers to the always-inline instances: those must be inlined into their targeted callers.
-  switch (count) {
-    case 4: return combine_rows<Bf16, Out, kStream, 4>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
-    case 3: return combine_rows<Bf16, Out, kStream, 3>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
-    case 2: return combine_rows<Bf16, Out, kStream, 2>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs);
-    default: return combine_rows<Bf16, Out, kStream, 1>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld,
-                                                        outs);
-  }
-}
-
-// combine_rows in place on float rows.
-MOECC_VECTOR_CLONES void combine_rows_f32_any(const float* coef, int64_t coef_ld, float scale, const float* factors,
-                                              int64_t ld, int64_t rank, int64_t n, float* rows, int64_t rows_ld,
-                                              int count) {
-  float* outs[kCombineRows];
-  for (int r = 0; r < count; ++r) outs[r] = rows + r * rows_ld;
-  combine_rows_any<PortableBf16, float, false>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs, count);
-}
-
-MOECC_VECTOR_CLONES void combine_rows_portable(const float* coef, int64_t coef_ld, float scale, const float* factors,
-                                               int64_t ld, int64_t rank, int64_t n, const float* rows,
-                                               int64_t rows_ld, uint16_t* const* outs, int count, bool stream) {
-  if (stream) {
-    combine_rows_any<PortableBf16, uint16_t, true>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs,
-                                                   count);
-  } else {
-    combine_rows_any<PortableBf16, uint16_t, false>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs,
-                                                    count);
-  }
-}
-MOECC_BF16_TARGET void combine_rows_native(const float* coef, int64_t coef_ld, float scale, const float* factors,
-                                           int64_t ld, int64_t rank, int64_t n, const float* rows, int64_t rows_ld,
-                                           uint16_t* const* outs, int count, bool stream) {
-  if (stream) {
-    combine_rows_any<NativeBf16, uint16_t, true>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs,
-                                                 count);
-  } else {
-    combine_rows_any<NativeBf16, uint16_t, false>(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs,
-                                                  count);
-  }
-}
-
-MOECC_VECTOR_CLONES void dots_bf16(const uint16_t* row, const float* factors, int64_t ld, int64_t rank, int64_t n,
-                                   float scale, float* out) {
-  dots(row, factors, ld, rank, n, scale, out);
-}
-MOECC_VECTOR_CLONES void dots_f32(const float* row, const float* factors, int64_t ld, int64_t rank, int64_t n,
-                                  float scale, float* out) {
-  dots(row, factors, ld, rank, n, scale, out);
-}
-MOECC_VECTOR_CLONES void outer_bf16(const float* coef, const float* row_scale, float scale, const uint16_t* rows,
-                                    int64_t ld, int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out,
-                                    int64_t out_ld) {
-  outer(coef, row_scale, scale, [=](int64_t g) { return rows + g * ld; }, count, rank, c0, c1, out, out_ld);
-}
-
-MOECC_VECTOR_CLONES void outer_bf16_gathered(const float* coef, const float* row_scale, float scale,
-                                             const uint16_t* rows, int64_t ld, const int64_t* order, int64_t divisor,
-                                             int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out,
-                                             int64_t out_ld) {
-  outer(coef, row_scale, scale, [=](int64_t g) { return rows + order[g] / divisor * ld; }, count, rank, c0, c1, out,
-        out_ld);
-}
-
 }  // namespace
 
 void rank_dots(const uint16_t* row, const float* factors, int64_t rank, int64_t n, float scale, float* out) {
-  dots_bf16(row, factors, n, rank, n, scale, out);
+  dispatch().kernels.dots_bf16(row, factors, n, rank, n, scale, out);
 }
 void rank_dots(const float* row, const float* factors, int64_t rank, int64_t n, float scale, float* out) {
-  dots_f32(row, factors, n, rank, n, scale, out);
+  dispatch().kernels.dots_f32(row, factors, n, rank, n, scale, out);
 }
 void rank_dots(const float* row, const float* factors, int64_t factor_ld, int64_t rank, int64_t n, float scale,
                float* out) {
-  dots_f32(row, factors, factor_ld, rank, n, scale, out);
+  dispatch().kernels.dots_f32(row, factors, factor_ld, rank, n, scale, out);
 }
 void rank_dots(const uint16_t* row, const float* factors, int64_t factor_ld, int64_t rank, int64_t n, float scale,
                float* out) {
-  dots_bf16(row, factors, factor_ld, rank, n, scale, out);
+  dispatch().kernels.dots_bf16(row, factors, factor_ld, rank, n, scale, out);
 }
 void rank_combine_bf16_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld,
                             int64_t rank, int64_t n, const float* rows, int64_t rows_ld, uint16_t* const* outs,
                             int64_t count, bool stream) {
-  const auto combine = native_bf16() ? combine_rows_native : combine_rows_portable;
+  const auto combine = dispatch().combine_rows_bf16;
   for_row_groups(count, [&](int64_t r0, int group) {
     bool aligned = true;
     for (int r = 0; r < group; ++r) aligned = aligned && reinterpret_cast<std::uintptr_t>(outs[r0 + r]) % 16 == 0;
@@ -321,33 +63,36 @@ void rank_combine_bf16_rows(const float* coef, int64_t coef_ld, float scale, con
 void rank_combine_rows(const float* coef, int64_t coef_ld, float scale, const float* factors, int64_t ld, int64_t rank,
                        int64_t n, float* rows, int64_t rows_ld, int64_t count) {
   for_row_groups(count, [&](int64_t r0, int group) {
-    combine_rows_f32_any(rank > 0 ? coef + r0 * coef_ld : coef, coef_ld, scale, factors, ld, rank, n,
-                         rows + r0 * rows_ld, rows_ld, group);
+    dispatch().kernels.combine_rows_f32(rank > 0 ? coef + r0 * coef_ld : coef, coef_ld, scale, factors, ld, rank, n,
+                                        rows + r0 * rows_ld, rows_ld, group);
   });
 }
 void rank_dots_rows(const float* rows, int64_t rows_ld, const float* factors, int64_t factor_ld, int64_t rank,
                     int64_t n, float scale, float* out, int64_t out_ld, int64_t count) {
   if (rank <= 0) return;  // no dots (and out may be null)
   for_row_groups(count, [&](int64_t r0, int group) {
-    dots_rows_f32(rows + r0 * rows_ld, rows_ld, factors, factor_ld, rank, n, scale, out + r0 * out_ld, out_ld, group);
+    dispatch().kernels.dots_rows_f32(rows + r0 * rows_ld, rows_ld, factors, factor_ld, rank, n, scale,
+                                     out + r0 * out_ld, out_ld, group);
   });
 }
 void rank_dots_rows(const uint16_t* rows, int64_t rows_ld, const float* factors, int64_t factor_ld, int64_t rank,
                     int64_t n, float scale, float* out, int64_t out_ld, int64_t count) {
   if (rank <= 0) return;
   for_row_groups(count, [&](int64_t r0, int group) {
-    dots_rows_bf16(rows + r0 * rows_ld, rows_ld, factors, factor_ld, rank, n, scale, out + r0 * out_ld, out_ld, group);
+    dispatch().kernels.dots_rows_bf16(rows + r0 * rows_ld, rows_ld, factors, factor_ld, rank, n, scale,
+                                      out + r0 * out_ld, out_ld, group);
   });
 }
 void rank_outer_accumulate(const float* coef, const float* row_scale, float scale, const uint16_t* rows, int64_t ld,
                            int64_t count, int64_t rank, int64_t c0, int64_t c1, float* out, int64_t out_ld) {
-  outer_bf16(coef, row_scale, scale, rows, ld, count, rank, c0, c1, out, out_ld);
+  dispatch().kernels.outer_bf16(coef, row_scale, scale, rows, ld, count, rank, c0, c1, out, out_ld);
 }
 
 void rank_outer_accumulate_gathered(const float* coef, const float* row_scale, float scale, const uint16_t* rows,
                                     int64_t ld, const int64_t* order, int64_t divisor, int64_t count, int64_t rank,
                                     int64_t c0, int64_t c1, float* out, int64_t out_ld) {
-  outer_bf16_gathered(coef, row_scale, scale, rows, ld, order, divisor, count, rank, c0, c1, out, out_ld);
+  dispatch().kernels.outer_bf16_gathered(coef, row_scale, scale, rows, ld, order, divisor, count, rank, c0, c1, out,
+                                         out_ld);
 }
 
 }  // namespace moecc::kernels

@@ -1,148 +1,29 @@
-// SwiGLU rows (swiglu.h) in 16-lane vectors (vector16.h). One pass per 16 columns does everything an element
-// needs while it is in registers. Written as plain loops that GCC vectorised itself, the backward took six passes
-// over the row (the vectoriser mixed 8- and 16-lane code) and two divisions: 0.98 ns an element on a Zen 4 core
-// on cached rows, the largest epilogue of the layer (~7 ns on the AMX host's cores). This way, with AVX512-BF16
-// rounding, 0.66 ns; on the host the down input gradient's epilogue at 8192 tokens went from 337-425 to 212-244
-// thread-ms (2026-11-29, alternating runs of both builds).
+// SwiGLU rows (swiglu.h): the dispatcher, which picks a build of swiglu_body.h once from the running CPU, and the
+// baseline build (this file has the baseline ISA's flags, as everything that runs before the choice must).
 #include "swiglu.h"
 
-#include "vector16.h"
+#include <cstdint>
+
+#include "swiglu_body.h"
 
 namespace moecc::kernels {
+
+const SwigluKernels& swiglu_baseline() { return SwigluBuild<v16::PortableBf16>::kernels; }
+
 namespace {
 
-using namespace v16;
-
-// exp(x) to ~2 ulp in operations every vector ISA has (glibc's expf is a call per element). Range reduction
-// x = n ln2 + r, |r| <= ln2/2, a degree-6 Taylor polynomial for e^r, and 2^n built in the exponent bits; inputs
-// clamp to the finite float range, NaN to the low end (the callers' results still come out NaN, through their x).
-MOECC_INLINE vf exp16(vf x) {
-  const vf low = vf{} - 87.0f, high = vf{} + 88.0f;
-  x = x > low ? (x < high ? x : high) : low;
-  // Round to nearest by adding and removing 1.5 * 2^23 (no rounding instruction in the baseline ISA).
-  const vf shifter = vf{} + 12582912.0f;
-  const vf n = (x * 1.44269504088896341f + shifter) - shifter;
-  const vf r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;  // ln2 split in two parts
-  vf p = vf{} + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const vi exponent = (__builtin_convertvector(n, vi) + 127) << 23;  // n in [-126, 127]: positive
-  return p * bits_to_float(__builtin_convertvector(exponent, vu));
-}
-
-// sigmoid(g) with one division (a vector division costs about as much as the exp).
-MOECC_INLINE vf sigmoid16(vf g) { return 1.0f / (1.0f + exp16(-g)); }
-
-template <typename Bf16>
-MOECC_INLINE vf act16(vf g, vf u, vf s) {
-  return round16<Bf16>(round16<Bf16>(g * s) * u);
-}
-
-// One vector of the backward; returns act . grad_act's 16 lane products.
-template <typename Bf16, bool kWriteAct, bool kStream = false>
-MOECC_INLINE vf backward16(const uint16_t* gate, const uint16_t* up, const float* grad_act, float w, uint16_t* act,
-                           float* dg, float* du, uint16_t* dg_bf16, uint16_t* du_bf16) {
-  const vf g = load16(gate), u = load16(up), s = sigmoid16(g), grad = load16(grad_act);
-  vf a;
-  if (kWriteAct) {
-    a = act16<Bf16>(g, u, s);
-    put16<Bf16, kStream>(act, a);
-  } else {
-    a = load16(act);
-  }
-  const vf ga = grad * w;
-  const vf d_gate = ga * u * s * (1.0f + g * (1.0f - s)), d_up = ga * g * s;
-  store16(dg, d_gate);
-  store16(du, d_up);
-  put16<Bf16, kStream>(dg_bf16, d_gate);
-  put16<Bf16, kStream>(du_bf16, d_up);
-  return a * grad;
-}
-
-template <typename Bf16, bool kWriteAct, bool kStream>
-MOECC_INLINE float backward_row(const uint16_t* gate, const uint16_t* up, const float* grad_act, float w,
-                                uint16_t* act, float* dg, float* du, uint16_t* dg_bf16, uint16_t* du_bf16,
-                                int64_t n) {
-  vf dot{};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    dot += backward16<Bf16, kWriteAct, kStream>(gate + i, up + i, grad_act + i, w, act + i, dg + i, du + i,
-                                                dg_bf16 + i, du_bf16 + i);
-  }
-  if (i < n) {  // the last columns through the same code, zero-padded (they add 0 to the dot)
-    const int64_t rest = n - i;
-    uint16_t g[kLanes] = {}, u[kLanes] = {}, a[kLanes] = {}, dgh[kLanes], duh[kLanes];
-    float grad[kLanes] = {}, dgf[kLanes], duf[kLanes];
-    std::memcpy(g, gate + i, rest * sizeof(uint16_t));
-    std::memcpy(u, up + i, rest * sizeof(uint16_t));
-    std::memcpy(grad, grad_act + i, rest * sizeof(float));
-    if (!kWriteAct) std::memcpy(a, act + i, rest * sizeof(uint16_t));
-    dot += backward16<Bf16, kWriteAct>(g, u, grad, w, a, dgf, duf, dgh, duh);
-    if (kWriteAct) std::memcpy(act + i, a, rest * sizeof(uint16_t));
-    std::memcpy(dg + i, dgf, rest * sizeof(float));
-    std::memcpy(du + i, duf, rest * sizeof(float));
-    std::memcpy(dg_bf16 + i, dgh, rest * sizeof(uint16_t));
-    std::memcpy(du_bf16 + i, duh, rest * sizeof(uint16_t));
-  }
-  return lane_sum(dot);
-}
-
-template <typename Bf16>
-MOECC_INLINE void forward_row(const uint16_t* gate, const uint16_t* up, uint16_t* act, int64_t n) {
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const vf g = load16(gate + i);
-    store16<Bf16>(act + i, act16<Bf16>(g, load16(up + i), sigmoid16(g)));
-  }
-  if (i < n) {
-    const int64_t rest = n - i;
-    uint16_t g[kLanes] = {}, u[kLanes] = {}, a[kLanes];
-    std::memcpy(g, gate + i, rest * sizeof(uint16_t));
-    std::memcpy(u, up + i, rest * sizeof(uint16_t));
-    const vf gv = load16(g);
-    store16<Bf16>(a, act16<Bf16>(gv, load16(u), sigmoid16(gv)));
-    std::memcpy(act + i, a, rest * sizeof(uint16_t));
-  }
-}
-
-template <typename Bf16>
-MOECC_INLINE float backward_any(const uint16_t* gate, const uint16_t* up, const float* grad_act, float w,
-                                bool write_act, uint16_t* act, float* dg, float* du, uint16_t* dg_bf16,
-                                uint16_t* du_bf16, int64_t n, bool stream) {
-  if (stream) {
-    return write_act ? backward_row<Bf16, true, true>(gate, up, grad_act, w, act, dg, du, dg_bf16, du_bf16, n)
-                     : backward_row<Bf16, false, true>(gate, up, grad_act, w, act, dg, du, dg_bf16, du_bf16, n);
-  }
-  return write_act ? backward_row<Bf16, true, false>(gate, up, grad_act, w, act, dg, du, dg_bf16, du_bf16, n)
-                   : backward_row<Bf16, false, false>(gate, up, grad_act, w, act, dg, du, dg_bf16, du_bf16, n);
-}
-
-// Built for AVX512 and the baseline ISA with integer rounding, and for AVX512-BF16 with its own.
-MOECC_VECTOR_CLONES void forward_portable(const uint16_t* gate, const uint16_t* up, uint16_t* act, int64_t n) {
-  forward_row<PortableBf16>(gate, up, act, n);
-}
-MOECC_BF16_TARGET void forward_native(const uint16_t* gate, const uint16_t* up, uint16_t* act, int64_t n) {
-  forward_row<NativeBf16>(gate, up, act, n);
-}
-MOECC_VECTOR_CLONES float backward_portable(const uint16_t* gate, const uint16_t* up, const float* grad_act,
-                                            float w, bool write_act, uint16_t* act, float* dg, float* du,
-                                            uint16_t* dg_bf16, uint16_t* du_bf16, int64_t n, bool stream) {
-  return backward_any<PortableBf16>(gate, up, grad_act, w, write_act, act, dg, du, dg_bf16, du_bf16, n, stream);
-}
-MOECC_BF16_TARGET float backward_native(const uint16_t* gate, const uint16_t* up, const float* grad_act, float w,
-                                        bool write_act, uint16_t* act, float* dg, float* du, uint16_t* dg_bf16,
-                                        uint16_t* du_bf16, int64_t n, bool stream) {
-  return backward_any<NativeBf16>(gate, up, grad_act, w, write_act, act, dg, du, dg_bf16, du_bf16, n, stream);
+// AVX512-BF16's rounding where native_bf16() (vector16.h) says so, else integer rounding in AVX512F or baseline code.
+const SwigluKernels& kernels() {
+  static const SwigluKernels& chosen = v16::native_bf16()                   ? swiglu_avx512bf16()
+                                       : __builtin_cpu_supports("avx512f") ? swiglu_avx512()
+                                                                           : swiglu_baseline();
+  return chosen;
 }
 
 }  // namespace
 
 void swiglu_forward_row(const uint16_t* gate, const uint16_t* up, uint16_t* act, int64_t n) {
-  (native_bf16() ? forward_native : forward_portable)(gate, up, act, n);
+  kernels().forward(gate, up, act, n);
 }
 
 float swiglu_backward_row(const uint16_t* gate, const uint16_t* up, const float* grad_act, float w, bool write_act,
@@ -150,8 +31,7 @@ float swiglu_backward_row(const uint16_t* gate, const uint16_t* up, const float*
                           bool stream) {
   const auto aligned = [](const uint16_t* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; };
   stream = stream && aligned(dg_bf16) && aligned(du_bf16) && (!write_act || aligned(act));
-  return (native_bf16() ? backward_native : backward_portable)(gate, up, grad_act, w, write_act, act, dg, du,
-                                                              dg_bf16, du_bf16, n, stream);
+  return kernels().backward(gate, up, grad_act, w, write_act, act, dg, du, dg_bf16, du_bf16, n, stream);
 }
 
 }  // namespace moecc::kernels
