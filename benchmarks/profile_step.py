@@ -17,7 +17,7 @@ import moecc  # noqa: F401  (before torch: its OpenMP threads sleep between ops,
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from moecc.bench import runner
+from moecc.bench import runner, timing
 from moecc.bench.idle import idle_report
 from moecc.losses import chunked_causal_lm_loss
 
@@ -45,12 +45,12 @@ def main() -> None:
 def profile_tokens(model: torch.nn.Module, device: torch.device, tokens: int, state: dict, paradigm: str,
                    min_gap_us: float) -> None:
     """Times steps of ``tokens`` as the bench does, then profiles one and prints where the GPU sat idle."""
-    timing = runner.time_with_checkpointing(model, device, tokens, 2, state, None, profile_gpu=False)
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in timing.items()}
+    timed = runner.time_with_checkpointing(model, device, tokens, 2, state, None, profile_gpu=False)
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in timed.items()}
                      | {"checkpointing": state["on"]}), flush=True)
     cuda = device.type == "cuda"
-    optimizer = runner.adamw(model.parameters())
-    seq = min(tokens, runner.SEQUENCE)
+    optimizer = timing.adamw(model.parameters())
+    seq = min(tokens, timing.SEQUENCE)
     ids = torch.randint(0, model.config.vocab_size, (max(1, tokens // seq), seq), device=device)
 
     def step() -> None:
@@ -61,7 +61,7 @@ def profile_tokens(model: torch.nn.Module, device: torch.device, tokens: int, st
             optimizer.zero_grad(set_to_none=True)
 
     step()  # the optimizer's state exists before the profiled step
-    runner.synchronize(device)
+    timing.synchronize(device)
 
     def retries() -> int:
         return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if cuda else 0
@@ -69,7 +69,7 @@ def profile_tokens(model: torch.nn.Module, device: torch.device, tokens: int, st
     before = retries()
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         step()
-        runner.synchronize(device)
+        timing.synchronize(device)
     report = idle_report(prof.events(), min_gap_us)
     print(f"profiled step ({paradigm}, {ids.numel()} tokens): span {report.span_s:.3f} s, kernels "
           f"{report.kernels_s:.3f} s, host-to-device copies {report.copies_s:.3f} s, neither {report.idle_s:.3f} s; "

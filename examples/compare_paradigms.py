@@ -17,7 +17,7 @@ import moecc  # before torch: torch's OpenMP threads then sleep between ops (moe
 import torch
 from peft import get_peft_model
 
-from moecc.bench.runner import time_training
+from moecc.bench.timing import time_training
 from moecc.tiny_models import tiny_model
 
 

@@ -13,8 +13,8 @@ With T tokens per step, each MoE layer, forward then backward:
               GPU for backward
   gpu         everything on the GPU: a timed training step of one MoE layer.
 Where co-compute's own steps were timed (models of one and three MoE layers), its prediction is those per-layer
-and rest-of-step times instead of the sum of its parts above: on the accelerator host the parts, timed apart,
-came to 1.4x the step at 512 tokens.
+and rest-of-step times instead of the sum of its parts above, which timed apart overstate the step
+(benchmarks/results/README.md, planner rates).
 Once per step comes the rest (embeddings, dense layers, LM head, loss, the optimizer on the GPU), timed, and for
 co-compute and offload the AdamW step over the expert LoRA factors, which live in host memory. Timings are
 interpolated linearly in T between the token counts they were taken at, and kept above the floors the rates set
@@ -26,11 +26,9 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from ..config import MoeccConfig
 from .presets import preset_config
-from .rates import RANK, moe_shape, shape_rates
+from .shapes import RANK, SEQUENCE, moe_shape, shape_key
 
-SEQUENCE = 2048  # tokens per sequence in ``moecc bench`` steps; more tokens per step are more sequences
 BF16 = 2  # bytes per weight and activation
 
 
@@ -121,8 +119,10 @@ def _gpu_experts_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int) ->
     return forward, backward
 
 
-def _offload_layers_s(s: dict, tokens: int, rates: dict, attention: float, forward: float, backward: float) -> float:
-    """The MoE layers under offload, copies overlapped with compute as the module docstring says."""
+def _offload_layers_s(s: dict, tokens: int, rates: dict, attention: float, forward: float, backward: float,
+                      slots: int) -> float:
+    """The MoE layers under offload, copies overlapped with compute as the module docstring says; ``slots``
+    layers' experts fit on the GPU at once."""
     layers = s["moe_layers"]
     if layers == 0:
         return 0.0
@@ -134,7 +134,7 @@ def _offload_layers_s(s: dict, tokens: int, rates: dict, attention: float, forwa
         forward_s = copy_routed + gpu_forward + (layers - 1) * max(copy_all, gpu_forward)
     else:
         forward_s = layers * (copy_routed + gpu_forward)
-    resident = min(MoeccConfig.from_env().offload_slots, layers)  # as many slots as the bench's engine gets
+    resident = min(slots, layers)
     # Backward also brings each layer's parked state back on the same stream (its forward sent it the other way,
     # on a stream of its own: PCIe is full duplex).
     parked_s = _parked_bytes(s, tokens) / (rates["h2d_gbps"] * 1e9)
@@ -173,13 +173,23 @@ def _cocompute_in_place_s(s: dict, tokens: int, rates: dict, timed: dict, rank: 
     return s["moe_layers"] * (layer + recomputed) + _at(tokens, counts, timed["cocompute_rest_s"])
 
 
+def _shape_timings(rates: dict, preset: str) -> dict | None:
+    """``preset``'s shape rates from ``rates["shapes"]``; rates that can measure (``rates.MachineRates``) time a
+    shape they lack first, so a plain dict of rates keeps this module free of measurement."""
+    measure = getattr(rates, "shape_rates", None)
+    if measure is not None:
+        return measure(preset)
+    return rates.get("shapes", {}).get(shape_key(moe_shape(preset_config(preset))))
+
+
 # With gradient checkpointing every layer's forward runs again before its backward: about a third more GPU
 # work for the layers (a forward is about a third of forward + backward).
 RECOMPUTE = 1 / 3
 
 
 def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, rank: int = RANK,
-            checkpointing: bool = False, offload_lora_on_device: bool = True) -> dict[str, float]:
+            checkpointing: bool = False, offload_lora_on_device: bool = True,
+            offload_slots: int = 2) -> dict[str, float]:
     """Predicted seconds per training step of ``tokens`` tokens for ``cocompute``, ``offload`` and ``gpu`` (only
     ``cocompute``, all on the CPU, without GPU rates), with LoRA of ``rank`` on attention and experts.
 
@@ -189,10 +199,10 @@ def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, ra
     too; co-compute replays the CPU experts' first result, so their time does not grow.
     ``offload_lora_on_device``: offload keeps the expert LoRA on the GPU (``MoeccConfig.offload_lora``), where
     the optimizer steps it in no time worth counting; otherwise it pays the host optimizer as co-compute does,
-    and the factors' copies each way.
+    and the factors' copies each way. ``offload_slots``: ``MoeccConfig.offload_slots`` of the engine predicted.
     """
     s = moe_shape(preset_config(preset, layers))
-    timed = shape_rates(rates, preset)
+    timed = _shape_timings(rates, preset)
     if timed is None:
         raise ValueError(f"the rates hold no timings of {preset}'s shape; take them from moecc.bench.rates.measure(), "
                          "which times a shape the first time it is predicted")
@@ -208,7 +218,7 @@ def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, ra
     forward, backward = _gpu_experts_s(s, tokens, rates, timed, rank)
     recompute = RECOMPUTE if checkpointing else 0.0
     attention *= 1 + recompute
-    offload = _offload_layers_s(s, tokens, rates, attention, forward, backward)
+    offload = _offload_layers_s(s, tokens, rates, attention, forward, backward, offload_slots)
     if checkpointing:
         offload += s["moe_layers"] * forward  # the expert math of each forward again (its experts are resident)
     cocompute = s["moe_layers"] * (attention + cpu + _activations_s(s, tokens, rates)) + rest + optimizer
@@ -223,11 +233,11 @@ def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, ra
 
 
 def crossover(preset: str, rates: dict, layers: int | None = None, limit: int = 1 << 20,
-              rank: int = RANK) -> int | None:
+              rank: int = RANK, offload_slots: int = 2) -> int | None:
     """The smallest power-of-two token count per step at which offload is predicted faster than co-compute."""
     tokens = 16
     while tokens <= limit:
-        times = predict(preset, tokens, rates, layers, rank)
+        times = predict(preset, tokens, rates, layers, rank, offload_slots=offload_slots)
         if "offload" not in times:
             return None
         if times["offload"] < times["cocompute"]:
@@ -238,7 +248,7 @@ def crossover(preset: str, rates: dict, layers: int | None = None, limit: int = 
 
 def describe(preset: str, rates: dict) -> list[str]:
     """What was timed on ``preset``'s shape, ms per MoE layer (forward + backward) by tokens per step."""
-    timed = shape_rates(rates, preset) or {}
+    timed = _shape_timings(rates, preset) or {}
     parts = (("CPU experts (ours)", "tokens", ("cpu_forward_s", "cpu_backward_s")),
              ("GPU experts (offload)", "gpu_tokens", ("gpu_experts_forward_s", "gpu_experts_backward_s")),
              ("GPU rest of a layer", "gpu_tokens", ("gpu_attention_layer_s",)),

@@ -35,70 +35,26 @@ from pathlib import Path
 
 import torch
 
-from ..experts import ExpertLora, ExpertWeights
-from .presets import preset_config
+from .. import _ops
+from ..experts import ExpertLora, ExpertWeights, grouped
+from ..experts.native import NativeExperts
+from .presets import preset_config, random_model
+from .shapes import RANK, SEQUENCE, moe_shape, shape_key
+from .timing import adamw, best_of, synchronize, time_training
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moecc" / "rates.json"
-# A cache written in another layout (or timed with the unchunked loss, before 3; GPU layers 1 apart, before 5;
-# offload's expert LoRA copied per pass, before 6; for-each AdamW, before 7; GPU steps at two loads and layers 3
-# apart, before 8) is measured again.
-VERSION = 8
+VERSION = 8  # bumped whenever what is timed changes, so an older cache is measured again
 LOADS = (32, 128, 512)  # (token, expert) pairs per expert at which the CPU kernels and the GPU are timed
-# The GPU is timed at every load: a whole-model step is launch-bound up to about the second (flat in tokens), so
-# the first two extrapolated to the third predicted 0.09 s for an 8-layer step of 8192 tokens that took 0.22 s on
-# the accelerator host. Where the largest does not fit the GPU, the first two are timed.
+# Every load, since launch-bound small steps extrapolate badly (benchmarks/results/README.md, planner rates).
 GPU_LOADS = LOADS
-# Whole-model steps are timed with 1 and 1 + GPU_LAYERS_APART MoE layers. Launch-bound layers vary by a few ms
-# from run to run: 3 apart put 12.5 ms per layer at 512 tokens where the 8-layer step showed about 9.
+# Models this many MoE layers apart average out the run-to-run noise of launch-bound layers (same README).
 GPU_LAYERS_APART = 7
-RANK = 8  # LoRA rank of the timed layers
 NO_EXPERTS = "moecc_plan_no_experts"  # the experts implementation that leaves the experts out
-
-
-def moe_shape(config) -> dict:
-    """The sizes the planner needs from a transformers config: routed experts, attention, vocabulary, layers."""
-    experts = (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-               or config.n_routed_experts)
-    hidden, heads, layers = config.hidden_size, config.num_attention_heads, config.num_hidden_layers
-    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-    dense = min(layers, getattr(config, "first_k_dense_replace", 0) or 0)
-    shared = (getattr(config, "n_shared_experts", 0) or 0) * inter
-    return {"model_type": config.model_type, "experts": experts, "top_k": config.num_experts_per_tok,
-            "hidden": hidden, "inter": inter,
-            "shared_inter": shared + (getattr(config, "shared_expert_intermediate_size", 0) or 0),
-            "dense_inter": config.intermediate_size, "heads": heads,
-            "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
-            "head_dim": getattr(config, "head_dim", None) or hidden // heads, "vocab": config.vocab_size,
-            "layers": layers, "dense_layers": dense, "moe_layers": layers - dense}
-
-
-def shape_key(shape: dict) -> str:
-    """What a model's shape rates depend on (everything but its number of layers), readable."""
-    s = shape
-    return (f"{s['model_type']} E{s['experts']} k{s['top_k']} H{s['hidden']} I{s['inter']} "
-            f"shared{s['shared_inter']} dense{s['dense_layers']}x{s['dense_inter']} "
-            f"attention{s['heads']}/{s['kv_heads']}x{s['head_dim']} vocab{s['vocab']}")
 
 
 def token_counts(shape: dict, loads: tuple[int, ...] = LOADS) -> list[int]:
     """Tokens per step at which ``shape`` has ``loads`` (token, expert) pairs per expert under uniform routing."""
     return [max(1, round(load * shape["experts"] / shape["top_k"])) for load in loads]
-
-
-def synchronize(device: torch.device) -> None:
-    """Waits for the work queued on ``device`` (nothing to wait for on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _best_of(fn, repeats: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _timed_passes(shape: dict, tokens: list[int], device: torch.device, forward, backward,
@@ -127,23 +83,21 @@ def _timed_passes(shape: dict, tokens: list[int], device: torch.device, forward,
 def dram_read_gbps(gigabytes: float = 1.0) -> float:
     """Host memory read rate with torch's threads (a reduction over a buffer far larger than the caches)."""
     data = torch.ones(int(gigabytes * 1e9 / 4), dtype=torch.float32)
-    return data.nbytes / _best_of(lambda: data.sum()) / 1e9
+    return data.nbytes / best_of(lambda: data.sum()) / 1e9
 
 
 def cpu_matmul_tflops(rows: int = 1024, size: int = 2048) -> float:
     """torch's bf16 matmul on the CPU, for the non-expert work where there is no GPU."""
     a, b = torch.randn(rows, size).bfloat16(), torch.randn(size, size).bfloat16()
-    return 2 * rows * size * size / _best_of(lambda: a @ b) / 1e12
+    return 2 * rows * size * size / best_of(lambda: a @ b) / 1e12
 
 
 def host_optimizer_ns_per_param(params: int = 8_000_000) -> float:
     """AdamW (the one ``moecc bench`` steps) over float32 parameters in host memory, as PEFT keeps LoRA factors."""
-    from .runner import adamw
-
     weights = [torch.zeros(params // 4, requires_grad=True) for _ in range(4)]
     for weight in weights:
         weight.grad = torch.zeros_like(weight)
-    return _best_of(adamw(weights).step) / params * 1e9
+    return best_of(adamw(weights).step) / params * 1e9
 
 
 def pcie_gbps(device: torch.device, megabytes: int = 512) -> tuple[float, float]:
@@ -159,7 +113,7 @@ def pcie_gbps(device: torch.device, megabytes: int = 512) -> tuple[float, float]
         host.copy_(dev, non_blocking=True)
         torch.cuda.synchronize(device)
 
-    return host.nbytes / _best_of(h2d) / 1e9, host.nbytes / _best_of(d2h) / 1e9
+    return host.nbytes / best_of(h2d) / 1e9, host.nbytes / best_of(d2h) / 1e9
 
 
 def gpu_tflops(device: torch.device, size: int = 4096) -> float:
@@ -169,7 +123,7 @@ def gpu_tflops(device: torch.device, size: int = 4096) -> float:
         a @ a
         torch.cuda.synchronize(device)
 
-    return 2 * size**3 / _best_of(matmul) / 1e12
+    return 2 * size**3 / best_of(matmul) / 1e12
 
 
 def machine_rates() -> dict:
@@ -209,9 +163,6 @@ def _routed_batch(shape: dict, tokens: int, device: torch.device):
 def cpu_expert_passes(shape: dict, tokens: list[int], rank: int = RANK) -> tuple[list[float], list[float]]:
     """Seconds of one MoE layer's routed experts with LoRA on our native CPU kernels at each token count:
     (forward, backward)."""
-    from .. import _ops
-    from ..experts.native import NativeExperts
-
     weights, lora = _random_layer(shape, torch.device("cpu"), rank)
     native = NativeExperts(_ops.best_isa())
 
@@ -232,8 +183,6 @@ def gpu_expert_passes(shape: dict, tokens: list[int], device: torch.device,
     """Seconds of one MoE layer's routed experts with LoRA on ``device`` as the offload paradigm computes them
     there (weights already copied, LoRA factors on the device: ``MoeccConfig.offload_lora``'s usual choice; the
     planner adds the factors' copies where they stay in host memory), at each token count: (forward, backward)."""
-    from ..experts import grouped
-
     weights, host_lora = _random_layer(shape, device, rank)
     lora = [ExpertLora(f.A.to(device), f.B.to(device), f.scaling, f.num_experts) for f in host_lora]
 
@@ -263,7 +212,6 @@ def model_step_s(preset: str, layers: int, device: torch.device, tokens: list[in
     from transformers.integrations.moe import ExpertsInterface
 
     from ..api import default_lora_config
-    from .runner import time_training
 
     options = {}
     if not experts:
@@ -287,8 +235,7 @@ def per_layer_and_rest(preset: str, device: torch.device, tokens: list[int], exp
                        apart: int = GPU_LAYERS_APART) -> tuple[list[float], list[float]]:
     """Step seconds per MoE layer, and of the rest of the step, at each token count: the difference of models
     with 1 + ``apart`` and one MoE layers (after any dense layers) over ``apart``, and what one MoE layer leaves
-    of the smaller. At small batches a GPU layer is launch-bound (~10 ms on the accelerator host) and varies by
-    a few ms between runs; layers far apart average that out."""
+    of the smaller. Small-batch GPU layers are launch-bound and noisy; layers far apart average that out."""
     return _layer_and_rest(preset, lambda layers: model_step_s(preset, layers, device, tokens, experts),
                            apart=apart)
 
@@ -356,8 +303,6 @@ def _cocompute_step_s(preset: str, layers: int, device: torch.device, tokens: li
     ``layers`` decoder layers, built as ``moecc bench`` builds it (tokens spread over the experts as trained
     routers spread them). ``tokens`` must be whole sequences (see :func:`cocompute_token_counts`)."""
     from ..api import default_lora_config, prepare
-    from .presets import random_model
-    from .runner import time_training
 
     base = random_model(preset, layers, torch.float32 if preset == "tiny" else torch.bfloat16)
     model = prepare(base, lora_config=default_lora_config(base, rank=RANK), paradigm="cocompute", device=device)
@@ -373,8 +318,6 @@ def _cocompute_step_s(preset: str, layers: int, device: torch.device, tokens: li
 def cocompute_token_counts(shape: dict) -> list[int]:
     """``token_counts`` rounded to what a ``moecc bench`` step runs: one sequence up to 2048 tokens, whole
     sequences of 2048 beyond."""
-    from .plan import SEQUENCE
-
     return [count if count <= SEQUENCE else count // SEQUENCE * SEQUENCE for count in token_counts(shape)]
 
 
@@ -382,9 +325,7 @@ def cocompute_layer_and_rest(preset: str, device: torch.device, tokens: list[int
     """Co-compute step seconds per MoE layer, and of the rest of the step, at each token count: half the
     difference of models with three and one MoE layers (after any dense layers; two layers apart halve the
     timing noise in the slope the planner multiplies by up to 48), and what one MoE layer leaves of the smaller.
-
-    Timed in place rather than summed from the CPU kernels' own timings, which on the accelerator host came out
-    1.7x slower than the same kernels inside a training step at 512 tokens (100 ms against 60 per layer)."""
+    Timed in place: the kernels timed alone did not predict them inside a step (benchmarks/results/README.md)."""
     return _layer_and_rest(preset, lambda layers: _cocompute_step_s(preset, layers, device, tokens), apart=2)
 
 
@@ -416,6 +357,10 @@ class MachineRates(dict):
         super().__init__(rates)
         self.setdefault("shapes", {})
         self.cache = cache
+
+    def shape_rates(self, preset: str) -> dict:
+        """``preset``'s shape rates, measured now (and saved) when they are missing."""
+        return shape_rates(self, preset)
 
     def save(self) -> None:
         self.cache.parent.mkdir(parents=True, exist_ok=True)

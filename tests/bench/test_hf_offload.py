@@ -10,7 +10,8 @@ from peft import get_peft_model
 
 from moecc.api import default_lora_config
 from moecc.bench import hf_offload
-from moecc.bench.runner import run_case, run_case_isolated, time_training
+from moecc.bench.runner import run_case, run_case_isolated
+from moecc.bench.timing import time_training
 from moecc.models import FAMILIES
 from moecc.tiny_models import tiny_model
 

@@ -98,12 +98,12 @@ def test_shape_rates_time_cocompute_steps_in_place():
     assert sum(shape["cocompute_layer_s"]) + sum(shape["cocompute_rest_s"]) > 0
 
 
-def test_offload_prediction_follows_the_slots_the_engine_gets(monkeypatch):
+def test_offload_prediction_follows_the_slots_the_engine_gets():
     """More slots keep more layers on the GPU at the forward/backward turn: fewer copies, no slower a step."""
     rates = qwen3_rates()
     default = predict("qwen3-30b-a3b", 512, rates)["offload"]
-    monkeypatch.setenv("MOECC_OFFLOAD_SLOTS", "6")
-    assert predict("qwen3-30b-a3b", 512, rates)["offload"] < default
+    assert predict("qwen3-30b-a3b", 512, rates, offload_slots=2)["offload"] == default  # MoeccConfig's default
+    assert predict("qwen3-30b-a3b", 512, rates, offload_slots=6)["offload"] < default
 
 
 def test_predictions_grow_with_tokens_and_scale_linearly_with_layers():
@@ -162,7 +162,7 @@ def test_rates_are_measured_once_and_each_shape_once(tmp_path, monkeypatch):
 
 
 def test_plan_command_predicts_and_says_what_it_timed(capsys):
-    out = cli.plan(argparse.Namespace(preset="tiny", layers=4, tokens="64,256", remeasure=False))
+    out = cli.plan(argparse.Namespace(preset="tiny", layers=4, tokens=[64, 256], remeasure=False))
     assert set(out["predictions"]) == {64, 256} and out["rates"]["dram_gbps"] > 0
     printed = capsys.readouterr().out
     assert "timed on one tiny MoE layer" in printed and "CPU experts (ours): 128 tokens" in printed
