@@ -110,8 +110,10 @@ def bench(args: argparse.Namespace) -> list[dict]:
     assert set(PARADIGM_NAMES) == set(PARADIGMS), "cli.PARADIGM_NAMES is out of date"
     from .bench.plan import predict
     from .bench.rates import measure
+    from .config import MoeccConfig
 
     rates = measure()
+    slots = MoeccConfig.from_env().offload_slots  # what the bench's engines get
     command = "moecc bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])
     layers = "all layers" if args.layers is None else f"{args.layers} layer" + ("s" if args.layers != 1 else "")
     title = f"{args.preset}, {layers}, LoRA r={args.rank}, {device}"
@@ -122,8 +124,8 @@ def bench(args: argparse.Namespace) -> list[dict]:
         for row in new_rows:
             row["predicted_step_s"] = predict(args.preset, row.get("tokens_timed", row["tokens"]), rates, args.layers,
                                               args.rank, checkpointing=bool(row.get("checkpointing")),
-                                              offload_lora_on_device=row.get("lora_on_device", True)
-                                              ).get(row["paradigm"])
+                                              offload_lora_on_device=row.get("lora_on_device", True),
+                                              offload_slots=slots).get(row["paradigm"])
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
         rows += new_rows
         # After each paradigm: a run cut short keeps what it measured.
@@ -136,16 +138,18 @@ def plan(args: argparse.Namespace) -> dict:
     """Runs ``moecc plan``: rates (measured or cached), predicted step time per paradigm, the crossover."""
     from .bench.plan import crossover, describe, predict
     from .bench.rates import RANK, measure
+    from .config import MoeccConfig
 
     rates = measure(remeasure=args.remeasure)
+    slots = MoeccConfig.from_env().offload_slots
     print("machine rates:", {k: round(v, 2) for k, v in rates.items() if k != "shapes"})
     rank = getattr(args, "rank", RANK)
     table = {}
     for count in args.tokens:
-        table[count] = predict(args.preset, count, rates, args.layers, rank)
+        table[count] = predict(args.preset, count, rates, args.layers, rank, offload_slots=slots)
         print(f"{count:>7} tokens/step: " + ", ".join(f"{p} {s:.3f} s" for p, s in table[count].items()))
     print(f"timed on one {args.preset} MoE layer, forward + backward:", *describe(args.preset, rates), sep="\n")
-    point = crossover(args.preset, rates, args.layers, rank=rank)
+    point = crossover(args.preset, rates, args.layers, rank=rank, offload_slots=slots)
     if "gpu_tflops" not in rates:
         print("no GPU here: only co-compute (everything on the CPU) applies")
     else:
