@@ -71,5 +71,6 @@ def test_a_registered_paradigm_is_prepared_like_the_others(monkeypatch):
 
 
 def test_unknown_paradigm_lists_the_registered_ones():
-    with pytest.raises(moecc.MoeccError, match="paradigm 'hybrid' is not available; choose one of cocompute, offload"):
-        moecc.prepare(tiny_model("qwen3_moe"), paradigm="hybrid", device="cpu")
+    with pytest.raises(moecc.MoeccError, match="paradigm 'eager' is not available; choose one of "
+                                               + ", ".join(PARADIGMS)):
+        moecc.prepare(tiny_model("qwen3_moe"), paradigm="eager", device="cpu")
