@@ -42,8 +42,8 @@ def test_unsupported_dtype():
 
 
 def test_unknown_paradigm_and_missing_cuda():
-    with pytest.raises(moecc.MoeccError, match="paradigm 'hybrid'"):
-        moecc.prepare(tiny_model("qwen3_moe"), paradigm="hybrid", device="cpu")
+    with pytest.raises(moecc.MoeccError, match="paradigm 'turbo'"):
+        moecc.prepare(tiny_model("qwen3_moe"), paradigm="turbo", device="cpu")
     if not torch.cuda.is_available():
         with pytest.raises(moecc.MoeccError, match="CUDA is not available"):
             moecc.prepare(tiny_model("qwen3_moe"), device="cuda")

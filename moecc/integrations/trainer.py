@@ -7,9 +7,10 @@ the adapter in PEFT's format because the prepared model is a ``PeftModel``; resu
 into the expert LoRA factors wherever the engine keeps them (host memory, or the GPU under offload's
 ``offload_lora``). The experts refuse device moves, so ``Trainer``/``accelerate`` may call ``model.to(device)``
 freely. Checkpoints are saved atomically (``moecc.adapter_files``): a run killed mid-save keeps the previous
-adapter whole. With ``check_finite`` (the default) the trainable parameters' gradients are checked before the
-optimizer step of every logging step, and a NaN or inf stops training with the parameter (so the layer) and the
-step named, before the optimizer writes it into the weights.
+adapter whole. With ``check_finite`` (the default) the trainable parameters' gradients are checked as backward
+accumulates them at every logging step, and a NaN or inf stops training before the optimizer step writes it into
+the weights, naming the step and the first parameter (so the layer) whose gradient went non-finite in backward:
+checked later, gradient clipping would have spread the NaN to every parameter.
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ class MoeccCallback(TrainerCallback):
         self._window_s = 0.0
         self._totals: dict[str, float] = {}
         self._step_start = 0.0
+        self._hooks: list = []
+        self._checking = False
+        self._first_non_finite: tuple[str, int] | None = None
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """Prepares a plain transformers model with the arguments this callback was built with."""
@@ -64,8 +68,31 @@ class MoeccCallback(TrainerCallback):
         install_atomic_save(model)
         self._go_first()
 
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.check_finite and model is not None and not self._hooks:
+            self._hooks = [param.register_post_accumulate_grad_hook(self._gradient_check(name))
+                           for name, param in model.named_parameters() if param.requires_grad]
+
+    def on_train_end(self, args, state, control, **kwargs):
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    def _gradient_check(self, name: str):
+        def check(param: torch.Tensor) -> None:
+            if self._checking and self._first_non_finite is None and not torch.isfinite(param.grad).all():
+                self._first_non_finite = (name, int((~torch.isfinite(param.grad)).sum()))
+        return check
+
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if self.check_finite and model is not None and _is_logging_step(args, state, state.global_step + 1):
+        if self._first_non_finite is not None:
+            name, count = self._first_non_finite
+            raise MoeccError(
+                f"step {state.global_step + 1}: the gradient of {name} has {count} non-finite values (NaN or inf), "
+                "the first in backward to have any; lower the learning rate, clip gradients (max_grad_norm) or "
+                "train in bfloat16 instead of float16"
+            )
+        if self._checking and model is not None:  # gradients that arrived without an accumulation hook
             check_finite_gradients(model, state.global_step + 1)
 
     def _go_first(self) -> None:
@@ -80,6 +107,8 @@ class MoeccCallback(TrainerCallback):
             frame = frame.f_back
 
     def on_step_begin(self, args, state, control, **kwargs):
+        self._checking = self.check_finite and _is_logging_step(args, state, state.global_step + 1)
+        self._first_non_finite = None
         self._engine.reset_metrics()  # what ran between steps (evaluation) is not training
         self._step_start = time.perf_counter()
 
