@@ -115,3 +115,24 @@ def test_hybrid_is_registered_and_reports_its_sides():
         assert key in metrics, key
     assert metrics["tokens"] == 8 and metrics["cpu_experts_s"] > 0
     assert engine.moecc.expert_bytes > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", ["own", "all_cpu", "all_gpu", "alternating", "random"])
+def test_hybrid_on_cuda_matches_hf_peft(rule):
+    """On a GPU: pinned experts and LoRA, copies on the copy stream, the CPU part on the worker, both summed on
+    the device; logits and gradients against HF + PEFT in float32 (TF32 off)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
+                                   device="cuda")
+    engine.moecc.engine.split_rule = None if rule == "own" else RULES[rule]
+    for batch in batches(256, 2, batch=3, seq=10, seed=5, pad=True):
+        forward_backward_both(reference, engine, batch, 1e-4, device="cuda")
+        assert_grads_match(reference, engine, 1e-3)
+        for model in (reference, engine):
+            model.zero_grad()
+    assert all(p.is_pinned() for layer in engine.moecc.layers for p in layer.experts.parameters(recurse=False))
+    expert_lora = [p for n, p in engine.named_parameters() if ".experts." in n and "lora_" in n]
+    assert expert_lora and all(p.device.type == "cpu" and p.is_pinned() for p in expert_lora)
