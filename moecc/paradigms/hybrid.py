@@ -32,7 +32,7 @@ from ..lora import lora_tensors
 from ..staging import StagingBuffers
 from .base import expert_lora_params, node_gradients, saved_state_gone
 from .hybrid_split import CostTracker, RoutingForecast, SideCosts, hit_rate, physical_costs, plan_split
-from .offload import OffloadEngine, OffloadLayer, ParkedState, _Call, offload_gpu_bytes
+from .offload import OffloadEngine, OffloadLayer, ParkedState, _Call, lora_on_device, offload_gpu_bytes
 
 # Split hook: (layer index, tokens per expert, "forward") -> the experts to run on the GPU.
 SplitRule = Callable[[int, list, str], Iterable[int]]
@@ -72,6 +72,9 @@ class HybridEngine(OffloadEngine):
         self.planned: dict[int, tuple[int, ...]] = {}  # layer -> GPU experts its forward prefetch planned
         self.sides = SideMetrics()
         self._copy_samples: list[tuple[str, int, object]] = []  # (pass, experts copied, (begin, end) | seconds)
+        # Device-resident LoRA factors: the CPU part reads host mirrors, copied once per pass on their own stream.
+        self.mirror_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._mirrors: dict[int, list[torch.Tensor]] = {}  # layer -> pinned host copies of its factors
 
     @classmethod
     def from_config(cls, device: torch.device, config: MoeccConfig) -> HybridEngine:
@@ -86,18 +89,39 @@ class HybridEngine(OffloadEngine):
         return engine
 
     def finish(self, model: torch.nn.Module, config: MoeccConfig) -> None:
-        """Expert LoRA stays in host memory (the CPU reads it in place); the device gets a copy per pass."""
-        self.lora_on_device = False
+        """Expert LoRA on the GPU where it fits (offload's rule: the optimizer steps it there and the GPU part uses
+        it in place; the CPU part reads a host mirror), else in host memory with a device copy per pass."""
+        self.lora_on_device = self.device.type == "cuda" and lora_on_device(model, self.layers, self.device, config)
         self.place_lora(expert_lora_params(self.layers))
         self.cpu.prepare_layers([layer.weights for layer in self.layers])
         if self.trackers is None and self.layers:
             self.trackers = {p: CostTracker(c) for p, c in zip(("forward", "backward"), default_costs(self))}
 
     def gpu_bytes(self, config: MoeccConfig) -> int:
-        return offload_gpu_bytes(self.layers, config, lora_on_device=False)
+        return offload_gpu_bytes(self.layers, config, self.lora_on_device)
 
     def budget_advice(self) -> str:
-        return " or lower offload_slots / offload_cache_gb"
+        return (" or lower offload_slots / offload_cache_gb"
+                + (" or keep the expert LoRA in host memory (offload_lora='host')" if self.lora_on_device else ""))
+
+    def host_lora(self, index: int, lora: tuple) -> tuple[tuple, torch.cuda.Event | None]:
+        """The factors as the CPU part reads them: ``lora`` itself in host memory, else layer ``index``'s pinned
+        mirrors, copied after the work queued so far (the last optimizer step), and the event they are ready at."""
+        if not any(part is not None and part.A.device.type == "cuda" for part in lora):
+            return lora, None
+        factors = [t.detach() for t in lora_tensors(lora) if t is not None]
+        mirrors = self._mirrors.get(index)
+        if mirrors is None or [m.shape for m in mirrors] != [t.shape for t in factors]:
+            mirrors = self._mirrors[index] = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in factors]
+        self.mirror_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.mirror_stream):
+            for mirror, factor in zip(mirrors, factors):
+                mirror.copy_(factor, non_blocking=True)
+            ready = self.mirror_stream.record_event()
+        it = iter(mirrors)
+        host = tuple(None if part is None else ExpertLora(next(it), next(it), part.scaling, part.num_experts)
+                     for part in lora)
+        return host, ready
 
     def pass_begins(self) -> None:
         super().pass_begins()
@@ -241,6 +265,7 @@ class _Parts:
     gpu_state: SavedState | ParkedState | None = None
     math: ExpertBackend | None = None
     lora: tuple = (None, None)
+    cpu_lora: tuple = (None, None)  # the same factors in host memory (mirrors where they live on the GPU)
     weights_host: object = None
     done: bool = False
 
@@ -275,9 +300,11 @@ def _mask(experts: Iterable[int], num_experts: int, device: torch.device) -> tor
     return mask.to(device, non_blocking=True)
 
 
-def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora: tuple, cpu: tuple[int, ...],
-                 counts: list[int]):
+def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora: tuple, lora_ready,
+                 cpu: tuple[int, ...], counts: list[int]):
     views = staged.wait()
+    if lora_ready is not None:
+        lora_ready.synchronize()
     start = time.perf_counter()
     with record_function("moecc.hybrid.cpu_forward"):
         out, saved = engine.cpu.forward(weights, views["hidden"], views["top_k_index"], views["top_k_weights"],
@@ -293,7 +320,7 @@ def _cpu_backward(engine: HybridEngine, parts: _Parts, staged, counts: list[int]
     views = staged.wait()
     start = time.perf_counter()
     with record_function("moecc.hybrid.cpu_backward"):
-        result = engine.cpu.backward(parts.weights_host, parts.cpu_saved, views["grad_out"], *parts.lora)
+        result = engine.cpu.backward(parts.weights_host, parts.cpu_saved, views["grad_out"], *parts.cpu_lora)
     seconds = time.perf_counter() - start
     engine.sides.cpu_s += seconds
     if engine.trackers is not None:
@@ -315,8 +342,9 @@ class HybridExpertsFunction(torch.autograd.Function):
             staged = engine.staging.to_host({"hidden": hidden.detach().contiguous(),
                                              "top_k_index": top_k_index.contiguous(),
                                              "top_k_weights": top_k_weights.detach().contiguous()})
-            parts.cpu_future = engine.run_cpu(_cpu_forward, engine, layer, staged, parts.weights_host, lora, cpu,
-                                              counts)
+            parts.cpu_lora, ready = engine.host_lora(layer.index, lora)
+            parts.cpu_future = engine.run_cpu(_cpu_forward, engine, layer, staged, parts.weights_host,
+                                              parts.cpu_lora, ready, cpu, counts)
         slot = engine._timed_fetch("forward", layer, list(gpu)) if gpu else None
         if not call.recompute:
             _record_forward(engine, layer, counts, gpu, cpu)
@@ -349,7 +377,7 @@ class HybridExpertsFunction(torch.autograd.Function):
             cpu_hidden_device = engine.staging.to_device("grad_hidden", cpu_hidden.to(ctx.dtypes[0]))
             engine.cpu.release_result(cpu_hidden)
             cpu_weights = engine.staging.to_device("grad_weights", cpu_weights.to(ctx.dtypes[1]))
-            grads = _add(grads, (cpu_hidden_device, cpu_weights, cpu_lora))
+            grads = _add(grads, (cpu_hidden_device, cpu_weights, cpu_lora), parts.lora)
         grad_hidden, grad_weights, lora_grads = grads
         return node_gradients(grad_hidden.to(ctx.dtypes[0]), grad_weights.to(ctx.dtypes[1]), 6, parts.lora,
                               lora_grads)
@@ -413,18 +441,18 @@ def _prefetch_backward(engine: HybridEngine, layer: HybridLayer, call) -> None:
     engine.parking.prefetch((call.key[0], previous.index))
 
 
-def _add(gpu: tuple | None, cpu: tuple) -> tuple:
-    """Both parts' (grad_hidden, grad_top_k_weights, LoraGrads) summed, on the GPU part's devices; the LoRA
-    gradients in host memory, where the factors live."""
+def _add(gpu: tuple | None, cpu: tuple, lora: tuple) -> tuple:
+    """Both parts' (grad_hidden, grad_top_k_weights, LoraGrads) summed on the GPU part's device, the LoRA
+    gradients where their factors live (host gradients reach the GPU without a sync)."""
+    factors = [t for part in lora for t in ((part.A, part.B) if part is not None else (None, None))]
+    cpu_grads = (cpu[2].gate_up_A, cpu[2].gate_up_B, cpu[2].down_A, cpu[2].down_B)
     if gpu is None:
-        return cpu
-    hidden = gpu[0].float() + cpu[0].float()
-    weights = gpu[1].float() + cpu[1].float()
-    g, c = gpu[2], cpu[2]
-    lora = LoraGrads(*(None if a is None else a.to(b.device) + b if b is not None else a.cpu()
-                       for a, b in ((g.gate_up_A, c.gate_up_A), (g.gate_up_B, c.gate_up_B),
-                                    (g.down_A, c.down_A), (g.down_B, c.down_B))))
-    return hidden, weights, lora
+        moved = [None if c is None else c.to(f.device, non_blocking=True) for c, f in zip(cpu_grads, factors)]
+        return cpu[0], cpu[1], LoraGrads(*moved)
+    g = gpu[2]
+    summed = [None if a is None else a.to(f.device) + c.to(f.device, non_blocking=True)
+              for a, c, f in zip((g.gate_up_A, g.gate_up_B, g.down_A, g.down_B), cpu_grads, factors)]
+    return gpu[0].float() + cpu[0].float(), gpu[1].float() + cpu[1].float(), LoraGrads(*summed)
 
 
 HybridEngine.layer_class = HybridLayer

@@ -27,11 +27,15 @@ class SideCosts:
     gpu_expert_s: float  # an active expert on the GPU (its grouped-product share, launch)
     gpu_token_s: float  # each routed pair on the GPU
     both_sides_s: float = 3e-4  # a pass that runs on both sides: staging, the CPU's result back, the sum
+    cpu_call_s: float = 0.0  # a CPU part at all: its staging, gathers and scatters, the pool's start
 
     def cpu_s(self, counts: Iterable[int]) -> float:
-        """CPU seconds for experts with these token counts (experts with none cost nothing)."""
+        """CPU seconds for experts with these token counts (experts with none cost nothing, nor a CPU part
+        with none)."""
         active = [n for n in counts if n > 0]
-        return len(active) * self.cpu_expert_s + sum(active) * self.cpu_token_s
+        if not active:
+            return 0.0
+        return self.cpu_call_s + len(active) * self.cpu_expert_s + sum(active) * self.cpu_token_s
 
     def gpu_s(self, counts: Iterable[int]) -> float:
         active = [n for n in counts if n > 0]
@@ -74,7 +78,7 @@ def plan_split(counts: Sequence[int], costs: SideCosts, resident: Iterable[int] 
         cpu_left -= costs.cpu_expert_s + n * costs.cpu_token_s
         copy += 0.0 if expert in resident else costs.copy_expert_s
         gpu += costs.gpu_expert_s + n * costs.gpu_token_s
-        cpu_part = max(cpu_left, 0.0) if m < len(order) else 0.0
+        cpu_part = max(cpu_left, costs.cpu_call_s) if m < len(order) else 0.0
         total = max(cpu_part, copy, gpu) + (costs.both_sides_s if cpu_part > 0.0 else 0.0)
         if total < best.predicted_s:
             best = Split(tuple(sorted(order[:m])), total, cpu_part, copy, gpu)
@@ -123,28 +127,47 @@ def hit_rate(predicted_gpu: Iterable[int], counts: Sequence[int]) -> float:
 
 @dataclass
 class CostTracker:
-    """Costs corrected from what passes measured: a CPU and a copy scale factor (measured / predicted seconds,
-    exponentially averaged), so the split follows the rates this machine achieves with both sides running."""
+    """Costs corrected from what passes measured, so the split follows the rates this machine achieves with
+    both sides running. CPU: measured seconds of each CPU part fitted as ``fixed + scale * predicted`` by
+    exponentially weighted least squares (the fixed part is per call: staging, gathers, the pool's start);
+    copies: a scale factor (measured / predicted seconds), exponentially averaged."""
 
     base: SideCosts
     decay: float = 0.3
     cpu_scale: float = 1.0
+    cpu_fixed_s: float = 0.0
     copy_scale: float = 1.0
     samples: int = 0
+    _sums: list = field(default_factory=lambda: [0.0] * 5)  # weight, x, y, x*x, x*y of the CPU fit
 
     def costs(self) -> SideCosts:
         b = self.base
         return replace(b, cpu_expert_s=b.cpu_expert_s * self.cpu_scale, cpu_token_s=b.cpu_token_s * self.cpu_scale,
-                       copy_expert_s=b.copy_expert_s * self.copy_scale)
+                       cpu_call_s=b.cpu_call_s + self.cpu_fixed_s, copy_expert_s=b.copy_expert_s * self.copy_scale)
 
     def observe(self, cpu_counts: Sequence[int], cpu_s: float, copied_experts: int, copy_s: float) -> None:
         """One pass's CPU part (its experts' token counts, measured seconds) and copies (experts, seconds)."""
-        predicted_cpu = self.base.cpu_s(cpu_counts)
+        predicted_cpu = self.base.cpu_s(cpu_counts) - self.base.cpu_call_s
         if predicted_cpu > 0 and cpu_s > 0:
-            self.cpu_scale = _blend(self.cpu_scale, cpu_s / predicted_cpu, self.decay)
+            self._fit_cpu(predicted_cpu, cpu_s)
         if copied_experts > 0 and copy_s > 0 and self.base.copy_expert_s > 0:
             self.copy_scale = _blend(self.copy_scale, copy_s / (copied_experts * self.base.copy_expert_s), self.decay)
         self.samples += 1
+
+    def _fit_cpu(self, x: float, y: float) -> None:
+        keep = 1 - self.decay / 4  # the fit keeps a longer memory than the copy scale: two unknowns, noisy
+        predicted = self.cpu_fixed_s + self.cpu_scale * x
+        y = min(max(y, predicted / 4), predicted * 4)  # one odd pass (a descheduled thread) moves the fit little
+        self._sums = [keep * s + v for s, v in zip(self._sums, (1.0, x, y, x * x, x * y))]
+        w, sx, sy, sxx, sxy = self._sums
+        spread = w * sxx - sx * sx
+        if w >= 3 and spread > 1e-6 * w * sxx:  # several different sizes seen: fixed part and slope
+            scale = (w * sxy - sx * sy) / spread
+            fixed = (sy - scale * sx) / w
+            if scale > 0.05 and fixed >= 0:
+                self.cpu_scale, self.cpu_fixed_s = scale, fixed
+                return
+        self.cpu_scale, self.cpu_fixed_s = max(sy / sx, 0.05), 0.0  # one size so far: a pure ratio
 
 
 def _blend(old: float, new: float, decay: float) -> float:

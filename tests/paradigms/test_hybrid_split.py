@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -14,19 +15,21 @@ COSTS = SideCosts(cpu_expert_s=1e-4, cpu_token_s=2e-5, copy_expert_s=4e-4, gpu_e
                   both_sides_s=2e-4)
 
 
+@pytest.mark.parametrize("call_s", [0.0, 3e-3])
 @pytest.mark.parametrize("seed", range(12))
-def test_split_is_the_best_of_every_subset(seed):
+def test_split_is_the_best_of_every_subset(seed, call_s):
     """With the GPU's per-token cost zero, the best set of a given size is the most-loaded experts, so scoring
     prefixes finds the optimum over all 2^E placements (resident experts included)."""
     rng = random.Random(seed)
     counts = [rng.choice([0, 0, 1, 3, 10, 40, 200]) for _ in range(9)]
     resident = set(rng.sample(range(9), rng.randint(0, 3)))
-    split = plan_split(counts, COSTS, resident)
-    best = min(forced_split(counts, subset, COSTS, resident).predicted_s
+    costs = replace(COSTS, cpu_call_s=call_s)
+    split = plan_split(counts, costs, resident)
+    best = min(forced_split(counts, subset, costs, resident).predicted_s
                for m in range(10) for subset in itertools.combinations(
                    [e for e in range(9) if counts[e] > 0], m) if len(subset) <= 9)
     assert split.predicted_s == pytest.approx(best, rel=1e-12, abs=1e-15)
-    assert split.predicted_s == pytest.approx(forced_split(counts, split.gpu, COSTS, resident).predicted_s)
+    assert split.predicted_s == pytest.approx(forced_split(counts, split.gpu, costs, resident).predicted_s)
     assert all(counts[e] > 0 for e in split.gpu)
 
 
@@ -77,8 +80,23 @@ def test_cost_tracker_follows_measured_rates_under_contention():
     assert tracker.cpu_scale == pytest.approx(2.0, rel=1e-3)
     assert tracker.copy_scale == pytest.approx(1.25, rel=1e-3)
     assert tracker.costs().cpu_s(counts) == pytest.approx(2 * predicted, rel=1e-3)
-    tracker.observe(counts, 1000 * predicted, 0, 0.0)  # one wild pass moves the scale at most 4x its weight
-    assert tracker.cpu_scale < 2.0 * 4
+    tracker.observe(counts, 1000 * predicted, 0, 0.0)  # one wild pass moves the fit little
+    assert tracker.cpu_scale < 2.0 * 1.5
+
+
+def test_cost_tracker_separates_the_cpu_parts_fixed_cost_from_its_slope():
+    """CPU parts of several sizes that cost 10 ms each plus 1.5x the predicted work: the fit finds both, and the
+    split then charges the fixed cost to any pass with a CPU part."""
+    tracker = CostTracker(COSTS, decay=0.5)
+    rng = random.Random(0)
+    for _ in range(60):
+        counts = [rng.randint(1, 50) for _ in range(rng.randint(1, 30))]
+        tracker.observe(counts, 0.01 + 1.5 * COSTS.cpu_s(counts), 0, 0.0)
+    assert tracker.cpu_fixed_s == pytest.approx(0.01, rel=0.05)
+    assert tracker.cpu_scale == pytest.approx(1.5, rel=0.05)
+    costs = tracker.costs()
+    assert costs.cpu_s([3, 0]) == pytest.approx(0.01 + 1.5 * COSTS.cpu_s([3]), rel=0.05)
+    assert costs.cpu_s([0, 0]) == 0.0
 
 
 def test_physical_costs_for_qwen3_shape_match_the_host_model():
