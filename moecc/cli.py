@@ -17,7 +17,7 @@ import sys
 
 EXIT_ALL_ROWS_FAILED = 1
 EXIT_SOME_ROWS_FAILED = 3
-PARADIGM_NAMES = ("cocompute", "offload", "gpu", "hf-offload")  # moecc.bench.runner.PARADIGMS
+PARADIGM_NAMES = ("cocompute", "offload", "hybrid", "gpu", "hf-offload")  # moecc.bench.runner.PARADIGMS
 
 
 def positive_int(text: str) -> int:
@@ -193,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     bench_parser.add_argument("--layers", type=positive_int, default=None, help="decoder layers (default: all)")
     bench_parser.add_argument("--tokens", type=token_counts, default="512,2048,8192",
                               help="tokens per step, comma-separated")
-    bench_parser.add_argument("--paradigms", type=paradigm_list, default="cocompute,offload,gpu,hf-offload",
-                              help="comma-separated: cocompute, offload, gpu (whole model on the GPU), "
+    bench_parser.add_argument("--paradigms", type=paradigm_list, default="cocompute,offload,hybrid,gpu,hf-offload",
+                              help="comma-separated: cocompute, offload, hybrid (experts split between CPU and "
+                                   "GPU per layer), gpu (whole model on the GPU), "
                                    "hf-offload (PEFT + accelerate's CPU offload of the experts)")
     bench_parser.add_argument("--gpu-budget", type=positive_float, default=24.0, help="GPU memory budget in GB")
     bench_parser.add_argument("--steps", type=positive_int, default=3, help="timed steps per row, after one warm-up step")

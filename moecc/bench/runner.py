@@ -18,7 +18,7 @@ from ..config import MoeccConfig
 from .presets import preset_nbytes, random_model
 from .timing import time_training
 
-PARADIGMS = ("cocompute", "offload", "gpu", "hf-offload")
+PARADIGMS = ("cocompute", "offload", "hybrid", "gpu", "hf-offload")
 HF_OFFLOAD_NEEDS_CUDA = ("hf-offload needs a CUDA GPU: accelerate's offload copies the experts from host memory to "
                          "the GPU at each forward, and there is no GPU here")
 _EXPECTED_FAILURES = (RuntimeError, ValueError, torch.OutOfMemoryError)

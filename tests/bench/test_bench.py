@@ -57,7 +57,7 @@ def test_default_paradigms_include_hf_offload_and_unknown_names_are_refused(tmp_
     parsed = []
     monkeypatch.setattr(cli, "bench", lambda args: parsed.append(args) or [])  # the arguments, nothing run
     cli.main(["bench"])
-    assert parsed[0].paradigms == ["cocompute", "offload", "gpu", "hf-offload"]
+    assert parsed[0].paradigms == ["cocompute", "offload", "hybrid", "gpu", "hf-offload"]
 
 
 def test_report_shows_errors_in_the_table_and_leaves_them_out_of_the_plots(tmp_path):
