@@ -394,7 +394,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("factors"), py::arg("ld"), py::arg("rank"), py::arg("n"), py::arg("rows"), py::arg("rows_ld"),
         py::arg("out"), py::arg("out_ld"), py::arg("count"), py::arg("grouped"));
   m.def("native_bf16", &moecc::kernels::v16::native_bf16,
-        "Whether the epilogues round to bf16 with AVX512-BF16's instruction (the CPU has it).");
+        "Whether the epilogues round to bf16 with AVX512-BF16's instruction (the CPU has it and it is allowed).");
+  m.def("set_native_bf16", &moecc::kernels::v16::set_native_bf16, py::arg("allowed"),
+        "Allows (or not) AVX512-BF16's rounding where the CPU has it (MOECC_NATIVE_BF16, read by moecc/config.py); "
+        "the kernels read it at their first call.");
   m.def("_pool_fill_test", &pool_fill_test, py::call_guard<py::gil_scoped_release>());
   m.def("_pool_raise_test", &pool_raise_test, py::call_guard<py::gil_scoped_release>());
 }

@@ -11,6 +11,7 @@ import warnings
 import torch
 
 from . import _C
+from .config import native_bf16_from_env
 
 
 def _check_host(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
@@ -91,6 +92,15 @@ def pool_raise_test(n: int, failing_task: int) -> None:
 
 
 atexit.register(_C.shutdown)
+
+
+def set_native_bf16(allowed: bool) -> None:
+    """Allows (or not) AVX512-BF16's bf16 rounding where the CPU has it; the kernels choose at their first call,
+    so this takes effect only before any kernel has run (it runs at import, from ``MOECC_NATIVE_BF16``)."""
+    _C.set_native_bf16(bool(allowed))
+
+
+set_native_bf16(native_bf16_from_env())
 
 
 ISAS = {"portable": 0, "avx512_bf16": 1, "amx": 2}

@@ -110,12 +110,30 @@ class MoeccConfig:
                     kwargs[field_name] = float(value)
                 except ValueError:
                     raise ValueError(f"{variable}={value!r} is not a number of GB") from None
-        flags = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
         for variable, field_name in (("MOECC_PIN_THREADS", "pin_threads"),
                                      ("MOECC_PREPACK_WEIGHTS", "prepack_weights")):
-            value = os.environ.get(variable)
-            if value:
-                if value.strip().lower() not in flags:
-                    raise ValueError(f"{variable}={value!r}: use 1/true/yes or 0/false/no")
-                kwargs[field_name] = flags[value.strip().lower()]
+            value = env_flag(variable)
+            if value is not None:
+                kwargs[field_name] = value
         return cls(**kwargs)
+
+
+FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def env_flag(variable: str) -> bool | None:
+    """The value of an on/off ``MOECC_*`` variable (1/true/yes or 0/false/no, any case); None when unset or empty."""
+    value = os.environ.get(variable, "").strip()
+    if not value:
+        return None
+    if value.lower() not in FLAGS:
+        raise ValueError(f"{variable}={os.environ[variable]!r}: use 1/true/yes or 0/false/no")
+    return FLAGS[value.lower()]
+
+
+def native_bf16_from_env() -> bool:
+    """Whether the native kernels may round to bf16 with AVX512-BF16's instruction where the CPU has it (it
+    flushes float32 denormals to zero; off runs the integer rounding every other CPU runs). A process-wide setting
+    the kernels read once, so ``moecc._ops`` applies it at import. Environment: ``MOECC_NATIVE_BF16`` (default on)."""
+    allowed = env_flag("MOECC_NATIVE_BF16")
+    return True if allowed is None else allowed

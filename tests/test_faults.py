@@ -864,14 +864,18 @@ def test_prepacked_weights_follow_an_in_place_change():
 
 
 @pytest.mark.skipif(not moecc._ops._C.native_bf16(), reason="this CPU has no AVX512-BF16: the setting has no effect")
-@pytest.mark.xfail(strict=True, reason="needs fix in cpp/kernels/vector16.h (read in C++, only '0' counts) and "
-                                       "moecc/config.py: read MOECC_NATIVE_BF16 in config.py with the other flags "
-                                       "(1/true/yes, 0/false/no, anything else an error) and pass it to the kernels")
-def test_native_bf16_false_is_honoured():
+@pytest.mark.parametrize("value", ["false", "0", "No"])
+def test_native_bf16_off_is_honoured(value):
     code = "import moecc; print(moecc._ops._C.native_bf16())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "MOECC_NATIVE_BF16": "false"}).stdout
+                         env={**os.environ, "MOECC_NATIVE_BF16": value}).stdout
     assert out.strip() == "False"
+
+
+def test_native_bf16_word_is_refused_at_import():
+    done = subprocess.run([sys.executable, "-c", "import moecc"], capture_output=True, text=True,
+                          env={**os.environ, "MOECC_NATIVE_BF16": "maybe"})
+    assert done.returncode != 0 and "MOECC_NATIVE_BF16='maybe'" in done.stderr and "1/true/yes" in done.stderr
 
 
 def test_non_finite_gradient_names_the_parameter_and_step():

@@ -663,11 +663,10 @@ def test_bf16_rounding_test_hook_refuses_ragged_lengths():
 
 
 def test_native_bf16_follows_cpu_and_environment():
-    import os
-
     from moecc import _C
+    from moecc.config import native_bf16_from_env
 
-    wanted = _ops.cpu_features()["avx512_bf16"] and os.environ.get("MOECC_NATIVE_BF16") != "0"
+    wanted = _ops.cpu_features()["avx512_bf16"] and native_bf16_from_env()
     assert _C.native_bf16() == wanted
 
 

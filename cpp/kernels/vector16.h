@@ -7,6 +7,7 @@
 
 #include <immintrin.h>  // __m512
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -102,15 +103,18 @@ struct NativeBf16 {
 };
 #endif
 
-// Whether the kernels that round with NativeBf16 use that build: this CPU (and OS) runs AVX512-BF16, and
-// MOECC_NATIVE_BF16 is not 0 (which tests use to run the PortableBf16 builds on such CPUs). Checked once.
-inline bool native_bf16() {
-  static const bool use = [] {
-    const char* setting = std::getenv("MOECC_NATIVE_BF16");
-    return __builtin_cpu_supports("avx512bf16") && !(setting != nullptr && std::strcmp(setting, "0") == 0);
-  }();
-  return use;
+// Whether native bf16 rounding is allowed: MOECC_NATIVE_BF16, read by moecc/config.py and set through
+// set_native_bf16 when moecc._ops is imported (tests turn it off to run the PortableBf16 builds on CPUs that have
+// AVX512-BF16). The dispatchers (swiglu.cpp, lora_products.cpp) read it once, at their first call.
+inline std::atomic<bool>& native_bf16_allowed() {
+  static std::atomic<bool> allowed{true};
+  return allowed;
 }
+inline void set_native_bf16(bool allowed) { native_bf16_allowed().store(allowed); }
+
+// Whether the kernels that round with NativeBf16 use that build: this CPU (and OS) runs AVX512-BF16, and it is
+// allowed (above).
+inline bool native_bf16() { return __builtin_cpu_supports("avx512bf16") && native_bf16_allowed().load(); }
 
 template <typename Bf16 = PortableBf16>
 MOECC_INLINE void store16(uint16_t* p, vf v) {
