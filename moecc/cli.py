@@ -136,7 +136,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
 
 def plan(args: argparse.Namespace) -> dict:
     """Runs ``moecc plan``: rates (measured or cached), predicted step time per paradigm, the crossover."""
-    from .bench.plan import crossover, describe, predict
+    from .bench.plan import crossover, describe, hybrid_plan, predict
     from .bench.rates import RANK, measure
     from .config import MoeccConfig
 
@@ -148,6 +148,10 @@ def plan(args: argparse.Namespace) -> dict:
     for count in args.tokens:
         table[count] = predict(args.preset, count, rates, args.layers, rank, offload_slots=slots)
         print(f"{count:>7} tokens/step: " + ", ".join(f"{p} {s:.3f} s" for p, s in table[count].items()))
+        for phase, split in hybrid_plan(args.preset, count, rates, args.layers, rank).items():
+            print(f"          hybrid {phase}: {split['gpu_experts']} of {split['routed_experts']} routed experts "
+                  f"on the GPU ({split['side']}); per layer CPU {1e3 * split['cpu_s']:.1f} ms, link "
+                  f"{1e3 * split['link_s']:.1f} ms, GPU {1e3 * split['gpu_s']:.1f} ms")
     print(f"timed on one {args.preset} MoE layer, forward + backward:", *describe(args.preset, rates), sep="\n")
     point = crossover(args.preset, rates, args.layers, rank=rank, offload_slots=slots)
     if "gpu_tflops" not in rates:

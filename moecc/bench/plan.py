@@ -11,6 +11,9 @@ With T tokens per step, each MoE layer, forward then backward:
               copy waits for its router), backward the routed ones (uniform-routing estimate) and the layer's parked
               activations; the first forward copy is exposed, and the last ``offload_slots`` layers are still on the
               GPU for backward
+  hybrid      per layer pass, the split ``moecc.paradigms.hybrid_split.plan_split`` picks for uniform routing:
+              the GPU's experts stream over the link while the CPU computes the rest in place, so a pass costs
+              max(a/2 + the slower side's experts, link); the CPU slowed by sharing DRAM with the copies
   gpu         everything on the GPU: a timed training step of one MoE layer.
 Where co-compute's own steps were timed (models of one and three MoE layers), its prediction is those per-layer
 and rest-of-step times instead of the sum of its parts above, which timed apart overstate the step
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
+from ..paradigms.hybrid_split import SideCosts, Split, plan_split
 from .presets import preset_config
 from .shapes import RANK, SEQUENCE, moe_shape, shape_key
 
@@ -143,6 +147,45 @@ def _offload_layers_s(s: dict, tokens: int, rates: dict, attention: float, forwa
             + (layers - resident) * max(copy_routed + parked_s, gpu_backward))
 
 
+# Hybrid's CPU part: a fixed cost per layer pass (staging, gathers, scatters) and the kernels' slowdown with two
+# cores left to the copies while PCIe streams (DESIGN.md: 1.04-1.07); the engine measures both as it runs.
+HYBRID_CPU_CALL_S = 5e-3
+HYBRID_CPU_SLOWDOWN = 1.1
+
+
+def hybrid_split(s: dict, tokens: int, rates: dict, timed: dict, rank: int, phase: str, gpu_s: float,
+                 extra_copy_s: float = 0.0) -> tuple[float, float, Split]:
+    """One MoE layer's ``phase`` pass under hybrid, routing uniform: (expert seconds of the split, link seconds,
+    the split). The CPU's timed pass is cut into a per-expert part (its DRAM floor: reading the weights) and a
+    per-pair part; the link carries each GPU expert's weights (and ``extra_copy_s`` of the GPU share's parked
+    state); the GPU's timed pass is per pair."""
+    routed = max(1, round(_routed_experts(s, tokens)))
+    pairs = tokens * s["top_k"]
+    scale = _lora_factor(s, rank) / _lora_factor(s, RANK)
+    cpu_pass = HYBRID_CPU_SLOWDOWN * scale * _at(tokens, timed["tokens"], timed[f"cpu_{phase}_s"])
+    weights_s = 3 * s["hidden"] * s["inter"] * BF16 / (rates["dram_gbps"] * 1e9)
+    cpu_pass = max(cpu_pass, routed * weights_s)
+    costs = SideCosts(cpu_expert_s=weights_s, cpu_token_s=(cpu_pass - routed * weights_s) / pairs,
+                      copy_expert_s=3 * s["hidden"] * s["inter"] * BF16 / (rates["h2d_gbps"] * 1e9),
+                      gpu_expert_s=0.0, gpu_token_s=gpu_s / pairs, cpu_call_s=HYBRID_CPU_CALL_S)
+    split = plan_split([pairs / routed] * routed, costs)
+    gpu_share = len(split.gpu) / routed
+    return max(split.cpu_s, split.gpu_s), split.copy_s + extra_copy_s * gpu_share, split
+
+
+def _hybrid_layers_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int, attention: float,
+                     forward: float, backward: float) -> float:
+    """The MoE layers under hybrid: per layer pass the busier of (the GPU's attention share then the slower
+    side's experts) and the link, which streams the next layer's GPU experts all the while."""
+    parked_s = _parked_bytes(s, tokens) / (rates["h2d_gbps"] * 1e9)
+    total = 0.0
+    for phase, gpu_s, extra in (("forward", forward, 0.0), ("backward", backward, parked_s)):
+        experts_s, link_s, split = hybrid_split(s, tokens, rates, timed, rank, phase, gpu_s, extra)
+        both = split.side == "both"
+        total += max(attention / 2 + experts_s + (3e-4 if both else 0.0), link_s)
+    return s["moe_layers"] * total
+
+
 def _parked_bytes(s: dict, tokens: int) -> int:
     """One offloaded layer's saved state, parked in host memory: the hidden states, and per (token, expert) pair
     its routing weight (float32), grouping indices (int64) and gate/up output (2I bf16); 29 KB per token for
@@ -190,7 +233,7 @@ RECOMPUTE = 1 / 3
 def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, rank: int = RANK,
             checkpointing: bool = False, offload_lora_on_device: bool = True,
             offload_slots: int = 2) -> dict[str, float]:
-    """Predicted seconds per training step of ``tokens`` tokens for ``cocompute``, ``offload`` and ``gpu`` (only
+    """Predicted seconds per training step of ``tokens`` tokens for ``cocompute``, ``offload``, ``hybrid`` and ``gpu`` (only
     ``cocompute``, all on the CPU, without GPU rates), with LoRA of ``rank`` on attention and experts.
 
     ``rates``: from :func:`moecc.bench.rates.measure` (which times a preset's shape when it is first predicted),
@@ -224,10 +267,14 @@ def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, ra
     cocompute = s["moe_layers"] * (attention + cpu + _activations_s(s, tokens, rates)) + rest + optimizer
     if "cocompute_layer_s" in timed:  # timed in place
         cocompute = _cocompute_in_place_s(s, tokens, rates, timed, rank, attention * recompute / (1 + recompute))
+    lora_s = 0.0 if offload_lora_on_device else optimizer + _host_lora_copies_s(s, rates, rank)
+    hybrid = _hybrid_layers_s(s, tokens, rates, timed, rank, attention, forward, backward)
+    if checkpointing:
+        hybrid += s["moe_layers"] * forward
     return {
         "cocompute": cocompute,
-        "offload": offload + rest + (0.0 if offload_lora_on_device
-                                     else optimizer + _host_lora_copies_s(s, rates, rank)),
+        "offload": offload + rest + lora_s,
+        "hybrid": hybrid + rest + lora_s,
         "gpu": _gpu_paradigm_s(s, tokens, rates, timed, rank) * (1 + recompute),
     }
 
@@ -244,6 +291,22 @@ def crossover(preset: str, rates: dict, layers: int | None = None, limit: int = 
             return tokens
         tokens *= 2
     return None
+
+
+def hybrid_plan(preset: str, tokens: int, rates: dict, layers: int | None = None, rank: int = RANK) -> dict:
+    """The split hybrid is predicted to take at ``tokens`` tokens (uniform routing): GPU experts of the routed ones
+    and the predicted CPU, link and GPU seconds, per pass of one MoE layer."""
+    s = moe_shape(preset_config(preset, layers))
+    timed = _shape_timings(rates, preset)
+    if timed is None or "h2d_gbps" not in rates:
+        return {}
+    forward, backward = _gpu_experts_s(s, tokens, rates, timed, rank)
+    out = {}
+    for phase, gpu_s in (("forward", forward), ("backward", backward)):
+        _, _, split = hybrid_split(s, tokens, rates, timed, rank, phase, gpu_s)
+        out[phase] = {"gpu_experts": len(split.gpu), "routed_experts": round(_routed_experts(s, tokens)),
+                      "cpu_s": split.cpu_s, "link_s": split.copy_s, "gpu_s": split.gpu_s, "side": split.side}
+    return out
 
 
 def describe(preset: str, rates: dict) -> list[str]:

@@ -229,3 +229,24 @@ def test_checkpointing_costs_a_forward_again_but_not_the_cpu_experts():
     attention = rates["shapes"][key_of("qwen3-30b-a3b")]["gpu_attention_layer_s"][1]
     assert again["cocompute"] - plain["cocompute"] == pytest.approx(layers * attention / 3, rel=1e-6)
     assert again["offload"] > plain["offload"] and again["gpu"] == pytest.approx(plain["gpu"] * 4 / 3)
+
+
+@pytest.mark.parametrize("cpu_per_token", [3e-6, 3e-5, 3e-4])
+def test_hybrid_prediction_splits_where_it_pays_and_falls_back_where_not(cpu_per_token):
+    """Qwen3 shape: with a fast CPU the split puts part of each layer on the CPU and beats offload; with a CPU
+    too slow to help it takes (nearly) everything to the GPU and predicts no worse than offload's streaming
+    plus the per-pass cost of the few experts left to the CPU."""
+    from moecc.bench.plan import hybrid_plan
+
+    rates = qwen3_rates(cpu_fixed=0.002, cpu_per_token=cpu_per_token)
+    for tokens in (512, 2048, 8192):
+        times = predict("qwen3-30b-a3b", tokens, rates, layers=4)
+        split = hybrid_plan("qwen3-30b-a3b", tokens, rates, layers=4)
+        assert set(split) == {"forward", "backward"}
+        forward = split["forward"]
+        assert 0 <= forward["gpu_experts"] <= forward["routed_experts"] <= 128
+        if cpu_per_token == 3e-6:
+            assert forward["side"] == "both" and times["hybrid"] < times["offload"]
+        if cpu_per_token == 3e-4:
+            assert forward["gpu_experts"] >= 0.9 * forward["routed_experts"]
+            assert times["hybrid"] <= times["offload"] * 1.15
