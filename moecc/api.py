@@ -9,11 +9,13 @@ from peft import LoraConfig, PeftModel, get_peft_model, load_peft_weights, set_p
 
 from . import _ops
 from .config import MoeccConfig
-from .errors import AdapterMismatchError, MoeccError, UnsupportedDtypeError, UnsupportedModelError
-from .lora import check_adapter_matches, check_lora_config, expert_wrappers, read_adapter_config, track_merges
+from .errors import MoeccError, UnsupportedDtypeError, UnsupportedModelError
+from .adapter_files import install_atomic_save
+from .lora import (check_adapter_matches, check_expert_targets_matched, check_lora_config, expert_wrappers,
+                   read_adapter_config, track_merges)
 from .lora import default_lora_config as _default_lora_config
 from .models import MoeFamily, family_for, install_block_forward
-from .paradigms import Engine, ExpertLayer, engine_class
+from .paradigms import Engine, ExpertLayer, choose_paradigm, engine_class
 from .paradigms.base import BUDGET_SLACK, resident_weight_bytes
 from .store import SUPPORTED_DTYPES, check_host_experts, keep_on_host
 
@@ -90,18 +92,26 @@ def _apply_lora(model: torch.nn.Module, family: MoeFamily, lora_config: LoraConf
         config = read_adapter_config(adapter)
         config.inference_mode = False
         check_lora_config(config)
-        peft_model = get_peft_model(model, config, adapter_name=ADAPTER_NAME)
-        try:
-            check_adapter_matches(peft_model, adapter)
-        except AdapterMismatchError:
-            peft_model.unload()  # leave the caller's model as it was, so a retry with another adapter works
-            raise
+        peft_model = _lora_model(model, config, lambda m: check_adapter_matches(m, adapter))
         set_peft_model_state_dict(peft_model, load_peft_weights(str(adapter), device="cpu"),
                                   adapter_name=ADAPTER_NAME)
         return peft_model
     config = lora_config if lora_config is not None else _default_lora_config(family.attention_targets)
     check_lora_config(config)
-    return get_peft_model(model, config, adapter_name=ADAPTER_NAME)
+    return _lora_model(model, config)
+
+
+def _lora_model(model: torch.nn.Module, config: LoraConfig, check=lambda peft_model: None) -> PeftModel:
+    """``get_peft_model``, then checks that every expert target adapted something (PEFT only warns) and
+    ``check``; on a refusal the caller's model is left as it was, so a retry with another config works."""
+    peft_model = get_peft_model(model, config, adapter_name=ADAPTER_NAME)
+    try:
+        check_expert_targets_matched(peft_model, config)
+        check(peft_model)
+    except MoeccError:
+        peft_model.unload()
+        raise
+    return peft_model
 
 
 def prepare(
@@ -120,17 +130,20 @@ def prepare(
             ``["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``). Default: rank 8 on attention + experts.
         adapter: path of a PEFT adapter directory to keep training instead of a new LoRA.
         paradigm: a name in ``moecc.paradigms.PARADIGMS``: ``"cocompute"``, routed experts computed on the CPU;
-            ``"offload"``, copied to the device and computed there.
+            ``"offload"``, copied to the device and computed there; ``"hybrid"``, each layer's experts split
+            between both, at once; or ``"auto"``, which picks one and logs why (``moecc.paradigms.choose_paradigm``).
         device: device for attention, dense layers, routers and shared experts; default CUDA if available.
         config: engine options (threads, backend); default from ``MOECC_*`` environment variables.
 
     Returns:
         A ``peft.PeftModel``: call it like the original, train ``model.parameters()``, ``save_pretrained`` a
-        standard PEFT adapter. ``model.moecc`` holds the engine state and metrics.
+        standard PEFT adapter (atomically: an interrupted save leaves the previous adapter whole, see
+        ``moecc.adapter_files``). ``model.moecc`` holds the engine state and metrics.
     """
-    paradigm_engine = engine_class(paradigm)
     config = config or MoeccConfig.from_env()
     device = resolve_device(device)
+    paradigm = choose_paradigm(paradigm, device)
+    paradigm_engine = engine_class(paradigm)
     if isinstance(model, PeftModel):
         raise MoeccError("pass the plain transformers model; moecc applies LoRA itself (lora_config / adapter)")
     family = family_for(model)
@@ -152,6 +165,7 @@ def prepare(
     apply_gpu_budget(peft_model, engine, config)
     peft_model.to(device)
     peft_model.moecc = MoeccState(family, paradigm, device, engine, engine.layers, config)
+    install_atomic_save(peft_model)  # save_pretrained writes to a temporary name and renames
     return peft_model
 
 

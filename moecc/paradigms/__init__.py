@@ -3,6 +3,10 @@ copying the weights there) or ``hybrid`` (both at once, each layer's experts spl
 ``moecc.prepare`` looks names up in."""
 from __future__ import annotations
 
+import logging
+
+import torch
+
 from ..errors import MoeccError
 from .base import Engine, ExpertLayer, StepMetrics
 from .cocompute import CoComputeEngine
@@ -19,4 +23,22 @@ def engine_class(paradigm: str) -> type[Engine]:
     return PARADIGMS[paradigm]
 
 
-__all__ = ["PARADIGMS", "Engine", "ExpertLayer", "StepMetrics", "engine_class"]
+def choose_paradigm(paradigm: str, device: torch.device) -> str:
+    """``paradigm`` itself, or for ``"auto"`` the one to run, logged with the reason on logger ``moecc``.
+
+    Without a CUDA device only co-compute applies (the experts' math on the CPU either way). With one, hybrid: it
+    plans each layer pass from the rates it measures while running, and where a split does not pay the pass runs
+    wholly on the better side, so it is never meant to lose to either pure paradigm (``moecc plan`` predicts all
+    three on this machine)."""
+    if paradigm != "auto":
+        return paradigm
+    if device.type != "cuda":
+        choice, why = "cocompute", "no CUDA device, so the experts run on the CPU"
+    else:
+        choice, why = "hybrid", ("a CUDA device: each layer's experts are split between the GPU and the CPU from "
+                                 "rates measured as it runs, wholly on one side where a split does not pay")
+    logging.getLogger("moecc").info("paradigm='auto' chose %r: %s", choice, why)
+    return choice
+
+
+__all__ = ["PARADIGMS", "Engine", "ExpertLayer", "StepMetrics", "choose_paradigm", "engine_class"]

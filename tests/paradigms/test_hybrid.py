@@ -136,3 +136,16 @@ def test_hybrid_on_cuda_matches_hf_peft(rule):
     assert all(p.is_pinned() for layer in engine.moecc.layers for p in layer.experts.parameters(recurse=False))
     expert_lora = [p for n, p in engine.named_parameters() if ".experts." in n and "lora_" in n]
     assert expert_lora and all(p.device.type == "cpu" and p.is_pinned() for p in expert_lora)
+
+
+def test_auto_paradigm_says_what_it_picked(caplog):
+    import logging
+
+    from moecc.tiny_models import tiny_model
+
+    with caplog.at_level(logging.INFO, logger="moecc"):
+        model = moecc.prepare(tiny_model("qwen3_moe"), paradigm="auto", device="cpu")
+    assert model.moecc.paradigm == "cocompute"
+    assert "paradigm='auto' chose 'cocompute': no CUDA device" in caplog.text
+    assert moecc.paradigms.choose_paradigm("auto", torch.device("cuda", 0)) == "hybrid"
+    assert moecc.paradigms.choose_paradigm("offload", torch.device("cpu")) == "offload"
