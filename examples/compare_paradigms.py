@@ -2,7 +2,7 @@
 
 Times LoRA training steps of the same model and batch under each paradigm that can run here and prints a
 table: ``cocompute`` (moecc: routed experts on the CPU), ``offload`` (moecc: experts copied to the device and
-computed there) and ``gpu`` (plain Hugging Face + PEFT with the whole model on the GPU, when there is one and
+computed there), ``hybrid`` (moecc: each layer's experts split between both, at once) and ``gpu`` (plain Hugging Face + PEFT with the whole model on the GPU, when there is one and
 it fits).
 
     python examples/compare_paradigms.py                       # a small built-in model
@@ -49,7 +49,7 @@ def main() -> None:
             rows["gpu"] = "does not fit on the GPU"
     else:
         rows["gpu"] = "no GPU"
-    for paradigm in ("cocompute", "offload"):
+    for paradigm in ("cocompute", "offload", "hybrid"):
         model = moecc.prepare(copy.deepcopy(base), lora_config=copy.deepcopy(lora), device=device, paradigm=paradigm)
         rows[paradigm] = time_training(model, device, args.tokens, args.steps)
         del model
