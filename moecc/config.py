@@ -45,11 +45,10 @@ class MoeccConfig:
         offload_lora: where the offload paradigm keeps the expert LoRA factors (float32 masters, their gradients
             and the optimizer's state). ``"device"``: on the GPU, used in place (no copies, and the optimizer
             steps them there). ``"host"``: in pinned host memory, copied to the device once per forward pass and
-            their gradients copied back; the optimizer steps them on the CPU (the for-each AdamW took 0.3 s a
-            step for Qwen3-30B-A3B at rank 8 on the accelerator host, with nothing to hide it behind; the fused
-            one is about 4x faster). ``"auto"`` (default): the
-            device when factors, gradients and two AdamW moments take at most a quarter of the GPU budget (of
-            the GPU's memory without a budget), else the host. Environment: ``MOECC_OFFLOAD_LORA``.
+            their gradients copied back; the optimizer steps them on the CPU, where nothing hides its time (use
+            a fused AdamW). ``"auto"`` (default): the device when factors, gradients and two AdamW moments take
+            at most a quarter of the GPU budget (of the GPU's memory without a budget), else the host.
+            Environment: ``MOECC_OFFLOAD_LORA``.
     """
 
     num_threads: int | None = None

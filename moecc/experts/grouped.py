@@ -1,9 +1,9 @@
 """Routed experts with LoRA as grouped matrix products: one ``torch._grouped_mm`` per projection, not a loop.
 
 Same contract as :mod:`moecc.experts.reference` (``forward`` / ``backward``, ``SavedState``, ``LoraGrads`` in
-PEFT's layouts, a subset of the experts through ``expert_mask`` / ``grouping``), so a paradigm can run either. The (token, slot) pairs are sorted by
-expert once; every product then runs over the sorted rows with ``offs`` = the int32 end of each expert's rows,
-which stays on the device (no host sync). Where ``_grouped_mm`` has no kernel for the dtype and device (see
+PEFT's layouts, a subset of the experts through ``expert_mask`` / ``grouping``), so a paradigm can run either.
+The (token, slot) pairs are sorted by expert once; every product then runs over the sorted rows with ``offs`` =
+the int32 end of each expert's rows, which stays on the device (no host sync). Where ``_grouped_mm`` has no kernel for the dtype and device (see
 :func:`available`), or a size breaks its 16-byte stride rule, the same products run as a per-expert loop.
 
 LoRA is computed factorised, ``x W_e^T + s (x A_e^T) B_e^T``: ``W + s B A`` is never formed. HF + PEFT fold the
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import reference
 from .activation import activate, activation_grads, merge, split
 from .grouping import Grouping, resolve
 from .types import ExpertLora, ExpertWeights, LoraGrads, SavedState
@@ -236,30 +237,13 @@ def _sum_per_token(rows: torch.Tensor, order: torch.Tensor, num_tokens: int, top
     return per_pair.view(num_tokens, top_k, rows.shape[-1]).sum(dim=1)
 
 
-def supports(weights: ExpertWeights) -> bool:
-    """Every dtype and layout (the loop runs where ``_grouped_mm`` does not)."""
-    return True
+# Stateless as the reference, and for every layout (the loop runs where ``_grouped_mm`` does not).
+supports, release_result, prepare_layers = reference.supports, reference.release_result, reference.prepare_layers
 
 
-def release_result(tensor: torch.Tensor) -> None:
-    """Nothing to hand back: results are fresh tensors."""
-
-
-def prepare_layers(weights: list[ExpertWeights]) -> None:
-    """Nothing to prepare."""
-
-
-def forward(
-    weights: ExpertWeights,
-    hidden: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    gate_up_lora: ExpertLora | None,
-    down_lora: ExpertLora | None,
-    *,
-    expert_mask: torch.Tensor | None = None,
-    grouping: Grouping | None = None,
-) -> tuple[torch.Tensor, SavedState]:
+def forward(weights: ExpertWeights, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+            gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None, *, expert_mask: torch.Tensor | None = None,
+            grouping: Grouping | None = None) -> tuple[torch.Tensor, SavedState]:
     """``y[t] = sum_j w[t,j] * down_e(act(gate_e(x[t]), up_e(x[t])))`` with ``e = top_k_index[t,j]``, the sum
     over the pairs of the experts in ``expert_mask`` / ``grouping`` when given (see ``ExpertBackend``).
 
@@ -288,13 +272,8 @@ def forward(
     return out.to(dtype), saved
 
 
-def backward(
-    weights: ExpertWeights,
-    saved: SavedState,
-    grad_out: torch.Tensor,
-    gate_up_lora: ExpertLora | None,
-    down_lora: ExpertLora | None,
-) -> tuple[torch.Tensor, torch.Tensor, LoraGrads]:
+def backward(weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor, gate_up_lora: ExpertLora | None,
+             down_lora: ExpertLora | None) -> tuple[torch.Tensor, torch.Tensor, LoraGrads]:
     """Gradients of :func:`forward` for the hidden states, routing weights and LoRA factors, over the experts
     forward computed (zeros elsewhere).
 

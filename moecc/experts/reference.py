@@ -77,17 +77,9 @@ def _bias(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
     return None if bias is None else bias[expert]
 
 
-def forward(
-    weights: ExpertWeights,
-    hidden: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    gate_up_lora: ExpertLora | None,
-    down_lora: ExpertLora | None,
-    *,
-    expert_mask: torch.Tensor | None = None,
-    grouping: Grouping | None = None,
-) -> tuple[torch.Tensor, SavedState]:
+def forward(weights: ExpertWeights, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+            gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None, *, expert_mask: torch.Tensor | None = None,
+            grouping: Grouping | None = None) -> tuple[torch.Tensor, SavedState]:
     """``y[t] = sum_j w[t,j] * down_e(act(gate_e(x[t]), up_e(x[t])))`` with ``e = top_k_index[t,j]``, the sum
     over the pairs of the experts in ``expert_mask`` / ``grouping`` when given (see ``ExpertBackend``).
 
@@ -150,13 +142,8 @@ def _store_lora_grads(grad_weight: torch.Tensor, lora: ExpertLora, expert: int, 
     grad_a[expert * r : (expert + 1) * r] = grad_a_e
 
 
-def backward(
-    weights: ExpertWeights,
-    saved: SavedState,
-    grad_out: torch.Tensor,
-    gate_up_lora: ExpertLora | None,
-    down_lora: ExpertLora | None,
-) -> tuple[torch.Tensor, torch.Tensor, LoraGrads]:
+def backward(weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor, gate_up_lora: ExpertLora | None,
+             down_lora: ExpertLora | None) -> tuple[torch.Tensor, torch.Tensor, LoraGrads]:
     """Gradients of :func:`forward` for the hidden states, routing weights and LoRA factors, over the experts
     forward computed (zeros elsewhere).
 
@@ -205,14 +192,8 @@ def backward(
     return grad_hidden, grad_routing.view(num_tokens, top_k), grads
 
 
-def autograd(
-    weights: ExpertWeights,
-    hidden: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    gate_up_lora: ExpertLora | None,
-    down_lora: ExpertLora | None,
-) -> torch.Tensor:
+def autograd(weights: ExpertWeights, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+             gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None) -> torch.Tensor:
     """The same function as :func:`forward` in float32, written so torch autograd differentiates it:
     an independent derivation used to check :func:`backward`. Differentiable in hidden,
     top_k_weights and the LoRA A/B tensors."""
