@@ -18,11 +18,22 @@ EXPERTS, HIDDEN, INTER, TOP_K, RANK = 8, 32, 16, 3, 2
 GRAD_NAMES = ("gate_up_A", "gate_up_B", "down_A", "down_B")
 
 
-def _problem(tokens: int, dtype: torch.dtype, seed: int = 0):
+def _weights(layout: str, dtype: torch.dtype, g: torch.Generator) -> ExpertWeights:
+    gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) * 0.2
+    down = torch.randn(EXPERTS, HIDDEN, INTER, generator=g) * 0.2
+    if layout == "default":
+        return ExpertWeights(gate_up.to(dtype), down.to(dtype))
+    # gpt-oss: transposed storage, interleaved gate/up, biases and a clamped activation
+    return ExpertWeights(gate_up.transpose(1, 2).contiguous().to(dtype), down.transpose(1, 2).contiguous().to(dtype),
+                         gate_up_bias=(torch.randn(EXPERTS, 2 * INTER, generator=g) * 0.1).to(dtype),
+                         down_bias=(torch.randn(EXPERTS, HIDDEN, generator=g) * 0.1).to(dtype),
+                         transposed=True, interleaved=True, swiglu_alpha=1.702, swiglu_limit=0.5)
+
+
+def _problem(tokens: int, dtype: torch.dtype, seed: int = 0, layout: str = "default"):
     """Experts E-1 and E-2 get no pair, the others a few each; LoRA on both projections."""
     g = torch.Generator().manual_seed(seed)
-    weights = ExpertWeights((torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) * 0.2).to(dtype),
-                            (torch.randn(EXPERTS, HIDDEN, INTER, generator=g) * 0.2).to(dtype))
+    weights = _weights(layout, dtype, g)
     loras = [ExpertLora(torch.randn(RANK * EXPERTS, fan_in, generator=g) * 0.3,
                         torch.randn(fan_out, RANK * EXPERTS, generator=g) * 0.3, 0.7, EXPERTS)
              for fan_in, fan_out in ((HIDDEN, 2 * INTER), (INTER, HIDDEN))]
@@ -73,10 +84,11 @@ def _native():
     return NativeExperts(_ops.best_isa())
 
 
+@pytest.mark.parametrize("layout", ["default", "gpt_oss"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [0, 1, 13])
-def test_reference_parts_sum_to_the_whole_bit_for_bit(dtype, tokens):
-    problem = _problem(tokens, dtype)
+def test_reference_parts_sum_to_the_whole_bit_for_bit(dtype, tokens, layout):
+    problem = _problem(tokens, dtype, layout=layout)
     index = problem[2]
     full = _run(reference, problem)
     for seed in range(3):
@@ -94,15 +106,15 @@ def test_reference_parts_sum_to_the_whole_bit_for_bit(dtype, tokens):
                 assert rel_err(got, want) <= (1e-6 if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("backend", ["grouped", "native"])
+@pytest.mark.parametrize("backend,layout", [("grouped", "default"), ("grouped", "gpt_oss"), ("native", "default")])
 @pytest.mark.parametrize("tokens", [0, 1, 13])
-def test_fast_backends_parts_sum_to_the_whole(backend, tokens):
+def test_fast_backends_parts_sum_to_the_whole(backend, layout, tokens):
     if backend == "grouped":
         dtype, module, tolerance = torch.float32, grouped, 1e-5
     else:
         dtype, tolerance = torch.bfloat16, 1e-2  # bf16 outputs round once per part
         module = _native()
-    problem = _problem(tokens, dtype, seed=1)
+    problem = _problem(tokens, dtype, seed=1, layout=layout)
     full = _run(module, problem)
     for partition in _partitions(4):
         parts = [_run(module, problem, expert_mask=mask) for mask in partition]
