@@ -155,6 +155,7 @@ def prepare(
 
     _ops.configure_pool(config.num_threads, config.pin_threads)
     engine = paradigm_engine.from_config(device, config)
+    engine.check_finite = config.check_finite
     for name, block in blocks:
         keep_on_host(block.experts)
         base_experts, wrappers = expert_wrappers(block.experts)

@@ -49,6 +49,10 @@ class MoeccConfig:
             a fused AdamW). ``"auto"`` (default): the device when factors, gradients and two AdamW moments take
             at most a quarter of the GPU budget (of the GPU's memory without a budget), else the host.
             Environment: ``MOECC_OFFLOAD_LORA``.
+        check_finite: every MoE layer checks its inputs (hidden states, routing weights), its output and its
+            gradients (incoming, and those it computes) for NaN / inf, and raises an error naming the layer and the
+            step (forward pass). A host sync per check, so off by default; ``MoeccCallback`` turns it on at
+            logging steps. Environment: ``MOECC_CHECK_FINITE`` (0/1).
     """
 
     num_threads: int | None = None
@@ -61,6 +65,7 @@ class MoeccConfig:
     offload_lora: str = "auto"
     offload_compute: str = "auto"
     prepack_weights: bool = False
+    check_finite: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -110,7 +115,8 @@ class MoeccConfig:
                 except ValueError:
                     raise ValueError(f"{variable}={value!r} is not a number of GB") from None
         for variable, field_name in (("MOECC_PIN_THREADS", "pin_threads"),
-                                     ("MOECC_PREPACK_WEIGHTS", "prepack_weights")):
+                                     ("MOECC_PREPACK_WEIGHTS", "prepack_weights"),
+                                     ("MOECC_CHECK_FINITE", "check_finite")):
             value = env_flag(variable)
             if value is not None:
                 kwargs[field_name] = value

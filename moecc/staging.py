@@ -1,8 +1,11 @@
 """Reusable host buffers for device<->host copies of routed activations.
 
-``StagingBuffers``: one buffer per role (hidden in, routing in, output, gradients ...), grown geometrically and
-reused by every layer and step, pinned when a CUDA device is in use so copies run asynchronously at full PCIe
-rate. A buffer written by the CPU and then copied to the GPU is not reused until that copy has finished.
+``StagingBuffers``: one buffer per role (hidden in, routing in, output, gradients ...) and calling thread, grown
+geometrically and reused by every layer and step, pinned when a CUDA device is in use so copies run
+asynchronously at full PCIe rate. A buffer written by the CPU and then copied to the GPU is not reused until that
+copy has finished. Per thread: two threads using one model at once (or a forward beside autograd's backward
+thread) never write into each other's buffers; forwards and backwards use different roles, so a training loop
+(forward on its thread, backward on autograd's) holds each role once.
 
 ``HostBufferPool``: whole buffers lent out for longer (activations parked in host memory from a layer's forward
 until its backward), each given back with the event after which it may be overwritten.
@@ -20,26 +23,38 @@ class StagingBuffers:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pinned = device.type == "cuda"
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._pending: dict[str, torch.cuda.Event] = {}
+        self._local = threading.local()  # .buffers: role -> buffer, .pending: role -> event; one set per thread
         self._copy_stream = torch.cuda.Stream(device) if self.pinned else None
+        self._count_lock = threading.Lock()
         self.bytes_to_host = 0
         self.bytes_to_device = 0
 
+    def _mine(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.cuda.Event]]:
+        """The calling thread's (buffers, pending copies out of them), by role."""
+        if not hasattr(self._local, "buffers"):
+            self._local.buffers, self._local.pending = {}, {}
+        return self._local.buffers, self._local.pending
+
+    def _count(self, to_host: int = 0, to_device: int = 0) -> None:
+        with self._count_lock:
+            self.bytes_to_host += to_host
+            self.bytes_to_device += to_device
+
     def view(self, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host tensor of ``shape``/``dtype`` backed by the ``role`` buffer (its previous contents are gone)."""
-        pending = self._pending.pop(role, None)
+        buffers, pending_copies = self._mine()
+        pending = pending_copies.pop(role, None)
         if pending is not None:
             pending.synchronize()  # the last device copy out of this buffer must finish before we overwrite it
         numel = torch.Size(shape).numel()
         if numel == 0:
             return torch.empty(shape, dtype=dtype)
         nbytes = numel * dtype.itemsize
-        buffer = self._buffers.get(role)
+        buffer = buffers.get(role)
         if buffer is None or buffer.numel() < nbytes:
             size = max(nbytes, 2 * buffer.numel() if buffer is not None else 0)
             buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
-            self._buffers[role] = buffer
+            buffers[role] = buffer
         return buffer[:nbytes].view(dtype).view(shape)
 
     def to_host(self, tensors: dict[str, torch.Tensor]) -> HostCopy:
@@ -49,7 +64,7 @@ class StagingBuffers:
         (the shared experts) overlaps with the copy and with the CPU compute that follows.
         """
         views = {role: self.view(role, tuple(t.shape), t.dtype) for role, t in tensors.items()}
-        self.bytes_to_host += sum(t.numel() * t.element_size() for t in tensors.values())
+        self._count(to_host=sum(t.numel() * t.element_size() for t in tensors.values()))
         if self._copy_stream is None:
             for role, tensor in tensors.items():
                 views[role].copy_(tensor)
@@ -74,14 +89,14 @@ class StagingBuffers:
         On CUDA the data goes through ``role``'s pinned buffer so the copy is asynchronous; the buffer is not
         handed out again until the copy has finished.
         """
-        self.bytes_to_device += host.numel() * host.element_size()
+        self._count(to_device=host.numel() * host.element_size())
         if not self.pinned:
             out.copy_(host)
             return
         buffer = self.view(role, tuple(host.shape), host.dtype)
         buffer.copy_(host)
         out.copy_(buffer, non_blocking=True)
-        self._pending[role] = torch.cuda.current_stream(self.device).record_event()
+        self._mine()[1][role] = torch.cuda.current_stream(self.device).record_event()
 
 
 class HostCopy:

@@ -2,8 +2,7 @@
 
 A row either expects an error whose message names the problem (matched on key words, case-insensitive) or a
 correct result: a clean step after a failed one equal to a fresh model's, a save that left the old adapter whole.
-Rows whose fix lives in code this table's owners do not own are marked ``xfail(strict=True)`` with the fix they
-need, so they turn into failures (and get unmarked) the day the fix lands.
+Routing, finite-check and failed-step rows run under every paradigm.
 """
 from __future__ import annotations
 
@@ -32,11 +31,6 @@ from moecc.tiny_models import tiny_model
 from .parity import batches, lora_config, randomize_lora
 
 FAMILY = "qwen3_moe"  # tiny: 2 layers, 8 experts, top-2, H=64, I=32
-
-
-def xfail(fix: str):
-    """Marks a row whose fix belongs to another module: strict, so it fails once the fix is in."""
-    return pytest.mark.xfail(strict=True, reason=f"needs fix in {fix}")
 
 
 def prepared(paradigm: str = "cocompute", dtype: torch.dtype = torch.float32, seed: int = 0, lora_seed: int = 5,
@@ -251,6 +245,63 @@ def write(relative: str, text: str):
     return lambda d: (d / relative).write_text(text)
 
 
+def nan_weights(logits, weights, ids):
+    weights = weights.clone()
+    weights[0, 0] = float("nan")
+    return logits, weights, ids
+
+
+def checked_step(paradigm: str, fault: Callable, check_finite: bool = True) -> float:
+    """A step of a model prepared with ``check_finite``, after ``fault(model)`` (run to its loss's backward)."""
+    model = prepared(paradigm, check_finite=check_finite)
+    fault(model)
+    ids, mask, labels = BATCH
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    return loss.item()
+
+
+def nan_layer1_expert_lora(model) -> None:
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "layers.1.mlp.experts" in n and "lora_B" in n).fill_(float("nan"))
+
+
+def nan_gradient_into_layer1_experts(model) -> None:
+    """Makes the gradient reaching layer 1's MoE block from above NaN (a fault in the layers after it)."""
+    def hook(module, args, output):
+        output.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+    model.base_model.model.model.layers[1].mlp.register_forward_hook(hook)
+
+
+def routing_faults(paradigm: str) -> list[Fault]:
+    """Routing outputs and finite checks refused under ``paradigm``, before the engine's state changes."""
+    rows = [
+        Fault(f"{paradigm}-expert-id-negative", lambda s, t: faulty_step(paradigm, set_id(-1)), ValueError,
+              ("expert id", "-1", "[0, 8)")),
+        Fault(f"{paradigm}-expert-id-past-e", lambda s, t: faulty_step(paradigm, set_id(8)), ValueError,
+              ("expert id", "8", "[0, 8)")),
+        Fault(f"{paradigm}-float-expert-ids", lambda s, t: faulty_step(paradigm, lambda a, w, i: (a, w, i.float())),
+              ValueError, ("integer expert ids", "float32")),
+        Fault(f"{paradigm}-routing-weights-shape",
+              lambda s, t: faulty_step(paradigm, lambda a, w, i: (a, w[:, :1], i)), ValueError,
+              ("top_k_weights", "(24, 1)", "top_k_index", "(24, 2)", "shape")),
+        Fault(f"{paradigm}-routing-weights-transposed",
+              lambda s, t: faulty_step(paradigm, lambda a, w, i: (a, w.t(), i)), ValueError,
+              ("top_k_weights", "(2, 24)", "shape")),
+        Fault(f"{paradigm}-check-finite-routing", lambda s, t: checked_step(paradigm, lambda m: router_returns(
+            m, nan_weights)), MoeccError, ("step 1", "routing weights", "non-finite", "model.layers.0")),
+        Fault(f"{paradigm}-check-finite-output", lambda s, t: checked_step(paradigm, nan_layer1_expert_lora),
+              MoeccError, ("step 1", "output", "non-finite", "model.layers.1")),
+        Fault(f"{paradigm}-check-finite-gradient", lambda s, t: checked_step(paradigm,
+                                                                            nan_gradient_into_layer1_experts),
+              MoeccError, ("step 1", "incoming gradient", "non-finite", "model.layers.1")),
+    ]
+    if paradigm != "hybrid":  # hybrid.py's own routed_counts says the same without these words (see the report)
+        rows[0].words += ("invalid routing",)
+        rows[1].words += ("invalid routing",)
+    return rows
+
+
 SAFE = "adapter_model.safetensors"
 BIN = "adapter_model.bin"
 INDEX = "model.safetensors.index.json"
@@ -378,15 +429,10 @@ FAULTS = [
           ("missing 1 tensors", "model.norm.weight")),
     Fault("checkpoint-float64", lambda s, t: moecc.from_pretrained(s["checkpoint"], dtype=torch.float64),
           moecc.UnsupportedDtypeError, ("float64",)),
-    # routing outputs
-    Fault("cocompute-expert-id-negative", lambda s, t: faulty_step("cocompute", set_id(-1)), ValueError,
-          ("invalid routing", "-1", "[0, 8)")),
-    Fault("cocompute-expert-id-past-e", lambda s, t: faulty_step("cocompute", set_id(8)), ValueError,
-          ("invalid routing", "8", "[0, 8)")),
-    Fault("offload-expert-id-negative", lambda s, t: faulty_step("offload", set_id(-1)), ValueError,
-          ("invalid routing", "-1", "[0, 8)")),
-    Fault("float-expert-ids", lambda s, t: faulty_step("cocompute", lambda a, w, i: (a, w, i.float())), ValueError,
-          ("integer expert ids", "float32")),
+    Fault("target-layer-not-there", lambda s, t: prepare_with(targets("model.layers.99.mlp.experts.gate_up_proj")),
+          LoraError, ("layers.99", "matched no parameter")),
+    # routing outputs, and the finite checks (MoeccConfig(check_finite=True)), under every paradigm
+    *[row for paradigm in ("cocompute", "offload", "hybrid") for row in routing_faults(paradigm)],
     # engine configuration and MOECC_* variables
     Fault("env-threads-zero", lambda s, t: env_config(MOECC_NUM_THREADS="0"), ValueError, ("num_threads", "0")),
     Fault("env-threads-word", lambda s, t: env_config(MOECC_NUM_THREADS="two"), ValueError,
@@ -408,30 +454,6 @@ FAULTS = [
     Fault("save-nan-adapter", lambda s, t: save_nan(t), MoeccError, ("not saved", "non-finite", "was not created")),
 ]
 
-XFAIL_FAULTS = [
-    pytest.param(Fault("target-layer-not-there",
-                       lambda s, t: prepare_with(targets("model.layers.99.mlp.experts.gate_up_proj")), LoraError,
-                       ("layers.99", "matched no parameter")),
-                 marks=xfail("moecc/api.py: call moecc.lora.check_expert_targets_matched(peft_model, config) in "
-                             "_apply_lora right after get_peft_model (PEFT only warns; the experts train untouched)")),
-    pytest.param(Fault("offload-expert-id-past-e", lambda s, t: faulty_step("offload", set_id(8)), ValueError,
-                       ("invalid routing", "8", "[0, 8)")),
-                 marks=xfail("moecc/paradigms/offload.py: validate top_k_index against [0, E) (as co-compute does "
-                             "through _ops.group_tokens_by_expert) before _token_counts indexes a list with it; "
-                             "now a bare IndexError")),
-    pytest.param(Fault("routing-weights-shape", lambda s, t: faulty_step("cocompute", lambda a, w, i: (a, w[:, :1], i)),
-                       ValueError, ("top_k_weights", "top_k_index", "shape")),
-                 marks=xfail("moecc/paradigms/cocompute.py (and offload.py, one shared check in paradigms/base.py): "
-                             "refuse top_k_weights whose shape differs from top_k_index's; now a bare IndexError "
-                             "from the gather")),
-    pytest.param(Fault("check-finite-routing", lambda s, t: nan_routing_with_check_finite(), MoeccError,
-                       ("non-finite", "model.layers.0", "step")),
-                 marks=xfail("moecc/config.py + moecc/paradigms/: MoeccConfig(check_finite=True) checking expert "
-                             "inputs / outputs / gradients and naming the layer and step (issue 24); the field "
-                             "does not exist yet")),
-]
-
-
 def save_over_file(tmp_path: Path):
     (tmp_path / "adapter").write_text("not a directory")
     model = prepared()
@@ -450,20 +472,7 @@ def save_nan(tmp_path: Path):
         assert not (tmp_path / "adapter").exists() and not list(tmp_path.iterdir())
 
 
-def nan_routing_with_check_finite():
-    model = moecc.prepare(tiny_model(FAMILY), lora_config=lora_config(FAMILY), device="cpu",
-                          config=moecc.MoeccConfig(check_finite=True))
-
-    def change(logits, weights, ids):
-        weights = weights.clone()
-        weights[0, 0] = float("nan")
-        return logits, weights, ids
-    router_returns(model, change)
-    return run_batch(model)
-
-
-@pytest.mark.parametrize("fault", FAULTS + XFAIL_FAULTS,
-                         ids=[f.id for f in FAULTS] + [p.values[0].id for p in XFAIL_FAULTS])
+@pytest.mark.parametrize("fault", FAULTS, ids=[f.id for f in FAULTS])
 def test_refused_with_a_clear_message(fault, saved, tmp_path):
     with pytest.raises(fault.error) as raised:
         fault.run(saved, tmp_path / "work" if fault.id.startswith("save") else tmp_path)
@@ -484,7 +493,8 @@ def backward_twice(paradigm: str):
     loss.backward()
 
 
-@pytest.mark.parametrize("paradigm", PARADIGMS := ["cocompute", "offload"], ids=lambda p: f"{p}-backward-twice")
+@pytest.mark.parametrize("paradigm", PARADIGMS := ["cocompute", "offload", "hybrid"],
+                         ids=lambda p: f"{p}-backward-twice")
 def test_second_backward_through_one_graph_is_refused(paradigm):
     with pytest.raises(RuntimeError) as raised:
         backward_twice(paradigm)
@@ -585,7 +595,14 @@ def fail_in_backward(model):
 
 def rejected_routing(model):
     router_returns(model, set_id(-1))
-    with pytest.raises(ValueError, match="invalid routing"):
+    with pytest.raises(ValueError, match=r"expert ids? .*\[0, 8\)"):
+        run_batch(model)
+    model.base_model.model.model.layers[0].mlp.gate.restore()
+
+
+def rejected_weights(model):
+    router_returns(model, lambda a, w, i: (a, w[:, :1], i))
+    with pytest.raises(ValueError, match="top_k_weights has shape"):
         run_batch(model)
     model.base_model.model.model.layers[0].mlp.gate.restore()
 
@@ -596,12 +613,9 @@ def no_grad_forward(model):
 
 
 AFTER_FAILURES = [
-    pytest.param(fail, paradigm, id=f"{paradigm}-{fail.__name__.replace('_', '-')}",
-                 marks=[xfail("moecc/paradigms/offload.py: run the routing check before the slot bookkeeping "
-                              "(fetch marks experts as present that were never copied, so later steps read "
-                              "uninitialised slot memory: NaN on CUDA, wrong values here)")]
-                 if (paradigm, fail) == ("offload", rejected_routing) else [])
-    for paradigm in PARADIGMS for fail in (fail_in_forward, fail_in_backward, rejected_routing, no_grad_forward)
+    pytest.param(fail, paradigm, id=f"{paradigm}-{fail.__name__.replace('_', '-')}")
+    for paradigm in PARADIGMS
+    for fail in (fail_in_forward, fail_in_backward, rejected_routing, rejected_weights, no_grad_forward)
 ]
 
 
@@ -734,9 +748,6 @@ def test_abandoned_temporary_of_a_dead_save_is_removed(model_and_old):
     assert not abandoned.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="needs fix in moecc/api.py: call moecc.adapter_files.install_atomic_save("
-                                       "peft_model) at the end of prepare() (the Trainer callback installs it, a "
-                                       "plain prepare() does not)")
 def test_prepared_model_saves_atomically():
     from moecc.adapter_files import _atomic_save_pretrained
 
@@ -816,12 +827,9 @@ def test_bench_exit_status(rows, status, words, monkeypatch, tmp_path, capsys):
 
 # --- concurrency, packed weights, environment read in C++, finite checks ---------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="needs fix in moecc/paradigms/cocompute.py: concurrent forwards share the "
-                                       "engine's staging buffers and result pages (about half of 80 no-grad "
-                                       "forwards from two threads came back wrong); serialise submit..result per "
-                                       "engine with a lock, or raise a MoeccError naming the second thread")
-def test_two_threads_forwarding_one_cocompute_model_get_right_logits():
-    model = prepared().eval()
+@pytest.mark.parametrize("paradigm", PARADIGMS)
+def test_two_threads_forwarding_one_model_get_right_logits(paradigm):
+    model = prepared(paradigm, offload_slots=1).eval()  # one slot: each layer call refills what the other reads
     data = batches(256, 4, seed=9)
     with torch.no_grad():
         wanted = [model(input_ids=ids).logits for ids, _, _ in data]
@@ -841,10 +849,6 @@ def test_two_threads_forwarding_one_cocompute_model_get_right_logits():
     assert not any(wrong)
 
 
-@pytest.mark.xfail(strict=True, reason="needs fix in moecc/experts/native.py: prepack_weights keeps a packed copy "
-                                       "made in prepare; base weights changed in place afterwards (without a PEFT "
-                                       "merge) are not seen. Re-pack when the weights' version counter "
-                                       "(tensor._version) or data_ptr changed, as the merge revision does")
 def test_prepacked_weights_follow_an_in_place_change():
     def logits(prepack: bool, scale_first: bool):
         base = tiny_model(FAMILY, dtype=torch.bfloat16)

@@ -197,8 +197,9 @@ class NativeExperts:
             self._packed(layer_weights, self._matrices(layer_weights))
 
     def _packed(self, weights: ExpertWeights, matrices: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The weights in panel layout under ``prepack``, made once per weight tensors and merge state and kept
-        on the weights' ``cache_owner`` (None without prepack, or without an owner to keep them on)."""
+        """The weights in panel layout under ``prepack``, made once per weight tensors and revision (PEFT merges
+        and in-place writes, ``ExpertLayer.revision``) and kept on the weights' ``cache_owner`` (None without
+        prepack, or without an owner to keep them on)."""
         owner = weights.cache_owner
         if not self.prepack or owner is None:
             return None

@@ -10,7 +10,9 @@ freely. Checkpoints are saved atomically (``moecc.adapter_files``): a run killed
 adapter whole. With ``check_finite`` (the default) the trainable parameters' gradients are checked as backward
 accumulates them at every logging step, and a NaN or inf stops training before the optimizer step writes it into
 the weights, naming the step and the first parameter (so the layer) whose gradient went non-finite in backward:
-checked later, gradient clipping would have spread the NaN to every parameter.
+checked later, gradient clipping would have spread the NaN to every parameter. At those steps the engine's own
+check (``MoeccConfig.check_finite``) is on as well, so a non-finite expert input, output or gradient names its MoE
+layer as it appears.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ class MoeccCallback(TrainerCallback):
         self._hooks: list = []
         self._checking = False
         self._first_non_finite: tuple[str, int] | None = None
+        self._engine_checks = False  # the engine's check_finite as prepared (kept on at every step if set)
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """Prepares a plain transformers model with the arguments this callback was built with."""
@@ -65,6 +68,7 @@ class MoeccCallback(TrainerCallback):
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._engine = self._engine_of(model)
+        self._engine_checks = self._engine.check_finite
         install_atomic_save(model)
         self._go_first()
 
@@ -77,6 +81,7 @@ class MoeccCallback(TrainerCallback):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        self._engine.check_finite = self._engine_checks
 
     def _gradient_check(self, name: str):
         def check(param: torch.Tensor) -> None:
@@ -108,6 +113,7 @@ class MoeccCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._checking = self.check_finite and _is_logging_step(args, state, state.global_step + 1)
+        self._engine.check_finite = self._engine_checks or self._checking
         self._first_non_finite = None
         self._engine.reset_metrics()  # what ran between steps (evaluation) is not training
         self._step_start = time.perf_counter()

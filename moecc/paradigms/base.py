@@ -17,6 +17,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from ..config import MoeccConfig
+from ..errors import MoeccError
 from ..experts import ExpertLora, ExpertWeights, LoraGrads
 from ..lora import factor_gradients, layer_lora, merge_revision
 from ..store import expert_weights
@@ -65,6 +66,18 @@ class Ready:
         return self._output
 
 
+class _CheckedPending:
+    """A :class:`Pending` whose output is checked for NaN / inf (``ExpertLayer.checked``)."""
+
+    def __init__(self, pending: Pending, layer: ExpertLayer) -> None:
+        self._pending, self._layer = pending, layer
+
+    def result(self) -> torch.Tensor:
+        output = self._pending.result()
+        self._layer.check_finite("output", output)
+        return output
+
+
 def is_recomputing() -> bool:
     """Whether this forward runs inside backward: a checkpointed layer computing its saved tensors again."""
     return torch._C._current_graph_task_id() != -1
@@ -84,6 +97,18 @@ def node_gradients(grad_hidden: torch.Tensor, grad_top_k_weights: torch.Tensor, 
     """An experts autograd node's gradients: hidden, routing weights, None for its ``skipped`` non-tensor inputs,
     then one per LoRA factor (``lora_tensors`` order), on each factor's device and in its dtype."""
     return (grad_hidden, grad_top_k_weights, *([None] * skipped), *factor_gradients(lora, lora_grads))
+
+
+def routed_counts(top_k_index: torch.Tensor, num_experts: int) -> list[int]:
+    """``[E]`` routed pairs per expert on the host (one sync); ids outside ``[0, E)`` are refused first."""
+    flat = top_k_index.reshape(-1).long()
+    bad = (flat < 0) | (flat >= num_experts)
+    counts = torch.bincount(torch.where(bad, num_experts, flat), minlength=num_experts + 1).tolist()
+    if counts[num_experts]:
+        seen = flat[bad][:4].tolist()
+        raise MoeccError(f"invalid routing: the router produced expert ids outside [0, {num_experts}) (e.g. {seen}); "
+                         "check the model's router (num_experts in its config); nothing was computed or cached")
+    return counts[:num_experts]
 
 
 def resident_weight_bytes(model: torch.nn.Module) -> int:
@@ -109,8 +134,11 @@ class ExpertLayer(ABC):
         self.engine = engine
 
     def revision(self) -> tuple:
-        """Changes when PEFT merges adapters into (or out of) the host weights."""
-        return merge_revision(self.wrappers)
+        """Changes when the host weights change: PEFT merges adapters into (or out of) them, or they are written
+        in place (their version counters; a write through ``.data`` bypasses those and is not seen). Device and
+        packed copies made under another revision are stale."""
+        versions = tuple(p._version for p in self.experts.parameters(recurse=False))
+        return merge_revision(self.wrappers), versions
 
     @property
     def weights(self) -> ExpertWeights:
@@ -131,8 +159,52 @@ class ExpertLayer(ABC):
         recomputing = is_recomputing()
         if self.index == 0 and not recomputing:
             self.engine.metrics.tokens += hidden.shape[0]
+            self.engine.forward_passes += 1
             self.engine.pass_begins()
         return recomputing
+
+    def check_inputs(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+        """Refuses routing that does not fit ``hidden [T, H]`` (``top_k_index`` integer ``[T, k]``,
+        ``top_k_weights`` the same shape) and, under ``check_finite``, non-finite inputs; call before any state
+        changes. Expert ids are checked by each paradigm where it reads them (``routed_counts``, or the CPU
+        grouping), so no paradigm syncs twice."""
+        if top_k_index.is_floating_point() or top_k_index.is_complex() or top_k_index.dtype == torch.bool:
+            raise MoeccError(f"top_k_index must hold integer expert ids, got {top_k_index.dtype}; check the router")
+        if top_k_index.dim() != 2 or top_k_index.shape[0] != hidden.shape[0]:
+            raise MoeccError(f"top_k_index has shape {tuple(top_k_index.shape)} for hidden states of shape "
+                             f"{tuple(hidden.shape)}: it must be [tokens, top_k], one row per token; check the router")
+        if top_k_weights.shape != top_k_index.shape:
+            raise MoeccError(f"top_k_weights has shape {tuple(top_k_weights.shape)} but top_k_index has "
+                             f"{tuple(top_k_index.shape)}: the router must give one weight per routed expert (both "
+                             "[tokens, top_k]); check the router's outputs")
+        if self.engine.check_finite:
+            step = self.engine.forward_passes + (self.index == 0 and not is_recomputing())  # the pass it begins
+            self.check_finite("input hidden states", hidden, step=step)
+            self.check_finite("routing weights (top_k_weights)", top_k_weights, step=step)
+
+    def checked(self, pending: Pending) -> Pending:
+        """``pending``, its output checked for NaN / inf at ``result()`` under ``check_finite``."""
+        return _CheckedPending(pending, self) if self.engine.check_finite else pending
+
+    def check_gradients(self, gradients: tuple) -> tuple:
+        """Under ``check_finite``: the gradients an experts node returns (``node_gradients``) are finite."""
+        self.check_finite("gradients (hidden states, routing weights, LoRA factors)",
+                          *(g for g in gradients if isinstance(g, torch.Tensor)))
+        return gradients
+
+    def check_finite(self, what: str, *tensors: torch.Tensor | None, step: int | None = None) -> None:
+        """Under ``check_finite`` (``MoeccConfig``): raises MoeccError naming this layer and the step (forward pass)
+        when one of ``tensors`` holds NaN or inf. A sync per tensor, so off by default."""
+        if not self.engine.check_finite:
+            return
+        for tensor in tensors:
+            if tensor is not None and not bool(torch.isfinite(tensor).all()):
+                count = int((~torch.isfinite(tensor)).sum())
+                step = self.engine.forward_passes if step is None else step
+                raise MoeccError(
+                    f"step {step} (forward pass): the {what} of MoE layer {self.index} ({self.name}) hold {count} "
+                    "non-finite values (NaN or inf); lower the learning rate, clip gradients or train in bfloat16 "
+                    "instead of float16 (MoeccConfig(check_finite=False) turns this check off)")
 
     @abstractmethod
     def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Pending:
@@ -151,6 +223,8 @@ class Engine(ABC):
         self.device = device
         self.metrics = StepMetrics()
         self.layers: list[ExpertLayer] = []
+        self.forward_passes = 0  # forward passes begun (not recomputations): the step errors name
+        self.check_finite = False  # MoeccConfig.check_finite: layers check their inputs, outputs and gradients
 
     @classmethod
     @abstractmethod

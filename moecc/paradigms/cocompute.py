@@ -23,7 +23,7 @@ from ..experts import ExpertBackend, ExpertLora, SavedState
 from ..experts.select import cpu_backend
 from ..lora import lora_tensors
 from ..staging import HostCopy, StagingBuffers
-from .base import Engine, ExpertLayer, node_gradients, saved_state_gone
+from .base import Engine, ExpertLayer, Pending, node_gradients, saved_state_gone
 
 
 class CoComputeEngine(Engine):
@@ -143,14 +143,15 @@ class CoComputeLayer(ExpertLayer):
         job.future.result()  # long done: its layer's output was used before backward started
         return job if _replayable(job, hidden, top_k_index) else None
 
-    def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> PendingExperts:
+    def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Pending:
         """Starts the routed experts on ``hidden [T, H]``; queue independent device work, then call ``result()``."""
+        self.check_inputs(hidden, top_k_index, top_k_weights)  # expert ids: by the CPU grouping, before it computes
         recomputing = self.begin_call(hidden)
         if recomputing and torch.is_grad_enabled():
             earlier = self._job_to_replay(hidden, top_k_index)
             if earlier is not None:
                 output = CpuExpertsFunction.apply(hidden, top_k_weights, earlier, *lora_tensors(earlier.lora))
-                return PendingExperts(output, earlier)
+                return self.checked(PendingExperts(output, earlier))
         staged = self.engine.staging.to_host({
             "hidden": hidden.detach().contiguous(),
             "top_k_index": top_k_index.contiguous(),
@@ -165,7 +166,7 @@ class CoComputeLayer(ExpertLayer):
             self.pending_backward.append(weakref.ref(job))
             job.may_replay = True
         output = CpuExpertsFunction.apply(hidden, top_k_weights, job, *lora_tensors(job.lora))
-        return PendingExperts(output, job)
+        return self.checked(PendingExperts(output, job))
 
 
 def _replayable(job: ExpertJob, hidden: torch.Tensor, top_k_index: torch.Tensor) -> bool:
@@ -186,6 +187,12 @@ class CpuExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        layer = ctx.job.layer
+        layer.check_finite("incoming gradient (of the output)", grad_out)
+        return layer.check_gradients(CpuExpertsFunction._backward(ctx, grad_out))
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         job = ctx.job
         if job.saved is None:
             raise saved_state_gone("CPU")

@@ -30,7 +30,7 @@ from ..experts import ExpertBackend, ExpertLora, LoraGrads, SavedState
 from ..experts.select import cpu_backend, default_device_backend, device_backend
 from ..lora import lora_tensors
 from ..staging import StagingBuffers
-from .base import expert_lora_params, node_gradients, saved_state_gone
+from .base import Pending, expert_lora_params, node_gradients, saved_state_gone
 from .hybrid_split import CostTracker, RoutingForecast, SideCosts, hit_rate, physical_costs, plan_split
 from .offload import OffloadEngine, OffloadLayer, ParkedState, _Call, lora_on_device, offload_gpu_bytes
 
@@ -227,7 +227,12 @@ class HybridLayer(OffloadLayer):
         super().__init__(name, experts, wrappers, engine, index)
         self.last_gpu: tuple[int, ...] | None = None  # the GPU experts of the latest forward; backward prefetches
 
-    def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> HybridPending:
+    def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Pending:
+        self.check_inputs(hidden, top_k_index, top_k_weights)
+        with self.engine.lock:  # the slots are shared: one thread's layer call at a time
+            return self.checked(self._submit(hidden, top_k_index, top_k_weights))
+
+    def _submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> HybridPending:
         lora = self.lora()
         factors = lora_tensors(lora)
         self.engine.place_lora(factors)
@@ -360,6 +365,13 @@ class HybridExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        layer = ctx.layer
+        layer.check_finite("incoming gradient (of the output)", grad_out)
+        with layer.engine.lock:  # the slots are shared: one thread's layer call at a time
+            return layer.check_gradients(HybridExpertsFunction._backward(ctx, grad_out))
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         layer, parts, engine = ctx.layer, ctx.parts, ctx.layer.engine
         if not parts.done or (parts.cpu and parts.cpu_saved is None) or (parts.gpu and parts.gpu_state is None):
             raise saved_state_gone("hybrid")

@@ -25,6 +25,7 @@ and prefetches nothing forwards.
 """
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -38,8 +39,8 @@ from ..experts import ExpertLora, ExpertWeights, SavedState
 from ..experts.select import default_device_backend, device_backend
 from ..lora import lora_tensors
 from ..staging import HostBufferPool
-from .base import (BUDGET_SLACK, Engine, ExpertLayer, Ready, expert_lora_params, node_gradients,
-                   resident_weight_bytes, saved_state_gone)
+from .base import (BUDGET_SLACK, Engine, ExpertLayer, Pending, Ready, expert_lora_params, node_gradients,
+                   resident_weight_bytes, routed_counts, saved_state_gone)
 from .expert_cache import ExpertCache
 
 SAVED_TENSORS = ("hidden", "top_k_weights", "offsets", "order", "gate_up_out")  # SavedState's tensor fields
@@ -265,7 +266,9 @@ class OffloadEngine(Engine):
         # Expert LoRA factors on the device already (MoeccConfig.offload_lora): used in place, never staged.
         self.lora_on_device = False
         self.parking = ActivationParking(device, self.copy_stream)
-        self.forward_passes = 0  # forward passes begun (not recomputations); keys parked states with the layer
+        # Held by each layer call's forward and backward: slots are shared, so two threads using one model take
+        # turns layer by layer (reentrant: a checkpointed layer's recomputation may run on the thread holding it).
+        self.lock = threading.RLock()
         self.h2d_bytes = 0  # expert weights copied to the device
         self.copy_s = 0.0  # measured directly where copies are synchronous (no CUDA)
         self._mark = (0, 0, 0)
@@ -304,7 +307,6 @@ class OffloadEngine(Engine):
         self.place_lora(expert_lora_params(self.layers))
 
     def pass_begins(self) -> None:
-        self.forward_passes += 1
         if self.cache is not None:
             self.cache.refill(self.layers)  # from the routing of the passes so far
 
@@ -545,18 +547,22 @@ class OffloadLayer(ExpertLayer):
         super().__init__(name, experts, wrappers, engine, index)
         self.last_experts: list[int] | None = None  # routed in the latest forward; backward prefetches them
 
-    def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Ready:
+    def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Pending:
         """Queues the layer's copies and compute on the device; ``result()`` hands the output over."""
+        self.check_inputs(hidden, top_k_index, top_k_weights)
+        # A host sync: which experts to copy, and their token counts; bad ids are refused before any slot changes
+        counts = routed_counts(top_k_index, self.weights.num_experts)
         lora = self.lora()
         factors = lora_tensors(lora)
         engine = self.engine
-        engine.place_lora(factors)
-        recompute = self.begin_call(hidden)
-        keep = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (hidden, top_k_weights, *factors))
-        call = _Call(keep, recompute, (engine.forward_passes, self.index))
-        out = OffloadExpertsFunction.apply(hidden, top_k_weights, top_k_index, self, lora, call, *factors)
-        return Ready(out)
+        with engine.lock:
+            engine.place_lora(factors)
+            recompute = self.begin_call(hidden)
+            keep = torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (hidden, top_k_weights, *factors))
+            call = _Call(keep, recompute, (engine.forward_passes, self.index))
+            out = OffloadExpertsFunction.apply(hidden, top_k_weights, top_k_index, self, lora, call, counts, *factors)
+        return self.checked(Ready(out))
 
     def device_weights(self, slot: _Slot) -> ExpertWeights:
         """The experts' weights as the slot holds them on the device (biases copied, being small)."""
@@ -570,35 +576,18 @@ class OffloadLayer(ExpertLayer):
         )
 
 
-def _token_counts(experts: list[int], counts: list[int], num_experts: int) -> list[int]:
-    """``[E]`` tokens per expert from the routed experts and their counts."""
-    token_counts = [0] * num_experts
-    for expert, count in zip(experts, counts):
-        token_counts[expert] = count
-    return token_counts
-
-
 class OffloadExpertsFunction(torch.autograd.Function):
     """Autograd node of one offloaded layer; backward copies the layer's experts again (prefetched), and its
     saved state back from host memory (prefetched with them)."""
 
     @staticmethod
-    def forward(ctx, hidden, top_k_weights, top_k_index, layer, lora, call, *lora_tensors):
+    def forward(ctx, hidden, top_k_weights, top_k_index, layer, lora, call, token_counts, *lora_tensors):
         engine, num_experts = layer.engine, layer.weights.num_experts
-        if engine.holds_all(layer):
-            # Every expert is on the device already (prefetched whole, as for every layer after the first when
-            # batches are large): no need to know which are routed, so no host sync; the token counts for the
-            # metrics stay on the device until the metrics are read.
-            experts, counts = list(range(num_experts)), None
-            token_counts = torch.zeros(num_experts, dtype=torch.int64, device=top_k_index.device).scatter_add_(
-                0, top_k_index.reshape(-1).long(), torch.ones(top_k_index.numel(), dtype=torch.int64,
-                                                               device=top_k_index.device))
-        else:
-            # A host sync: which experts to copy, and their token counts (read here, before the compute is
-            # queued, so nothing waits for it).
-            routed, counts = torch.unique(top_k_index, return_counts=True)
-            experts, counts = torch.stack([routed.long(), counts]).tolist()
-            token_counts = _token_counts(experts, counts, num_experts)
+        # Every expert when the slot holds them all (prefetched whole, as for every layer after the first when
+        # batches are large), else the routed ones (``token_counts``, read on the host before the compute is
+        # queued, so nothing waits for it).
+        experts = (list(range(num_experts)) if engine.holds_all(layer)
+                   else [e for e, count in enumerate(token_counts) if count])
         layer.last_experts = experts
         slot = engine.fetch(layer, experts)
         if not call.recompute:  # inside backward the engine prefetches the layers before, not after
@@ -624,6 +613,13 @@ class OffloadExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        layer = ctx.layer
+        layer.check_finite("incoming gradient (of the output)", grad_out)
+        with layer.engine.lock:  # the slots are shared: one thread's layer call at a time
+            return layer.check_gradients(OffloadExpertsFunction._backward(ctx, grad_out))
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         layer, engine, state = ctx.layer, ctx.layer.engine, ctx.state
         if state is None:
             raise saved_state_gone("offloaded")
@@ -645,7 +641,7 @@ class OffloadExpertsFunction(torch.autograd.Function):
                                                                  *device_lora)
         engine.done_with(slot)
         engine.compute_ends(begun, backward=True)
-        return node_gradients(grad_hidden.to(ctx.dtypes[0]), grad_weights.to(ctx.dtypes[1]), 4, ctx.lora, grads)
+        return node_gradients(grad_hidden.to(ctx.dtypes[0]), grad_weights.to(ctx.dtypes[1]), 5, ctx.lora, grads)
 
 
 OffloadEngine.layer_class = OffloadLayer
