@@ -295,17 +295,10 @@ def main() -> None:
     parser.add_argument("--isa", default="auto")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--amx-tuning", default=None, metavar="K_BLOCK,PREFETCH_A[,PREFETCH_B[,K_BLOCK_GRAD]]",
-                        help="AMX kernel knobs (K values per pass of the forward products, A-row and weight-tile "
-                             "prefetch distances in K values, 0 = off; K values per pass of the input gradients, "
-                             "default as the forward); default: built-in (0,0,0,0)")
     parser.add_argument("--task-shape", default=None, metavar="PANELS,GRAD_COLUMNS[,ROWS[,BLOCK_ROWS]]",
                         help="shape of the product tasks: forward output panels of 16 columns per task, input-"
                              "gradient columns per task (multiple of 16), rows per task, rows per product call "
                              "inside a task (0: all); default: built-in (16,256,1024,0)")
-    parser.add_argument("--amx-token-group", type=int, default=None, metavar="ROWS",
-                        help="AMX loop order: 0 walks each K pass over all of a task's tokens, > 0 finishes groups "
-                             "of that many tokens over all of K first; default: built-in (32)")
     parser.add_argument("--prepack", action="store_true",
                         help="forward products read a packed copy of the weights instead of packing per task "
                              "(MoeccConfig.prepack_weights: doubles the experts' memory)")
@@ -317,17 +310,21 @@ def main() -> None:
         print(json.dumps({f"{shape}/{tokens}/{kind}": loop_times(shape, tokens, kind, args.rank)
                           for shape, tokens, kind in cases}))
         return
-    from moecc import _C
-
-    if args.amx_tuning:
-        _C.set_amx_tuning(*(int(v) for v in args.amx_tuning.split(",")))
+    tuning = _ops.KernelTuning()
     if args.task_shape:
-        _C.set_task_shape(*(int(v) for v in args.task_shape.split(",")))
-    if args.amx_token_group is not None:
-        _C.set_amx_token_group(args.amx_token_group)
+        shape = [int(v) for v in args.task_shape.split(",")]
+        fields = ("panels_per_task", "grad_columns_per_task", "rows_per_task", "block_rows")
+        if not 2 <= len(shape) <= 4:
+            parser.error(f"--task-shape takes 2 to 4 integers, got {args.task_shape!r}")
+        for field, value in zip(fields, shape):
+            setattr(tuning, field, value)
+        try:
+            tuning.check()
+        except ValueError as error:
+            parser.error(str(error))
 
     isa = _ops.best_isa() if args.isa == "auto" else args.isa
-    native = NativeExperts(isa, prepack=args.prepack)
+    native = NativeExperts(isa, prepack=args.prepack, tuning=tuning)
     print(f"isa {isa}, {_ops.num_threads()} threads, cpu {_ops.cpu_features()['brand'].strip()}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} (loop: {_STARTED_WITH_OMP_POLICY or 'unset'})")
     baseline = None if args.no_baseline else loop_baseline(args)
@@ -366,8 +363,7 @@ def main() -> None:
     columns.append("efficiency")
     peak_text = ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s" for k, v in peaks.items()) or "none measured"
     knobs = "".join(f" --{name.replace('_', '-')} {value}" for name, value in
-                    (("amx_tuning", args.amx_tuning), ("task_shape", args.task_shape),
-                     ("amx_token_group", args.amx_token_group)) if value is not None)
+                    (("task_shape", args.task_shape),) if value is not None)
     knobs += " --prepack" if args.prepack else ""
     knobs += "".join(f" --{name.replace('_', '-')} {getattr(args, name)}" for name in ("routing", "rank", "reps")
                      if getattr(args, name) != parser.get_default(name))

@@ -1,5 +1,4 @@
-"""The panel kernel alone (no expert routing): FLOP/s on one problem per thread, for each ISA this CPU runs,
-and for the AMX kernel a sweep of its blocking knobs (K per pass, A-row and weight-tile prefetch distances).
+"""The panel kernel alone (no expert routing): FLOP/s on one problem per thread, for each ISA this CPU runs.
 
 Shapes: a task of the co-compute products that stays in L2 (256 tokens x 64 outputs x K=2048) and a
 weight-streaming one (16 tokens x 16384 outputs x K=2048: 64 MB of weights per thread, more than the caches
@@ -10,7 +9,6 @@ hold, so the few-tokens-per-expert regime, bound by DRAM). Prints a table and wr
 from __future__ import annotations
 
 import argparse
-import itertools
 from pathlib import Path
 
 from moecc import _C, _ops
@@ -38,24 +36,14 @@ def main() -> None:
             _ops.check_isa(isa)
         except ValueError:
             continue
-        if isa != "amx":
-            table.append((isa, "-", rates(isa, args.reps)))
-            continue
-        # k_block 128 / 256: a 32-row A block and a panel pair's weights (16 KB each at 256) both stay in L1
-        defaults = None
-        for k_block, prefetch_a, prefetch_b in itertools.product((0, 128, 256, 512, 1024), (0, 64), (0, 128)):
-            previous = _C.set_amx_tuning(k_block, prefetch_a, prefetch_b)
-            defaults = defaults or previous
-            table.append((isa, f"{k_block},{prefetch_a},{prefetch_b}", rates(isa, args.reps)))
-            print(table[-1], flush=True)
-        _C.set_amx_tuning(*defaults)  # back to the built-in defaults
-    columns = list(table[0][2])
+        table.append((isa, rates(isa, args.reps)))
+        print(table[-1], flush=True)
+    columns = list(table[0][1])
     header = (f"`python benchmarks/bench_panel_kernel.py` ({_ops.num_threads()} threads, "
-              f"{_ops.cpu_features()['brand'].strip()}); TFLOP/s; AMX knobs = k_block,prefetch_a,prefetch_b")
+              f"{_ops.cpu_features()['brand'].strip()}); TFLOP/s")
     lines = [header, "",
-             "| isa | knobs | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 2)]
-    lines += [f"| {isa} | {knobs} | " + " | ".join(f"{row[c]:.3f}" for c in columns) + " |"
-              for isa, knobs, row in table]
+             "| isa | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 1)]
+    lines += [f"| {isa} | " + " | ".join(f"{row[c]:.3f}" for c in columns) + " |" for isa, row in table]
     print("\n".join(lines))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,23 +6,17 @@ per rep, in turn: drift hits all settings alike. It reports the best of --reps f
 and token count, the median of their sums, and a score: the geometric mean over token counts of the best
 forward + backward against the built-in defaults (below 1: faster). Writes the table as markdown under --out.
 
-A setting is NAME:KNOB=VALUES[/KNOB=VALUES...], the knobs being the extension's setters:
-  amx=K_BLOCK,PREFETCH_A,PREFETCH_B,K_BLOCK_GRAD   (moecc._C.set_amx_tuning; AMX only)
-  group=ROWS                                     (moecc._C.set_amx_token_group; AMX only)
-  next=ON                                        (moecc._C.set_amx_prefetch_next; AMX only)
-  pack=ROWS_AHEAD,TO_L2                          (moecc._C.set_pack_prefetch; AVX512 and AMX)
-  task=PANELS,GRAD_COLUMNS,ROWS,BLOCK_ROWS       (moecc._C.set_task_shape)
-  copies=ON                                      (moecc._C.set_streaming_copies: non-temporal row copies)
-  outputs=MASK                                   (moecc._C.set_streaming_outputs: 1 per-pair rows, 2 gate/up,
-                                                  4 activation rows, 8 the down input gradient's rows)
-  fetch=DISTANCE                                 (moecc._C.set_weight_fetch: tasks ahead whose weights a task
-                                                  asks for from inside its products; 0 off; AVX512 and AMX)
-  overlap=ON                                     (moecc._C.set_overlap_lora_grads: the LoRA factor gradients
-                                                  among the gate/up input gradient's products)
+A setting is NAME:KNOB=VALUES[/KNOB=VALUES...], the knobs being fields of the kernels' settings
+(moecc._ops.KernelTuning, cpp/kernels/expert_ffn.h and panel_gemm.h):
+  task=PANELS,GRAD_COLUMNS,ROWS,BLOCK_ROWS       (panels_per_task, grad_columns_per_task, rows_per_task, block_rows)
+  copies=ON                                      (streaming_copies: non-temporal row copies)
+  outputs=MASK                                   (streaming_outputs: 1 per-pair rows, 2 gate/up, 4 activation rows,
+                                                  8 the down input gradient's rows)
+  pack=ROWS_AHEAD,TO_L2                          (gemm.pack_prefetch_rows, gemm.pack_prefetch_l2; AVX512 and AMX)
+  next=ON                                        (gemm.amx_prefetch_next; AMX only)
 Knobs a setting leaves out keep their built-in values.
 
-    python benchmarks/sweep_cpu_experts.py --setting passes256:amx=256,64,0,1024/group=0 \\
-        --setting narrow:task=8,256,1024,0
+    python benchmarks/sweep_cpu_experts.py --setting narrow:task=8,256,1024,0 --setting l1:pack=16,0
 """
 from __future__ import annotations
 
@@ -38,10 +32,10 @@ from bench_cpu_experts import SHAPES, make_case  # noqa: E402  (imports moecc be
 
 from tqdm import tqdm  # noqa: E402
 
-from moecc import _C, _ops  # noqa: E402
+from moecc import _ops  # noqa: E402
 from moecc.experts.native import NativeExperts  # noqa: E402
 
-KNOBS = {"amx": 4, "group": 1, "task": 4, "next": 1, "pack": 2, "copies": 1, "outputs": 1, "fetch": 1, "overlap": 1}
+KNOBS = {"task": 4, "copies": 1, "outputs": 1, "pack": 2, "next": 1}
 
 
 def parse_setting(text: str) -> tuple[str, dict[str, list[int]]]:
@@ -65,26 +59,23 @@ def parse_setting(text: str) -> tuple[str, dict[str, list[int]]]:
 
 
 def built_in() -> dict[str, list[int]]:
-    """The knobs' current values (setting each to itself: the setters return what they replace)."""
-    current = {"amx": list(_C.set_amx_tuning(0, 0, 0, 0)), "task": list(_C.set_task_shape(1, 16, 1, 0)),
-               "group": [_C.set_amx_token_group(0)], "next": [_C.set_amx_prefetch_next(0)],
-               "pack": list(_C.set_pack_prefetch(0, 0)), "copies": [int(_C.set_streaming_copies(False))],
-               "outputs": [_C.set_streaming_outputs(0)], "fetch": [_C.set_weight_fetch(0)],
-               "overlap": [int(_C.set_overlap_lora_grads(False))]}
-    apply(current)
-    return current
+    """The knobs' built-in values: those of a fresh KernelTuning."""
+    t = _ops.KernelTuning()
+    return {"task": [t.panels_per_task, t.grad_columns_per_task, t.rows_per_task, t.block_rows],
+            "copies": [int(t.streaming_copies)], "outputs": [t.streaming_outputs],
+            "pack": [t.gemm.pack_prefetch_rows, int(t.gemm.pack_prefetch_l2)], "next": [int(t.gemm.amx_prefetch_next)]}
 
 
-def apply(knobs: dict[str, list[int]]) -> None:
-    _C.set_amx_tuning(*knobs["amx"])
-    _C.set_task_shape(*knobs["task"])
-    _C.set_amx_token_group(*knobs["group"])
-    _C.set_amx_prefetch_next(*knobs["next"])
-    _C.set_pack_prefetch(*knobs["pack"])
-    _C.set_streaming_copies(bool(knobs["copies"][0]))
-    _C.set_streaming_outputs(*knobs["outputs"])
-    _C.set_weight_fetch(*knobs["fetch"])
-    _C.set_overlap_lora_grads(bool(knobs["overlap"][0]))
+def tuning_of(knobs: dict[str, list[int]]) -> _ops.KernelTuning:
+    """The kernel settings of one setting (every knob given), checked (ValueError naming a bad field)."""
+    t = _ops.KernelTuning()
+    t.panels_per_task, t.grad_columns_per_task, t.rows_per_task, t.block_rows = knobs["task"]
+    t.streaming_copies = bool(knobs["copies"][0])
+    t.streaming_outputs = knobs["outputs"][0]
+    t.gemm.pack_prefetch_rows, t.gemm.pack_prefetch_l2 = knobs["pack"][0], bool(knobs["pack"][1])
+    t.gemm.amx_prefetch_next = bool(knobs["next"][0])
+    t.check()
+    return t
 
 
 def score(best: dict, name: str, tokens: list[int]) -> float:
@@ -111,31 +102,31 @@ def main() -> None:
         parser.error("settings need distinct names other than 'default' (the built-in values)")
     defaults = built_in()
     settings = {"default": defaults} | {name: defaults | knobs for name, knobs in parsed}
+    try:
+        tunings = {name: tuning_of(knobs) for name, knobs in settings.items()}
+    except ValueError as error:
+        parser.error(str(error))
     tokens = [int(t) for t in args.tokens.split(",")]
     native = NativeExperts(_ops.best_isa() if args.isa == "auto" else args.isa)
     cases = {t: make_case(args.shape, t, args.routing, args.rank) for t in tokens}
     times: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    try:
-        for _ in tqdm(range(args.reps), desc="reps", unit="rep"):
-            for name, knobs in settings.items():
-                apply(knobs)
-                for t in tokens:
-                    weights, gate_up, down, x, index, w, grad_out = cases[t]
-                    start = time.perf_counter()
-                    out, saved = native.forward(weights, x, index, w, gate_up, down)
-                    middle = time.perf_counter()
-                    grad = native.backward(weights, saved, grad_out, gate_up, down)[0]
-                    times.setdefault((name, t), []).append((middle - start, time.perf_counter() - middle))
-                    native.release_result(out)  # as co-compute does once they are on the device
-                    native.release_result(grad)
-    finally:
-        apply(defaults)
+    for _ in tqdm(range(args.reps), desc="reps", unit="rep"):
+        for name in settings:
+            native.tuning = tunings[name]
+            for t in tokens:
+                weights, gate_up, down, x, index, w, grad_out = cases[t]
+                start = time.perf_counter()
+                out, saved = native.forward(weights, x, index, w, gate_up, down)
+                middle = time.perf_counter()
+                grad = native.backward(weights, saved, grad_out, gate_up, down)[0]
+                times.setdefault((name, t), []).append((middle - start, time.perf_counter() - middle))
+                native.release_result(out)  # as co-compute does once they are on the device
+                native.release_result(grad)
     best = {key: (min(f for f, _ in runs) * 1e3, min(b for _, b in runs) * 1e3) for key, runs in times.items()}
     lines = [f"`python benchmarks/sweep_cpu_experts.py {' '.join(sys.argv[1:])}` ({native.isa}, "
              f"{_ops.num_threads()} threads, {args.shape}, {args.routing} routing, best of {args.reps} interleaved "
-             f"reps; default = amx {defaults['amx']}, task {defaults['task']}, group {defaults['group'][0]}, "
-             f"next {defaults['next'][0]}, pack {defaults['pack']}, copies {defaults['copies'][0]}, "
-             f"outputs {defaults['outputs'][0]}, fetch {defaults['fetch'][0]}, overlap {defaults['overlap'][0]})", "",
+             f"reps; default = task {defaults['task']}, copies {defaults['copies'][0]}, "
+             f"outputs {defaults['outputs'][0]}, pack {defaults['pack']}, next {defaults['next'][0]})", "",
              "| setting | tokens | forward ms | backward ms | sum | median sum | score |",
              "|---|---|---|---|---|---|---|"]
     for name in settings:

@@ -19,7 +19,6 @@
 #include "kernels/peak_rate.h"
 #include "kernels/token_grouping.h"
 #include "kernels/vector16.h"
-#include "kernels/weight_fetch.h"
 #include "kernels/weight_packing.h"
 #include "pool/thread_pool.h"
 
@@ -58,31 +57,6 @@ void round_bf16_test(std::uintptr_t src_address, std::uintptr_t dst_address, int
   } else {
     for (int64_t i = 0; i < n; i += kLanes) store16<PortableBf16>(dst + i, load16(src + i));
   }
-}
-
-// Test hook: walks a WeightFetch over `rows` rows of `row_bytes` bytes, `stride` apart, the first `misalign` bytes
-// past a 64-byte boundary of a buffer of its own, one step() at a time until it has nothing left; returns after
-// each step (lines issued so far, the latest line's address less the buffer's) and the lines weight_fetch_lines
-// counts.
-std::tuple<std::vector<std::tuple<int64_t, int64_t>>, int64_t> weight_fetch_walk_test(int64_t rows, int64_t row_bytes,
-                                                                                      int64_t stride, int64_t misalign,
-                                                                                      int64_t lines_per_step) {
-  constexpr int64_t kMax = int64_t{1} << 24;
-  if (rows < 1 || rows > 4096 || row_bytes < 1 || row_bytes > kMax || stride < 0 || stride > kMax ||
-      (rows > 1 && stride < row_bytes) || misalign < 0 || misalign > 63 || lines_per_step < 1) {
-    throw std::invalid_argument("_weight_fetch_walk_test: 1 <= rows <= 4096, 1 <= row_bytes <= stride <= 2^24 "
-                                "(stride any for one row), misalign in [0, 63], lines_per_step >= 1");
-  }
-  moecc::kernels::AlignedBuffer<char> buffer;
-  char* const base = buffer.get(misalign + (rows - 1) * stride + row_bytes);
-  moecc::kernels::WeightFetch fetch(base + misalign, rows, row_bytes, stride, lines_per_step);
-  std::vector<std::tuple<int64_t, int64_t>> walk;
-  while (fetch.active()) {
-    fetch.step();
-    walk.emplace_back(fetch.issued, static_cast<int64_t>(fetch.last_line - reinterpret_cast<std::uintptr_t>(base)));
-  }
-  return {walk, moecc::kernels::weight_fetch_lines(reinterpret_cast<std::uintptr_t>(base + misalign), rows,
-                                                   row_bytes, stride)};
 }
 
 // Test hook: the rank-r LoRA terms of `count` rows through the grouped-row functions (lora_products.h), one
@@ -248,7 +222,7 @@ PYBIND11_MODULE(_C, m) {
          float down_scaling, std::uintptr_t offsets, std::uintptr_t order, std::uintptr_t routing_weights,
          std::uintptr_t hidden, std::uintptr_t gate_up_out, std::uintptr_t out, bool out_bf16,
          std::uintptr_t hidden_copy, std::uintptr_t packed_gate_up, std::uintptr_t packed_down,
-         std::uintptr_t inner_gate_up, std::uintptr_t inner_down) {
+         std::uintptr_t inner_gate_up, std::uintptr_t inner_down, const moecc::kernels::KernelTuning& tuning) {
         moecc::kernels::expert_ffn_forward(
             static_cast<Isa>(isa), {experts, hidden_size, inter, tokens, top_k},
             {as_pointer<const uint16_t>(gate_up), as_pointer<const uint16_t>(down),
@@ -260,7 +234,7 @@ PYBIND11_MODULE(_C, m) {
             {as_pointer<const uint16_t>(hidden), as_pointer<uint16_t>(gate_up_out),
              out_bf16 ? nullptr : as_pointer<float>(out), out_bf16 ? as_pointer<uint16_t>(out) : nullptr,
              as_pointer<uint16_t>(hidden_copy), as_pointer<float>(inner_gate_up), as_pointer<float>(inner_down)},
-            *moecc::pool::global_pool());
+            tuning, *moecc::pool::global_pool());
       },
       py::kw_only(), py::arg("isa"), py::arg("experts"), py::arg("hidden_size"), py::arg("inter"), py::arg("tokens"),
       py::arg("top_k"), py::arg("gate_up"), py::arg("down"), py::arg("gate_up_a"), py::arg("gate_up_b"),
@@ -268,7 +242,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("down_scaling"), py::arg("offsets"), py::arg("order"), py::arg("routing_weights"), py::arg("hidden"),
       py::arg("gate_up_out"), py::arg("out"), py::arg("out_bf16"), py::arg("hidden_copy"),
       py::arg("packed_gate_up") = 0, py::arg("packed_down") = 0, py::arg("inner_gate_up") = 0,
-      py::arg("inner_down") = 0, py::call_guard<py::gil_scoped_release>(),
+      py::arg("inner_down") = 0, py::arg("tuning"),
+      py::call_guard<py::gil_scoped_release>(),
       "Routed-expert SwiGLU forward with LoRA (expert_ffn.h); addresses of tensors checked by moecc._ops; out is "
       "bf16 when out_bf16, else float32.");
 
@@ -281,7 +256,7 @@ PYBIND11_MODULE(_C, m) {
          std::uintptr_t hidden, std::uintptr_t gate_up_out, std::uintptr_t grad_out, std::uintptr_t grad_hidden,
          std::uintptr_t grad_routing, std::uintptr_t grad_gate_up_a, std::uintptr_t grad_gate_up_b,
          std::uintptr_t grad_down_a, std::uintptr_t grad_down_b, bool grad_out_bf16, bool grad_hidden_bf16,
-         std::uintptr_t inner_gate_up, std::uintptr_t inner_down) {
+         std::uintptr_t inner_gate_up, std::uintptr_t inner_down, const moecc::kernels::KernelTuning& tuning) {
         moecc::kernels::expert_ffn_backward(
             static_cast<Isa>(isa), {experts, hidden_size, inter, tokens, top_k},
             {as_pointer<const uint16_t>(gate_up), as_pointer<const uint16_t>(down)},
@@ -297,7 +272,7 @@ PYBIND11_MODULE(_C, m) {
              as_pointer<float>(grad_routing), as_pointer<float>(grad_gate_up_a),
              as_pointer<float>(grad_gate_up_b), as_pointer<float>(grad_down_a), as_pointer<float>(grad_down_b),
              as_pointer<const float>(inner_gate_up), as_pointer<const float>(inner_down)},
-            *moecc::pool::global_pool());
+            tuning, *moecc::pool::global_pool());
       },
       py::kw_only(), py::arg("isa"), py::arg("experts"), py::arg("hidden_size"), py::arg("inter"), py::arg("tokens"),
       py::arg("top_k"), py::arg("gate_up"), py::arg("down"), py::arg("gate_up_a"), py::arg("gate_up_b"),
@@ -306,29 +281,29 @@ PYBIND11_MODULE(_C, m) {
       py::arg("gate_up_out"), py::arg("grad_out"), py::arg("grad_hidden"), py::arg("grad_routing"),
       py::arg("grad_gate_up_a"), py::arg("grad_gate_up_b"), py::arg("grad_down_a"), py::arg("grad_down_b"),
       py::arg("grad_out_bf16"), py::arg("grad_hidden_bf16"), py::arg("inner_gate_up") = 0, py::arg("inner_down") = 0,
-      py::call_guard<py::gil_scoped_release>(),
+      py::arg("tuning"), py::call_guard<py::gil_scoped_release>(),
       "Backward of expert_ffn_forward; LoRA gradients accumulate. The *_bf16 flags say grad_out / grad_hidden "
       "are bf16 instead of float32.");
 
-  m.def("set_task_shape", &moecc::kernels::set_task_shape, py::arg("panels_per_task"),
-        py::arg("grad_columns_per_task"), py::arg("rows") = -1, py::arg("block_rows") = -1,
-        "Shape of the expert product tasks (expert_ffn.h); returns the previous four. For benchmarks and tests.");
-  m.def("set_streaming_copies", &moecc::kernels::set_streaming_copies, py::arg("on"),
-        "Whether the grouped copies of token rows use non-temporal stores (default, with AVX512BW) or plain ones "
-        "(the same results); returns the previous setting. For benchmarks and tests.");
-  m.def("set_weight_fetch", &moecc::kernels::set_weight_fetch, py::arg("distance"),
-        "Background weight fetch: each product task asks, from inside its products' loops, for the weights of the "
-        "task `distance` places further down the list (0: off, the default); the same results. Returns the previous "
-        "distance. For benchmarks and tests.");
-  m.def("set_overlap_lora_grads", &moecc::kernels::set_overlap_lora_grads, py::arg("on"),
-        "Whether the backward runs the LoRA factor gradients' tasks among the gate/up input gradient's products in "
-        "one phase (off by default); the same results. Returns the previous setting. For benchmarks and tests.");
-  m.def("last_weight_fetch_lines", &moecc::kernels::last_weight_fetch_lines,
-        "Cache lines the background weight fetch asked for in the latest expert forward or backward call.");
-  m.def("set_streaming_outputs", &moecc::kernels::set_streaming_outputs, py::arg("mask"),
-        "Which bf16 outputs are written with non-temporal stores: 1 per-pair rows, 2 the gate/up output, 4 the "
-        "activation rows, 8 the down input gradient's rows (default 13: all but 2; the same results); returns the "
-        "previous mask. For benchmarks and tests.");
+  using moecc::kernels::GemmTuning;
+  using moecc::kernels::KernelTuning;
+  py::class_<GemmTuning>(m, "GemmTuning", "Prefetch settings of the panel products (panel_gemm.h).")
+      .def(py::init<>())
+      .def_readwrite("pack_prefetch_rows", &GemmTuning::pack_prefetch_rows)
+      .def_readwrite("pack_prefetch_l2", &GemmTuning::pack_prefetch_l2)
+      .def_readwrite("amx_prefetch_next", &GemmTuning::amx_prefetch_next);
+  py::class_<KernelTuning>(m, "KernelTuning",
+                           "Task shape and non-temporal stores of the expert kernels (expert_ffn.h); built with the "
+                           "defaults the engine runs.")
+      .def(py::init<>())
+      .def_readwrite("panels_per_task", &KernelTuning::panels_per_task)
+      .def_readwrite("grad_columns_per_task", &KernelTuning::grad_columns_per_task)
+      .def_readwrite("rows_per_task", &KernelTuning::rows_per_task)
+      .def_readwrite("block_rows", &KernelTuning::block_rows)
+      .def_readwrite("streaming_copies", &KernelTuning::streaming_copies)
+      .def_readwrite("streaming_outputs", &KernelTuning::streaming_outputs)
+      .def_readwrite("gemm", &KernelTuning::gemm)
+      .def("check", &moecc::kernels::check_tuning, "Raises ValueError naming a field that is out of range.");
   m.def("last_phase_times", &moecc::kernels::last_phase_times, py::arg("backward"),
         "[(phase, seconds)] of the latest expert_ffn_forward (backward=False) or expert_ffn_backward call.");
 
@@ -371,24 +346,6 @@ PYBIND11_MODULE(_C, m) {
       py::arg("isa"), py::arg("tokens"), py::arg("n"), py::arg("k"), py::arg("reps"), py::arg("threads") = 1,
       py::call_guard<py::gil_scoped_release>(),
       "FLOP/s of the panel kernel of `isa` on one cache-resident problem, one thread or summed over the pool.");
-  m.def("set_amx_tuning", &moecc::kernels::set_amx_tuning, py::arg("k_block"), py::arg("prefetch_ahead"),
-        py::arg("prefetch_b_ahead") = 0, py::arg("k_block_input_grad") = -1,
-        "AMX blocking knobs (panel_gemm.h); returns the previous four. For benchmarks and tests.");
-
-  m.def("set_amx_token_group", &moecc::kernels::set_amx_token_group, py::arg("rows"),
-        "AMX loop order (panel_gemm.h): 0, K passes over all of a task's tokens; > 0, groups of that many tokens "
-        "over all of K first. Returns the previous value. For benchmarks and tests.");
-
-  m.def("set_amx_prefetch_next", &moecc::kernels::set_amx_prefetch_next, py::arg("on"),
-        "AMX next-block prefetch into L2 (panel_gemm.h): nonzero on. Returns the previous value. For benchmarks "
-        "and tests.");
-
-  m.def("set_pack_prefetch", &moecc::kernels::set_pack_prefetch, py::arg("rows_ahead"), py::arg("to_l2"),
-        "Prefetch of the input gradients' column packing (panel_gemm.h): rows ahead (0: none) and into L2 (else "
-        "L1). Returns the previous pair. For benchmarks and tests.");
-
-  m.def("_weight_fetch_walk_test", &weight_fetch_walk_test, py::arg("rows"), py::arg("row_bytes"), py::arg("stride"),
-        py::arg("misalign"), py::arg("lines_per_step"));
   m.def("_round_bf16_test", &round_bf16_test, py::arg("src"), py::arg("dst"), py::arg("n"), py::arg("native"));
   m.def("_lora_rows_test", &lora_rows_test, py::arg("op"), py::arg("coef"), py::arg("coef_ld"), py::arg("scale"),
         py::arg("factors"), py::arg("ld"), py::arg("rank"), py::arg("n"), py::arg("rows"), py::arg("rows_ld"),

@@ -105,6 +105,12 @@ set_native_bf16(native_bf16_from_env())
 
 ISAS = {"portable": 0, "avx512_bf16": 1, "amx": 2}
 
+# The expert kernels' task shape, non-temporal stores and prefetch settings (cpp/kernels/expert_ffn.h,
+# panel_gemm.h): a fresh one holds the defaults the engine runs; benchmarks and tests pass others.
+KernelTuning = _C.KernelTuning
+GemmTuning = _C.GemmTuning
+_DEFAULT_TUNING = KernelTuning()
+
 
 def cpu_features() -> dict:
     """CPU features detected at run time (cpuid, xgetbv; AMX includes the kernel's permission)."""
@@ -315,7 +321,8 @@ def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sha
                        gate_up_lora: tuple | None, down_lora: tuple | None, out: torch.Tensor | None = None,
                        gate_up_out: torch.Tensor | None = None, hidden_copy: torch.Tensor | None = None,
                        packed: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       lora_inner: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       lora_inner: tuple | None = None,
+                       tuning: KernelTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the CPU expert forward. ``shape = (E, H, I)``; ``hidden [T, H]`` bf16; ``routing [T*k]`` float32.
 
     Returns ``(out [T, H], gate_up_out [T*k, 2I] bf16 in grouped order)``, written into the given tensors when
@@ -325,7 +332,8 @@ def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sha
     (optional, from :func:`pack_expert_weights`): the same weights in the panel layout, read by the forward
     products instead of packing each task's slice (``MoeccConfig.prepack_weights``). ``lora_inner`` (optional,
     float32 ``([T*k, r_gu], [T*k, r_down])``, either None) receives the LoRA inner products ``x A`` and
-    ``act A`` in grouped order, for :func:`expert_ffn_backward` to reuse.
+    ``act A`` in grouped order, for :func:`expert_ffn_backward` to reuse. ``tuning``: the kernels' settings
+    (None: the defaults); a value out of range raises ValueError.
     """
     experts, hidden_size, inter = shape
     tokens = hidden.shape[0]
@@ -353,6 +361,7 @@ def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sha
             "packed_down": _address(packed[1], "packed down", torch.bfloat16,
                                     experts * _C.packed_elements(hidden_size, inter))}),
         **_inner_args(lora_inner, gate_up_lora, down_lora, pairs),
+        tuning=_DEFAULT_TUNING if tuning is None else tuning,
     )
     return out, gate_up_out
 
@@ -361,10 +370,11 @@ def expert_ffn_backward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sh
                         hidden: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor, routing: torch.Tensor,
                         gate_up_lora: tuple | None, down_lora: tuple | None, gate_up_out: torch.Tensor,
                         grad_out: torch.Tensor, grad_hidden: torch.Tensor | None = None,
-                        lora_inner: tuple | None = None) -> tuple:
+                        lora_inner: tuple | None = None, tuning: KernelTuning | None = None) -> tuple:
     """Backward of :func:`expert_ffn_forward` with ``grad_out [T, H]`` float32 or bf16 (``grad_hidden``
     written into the given tensor when passed: float32, or bf16 rounded once in the kernel). ``lora_inner``: what
     the forward wrote there, reused instead of recomputed (the same LoRA factors, or the gradients are wrong).
+    ``tuning`` as for the forward.
 
     Returns ``(grad_hidden [T, H], grad_routing [T*k], (dA_gu, dB_gu) or None, (dA_down, dB_down) or None)``,
     float32 but for a bf16 ``grad_hidden``, LoRA gradients as ``A [E, r, in]``, ``B [out, r*E]`` (PEFT's
@@ -396,5 +406,6 @@ def expert_ffn_backward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sh
         grad_gate_up_a=flat[0], grad_gate_up_b=flat[1], grad_down_a=flat[2], grad_down_b=flat[3],
         grad_out_bf16=grad_out_dtype == torch.bfloat16, grad_hidden_bf16=grad_hidden.dtype == torch.bfloat16,
         **_inner_args(lora_inner, gate_up_lora, down_lora, pairs),
+        tuning=_DEFAULT_TUNING if tuning is None else tuning,
     )
     return grad_hidden, grad_routing, lora_grads[0], lora_grads[1]

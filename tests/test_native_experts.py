@@ -49,13 +49,30 @@ CASES = [  # tokens, experts, hidden, inter, top_k, rank, skew
 ]
 
 
+def _tuning(panels=16, grad_columns=256, rows=1024, block_rows=0, **fields):
+    """Kernel settings (cpp/kernels/expert_ffn.h): the task shape, and any other KernelTuning field by name
+    (``gemm`` a dict of GemmTuning fields)."""
+    tuning = _ops.KernelTuning()
+    tuning.panels_per_task, tuning.grad_columns_per_task, tuning.rows_per_task, tuning.block_rows = (
+        panels, grad_columns, rows, block_rows)
+    for name, value in fields.pop("gemm", {}).items():
+        setattr(tuning.gemm, name, value)
+    for name, value in fields.items():
+        setattr(tuning, name, value)
+    return tuning
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}-E{c[1]}-H{c[2]}-I{c[3]}-k{c[4]}-r{c[5]}" for c in CASES])
 def test_native_matches_reference(isa, case):
+    _check_against_reference(isa, case)
+
+
+def _check_against_reference(isa, case, tuning=None):
     tokens, experts, hidden, inter, top_k, rank, skew = case
     weights, x, index, w, gate_up, down = _problem(tokens, experts, hidden, inter, top_k, rank, seed=tokens,
                                                    skew=skew)
-    native = NativeExperts(isa)
+    native = NativeExperts(isa, tuning=tuning)
     out, saved = native.forward(weights, x, index, w, gate_up, down)
     expected = experts_autograd(weights, x.float(), index, w, gate_up, down)
     assert out.dtype == torch.bfloat16 and out.shape == (tokens, hidden)
@@ -74,17 +91,6 @@ def test_native_matches_reference(isa, case):
             assert rel_err(got, want) <= 2e-2
 
 
-@pytest.fixture
-def task_shape():
-    """Sets the product tasks' width for one test, then the defaults again."""
-    from moecc import _C
-
-    defaults = _C.set_task_shape(1, 16, 1)
-    _C.set_task_shape(*defaults)
-    yield _C.set_task_shape
-    _C.set_task_shape(*defaults)
-
-
 @pytest.mark.parametrize("isa", ISAS)
 # one panel; odd widths; wider than the layer; the hot expert (130 rows) split over 16- and 40-row tasks
 # (AMX blocks of fewer than 32 rows inside a split); every expert in one task; product calls of 7, 32 and 50 rows
@@ -92,16 +98,33 @@ def task_shape():
 # the first column block.
 @pytest.mark.parametrize("shape", [(1, 16), (3, 48), (16, 512), (2, 32, 16), (8, 256, 40), (8, 256, 4096),
                                    (8, 256, 1024, 7), (3, 48, 100, 32), (8, 256, 4096, 50)])
-def test_native_matches_reference_at_other_task_widths(isa, shape, task_shape):
-    task_shape(*shape)
-    test_native_matches_reference(isa, (130, 5, 100, 40, 2, 4, True))
+def test_native_matches_reference_at_other_task_widths(isa, shape):
+    _check_against_reference(isa, (130, 5, 100, 40, 2, 4, True), _tuning(*shape))
 
 
-def test_bad_task_width_is_refused(task_shape):
-    for shape in ((0, 256), (4, 0), (4, 100), (4, 256, 0), (4, 256, -2), (4, 256, 1 << 31), (4, 256, 64, -2),
-                  (4, 256, 64, 1 << 31)):
-        with pytest.raises(ValueError, match="task shape"):
-            task_shape(*shape)
+def test_kernel_tuning_defaults_and_refusals():
+    """A fresh KernelTuning holds the built-in settings (expert_ffn.h, panel_gemm.h); settings out of range are
+    refused with the field's name, by check() and by the kernels before they run."""
+    tuning = _ops.KernelTuning()
+    assert (tuning.panels_per_task, tuning.grad_columns_per_task, tuning.rows_per_task, tuning.block_rows) == (
+        16, 256, 1024, 0)
+    assert (tuning.streaming_copies, tuning.streaming_outputs) == (True, 13)
+    assert (tuning.gemm.pack_prefetch_rows, tuning.gemm.pack_prefetch_l2, tuning.gemm.amx_prefetch_next) == (
+        8, True, True)
+    tuning.check()
+    bad = [({"panels": 0}, "panels_per_task"), ({"grad_columns": 0}, "grad_columns_per_task"),
+           ({"grad_columns": 100}, "grad_columns_per_task"), ({"rows": 0}, "rows_per_task"),
+           ({"rows": -2}, "rows_per_task"), ({"rows": 1 << 31}, "rows_per_task"),
+           ({"block_rows": -1}, "block_rows"), ({"block_rows": 1 << 31}, "block_rows"),
+           ({"streaming_outputs": 16}, "streaming_outputs"), ({"streaming_outputs": -1}, "streaming_outputs"),
+           ({"gemm": {"pack_prefetch_rows": -1}}, "gemm.pack_prefetch_rows"),
+           ({"gemm": {"pack_prefetch_rows": 4097}}, "gemm.pack_prefetch_rows")]
+    weights, x, index, w, gate_up, down = _problem(4, 4, 32, 16, 2, 2, seed=0)
+    for fields, name in bad:
+        with pytest.raises(ValueError, match=f"kernel tuning: {name}"):
+            _tuning(**fields).check()
+        with pytest.raises(ValueError, match=f"kernel tuning: {name}"):
+            NativeExperts("portable", tuning=_tuning(**fields)).forward(weights, x, index, w, gate_up, down)
 
 
 def test_isa_variants_agree_closely():
@@ -421,13 +444,13 @@ def test_prepack_weights_packs_in_prepare_and_trains_the_same(monkeypatch):
     assert moecc.MoeccConfig.from_env().prepack_weights
 
 
-def _backward_with_kept_and_recomputed_inner(isa, problem, seed):
+def _backward_with_kept_and_recomputed_inner(isa, problem, seed, tuning=None):
     """Backward results (input and routing gradients, the four factor gradients) of one problem (_problem's
     tokens, experts, hidden, inter, top_k, rank), first with the LoRA inner products the forward kept, then with
     them dropped so the kernel recomputes them."""
     weights, x, index, w, gate_up, down = _problem(*problem, seed=seed, skew=True)
     grad_out = torch.randn(problem[0], problem[2], generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
-    native = NativeExperts(isa)
+    native = NativeExperts(isa, tuning=tuning)
     results = []
     for keep in (True, False):
         _, saved = native.forward(weights, x, index, w, gate_up, down)
@@ -471,54 +494,21 @@ def test_lora_inner_products_are_refused_for_a_projection_without_lora():
                                 lora_inner=(torch.zeros(16), None))
 
 
-def test_knob_setters_hand_back_what_they_replace():
-    from moecc import _C
-
-    defaults = _C.set_task_shape(3, 48)
-    assert tuple(defaults) == (16, 256, 1024, 0)  # the built-in shape (expert_ffn.h); rows unchanged by -1
-    assert tuple(_C.set_task_shape(*defaults)) == (3, 48, 1024, 0)
-    amx = _C.set_amx_tuning(128, 0, 0)
-    assert tuple(amx) == (0, 0, 0, 0)  # panel_gemm.h; the input-gradient pass follows the forward's (-1)
-    assert tuple(_C.set_amx_tuning(*amx)) == (128, 0, 0, 128)
-    assert _C.set_amx_token_group(64) == 32  # panel_gemm.h: groups of 32 tokens
-    assert _C.set_amx_token_group(32) == 64
-    assert _C.set_amx_prefetch_next(0) == 1  # panel_gemm.h: on
-    assert _C.set_amx_prefetch_next(1) == 0
-    assert tuple(_C.set_pack_prefetch(4, 0)) == (8, 1)  # panel_gemm.h: 8 rows ahead, into L2
-    assert tuple(_C.set_pack_prefetch(8, 1)) == (4, 0)
-    with pytest.raises(ValueError, match="token group"):
-        _C.set_amx_token_group(-1)
-    with pytest.raises(ValueError, match="pack prefetch"):
-        _C.set_pack_prefetch(-1, 0)
-
-
-AMX_KNOBS = [(1024, 64, 0, 1024, 0, 0), (128, 0, 128, 128, 32, 0), (0, 64, 0, 0, 64, 0), (96, 64, 0, 160, 50, 1),
-             (256, 64, 0, 1024, 0, 1), (0, 0, 0, 1024, 32, 1)]
-
-
 @pytest.mark.amx
-@pytest.mark.parametrize("knobs", AMX_KNOBS, ids=[",".join(map(str, k)) for k in AMX_KNOBS])
-def test_amx_matches_reference_under_every_k_pass_setting(knobs):
-    """The K passes (forward and input gradients) split K unevenly here (H = 300, 2I = 400: last passes short
-    of the pass length), in either loop order (token groups of 32, 64 and a ragged 50 -> 64), with and without the
-    next-block prefetch, and still agree with the reference; the setting is restored after."""
+@pytest.mark.parametrize("prefetch_next", [True, False], ids=["next-block-prefetch", "none"])
+def test_amx_matches_reference_with_and_without_the_next_block_prefetch(prefetch_next):
+    """K not a multiple of a tile's 32 (H = 300, 2I = 400) and token blocks past one 32-row block (200 rows, a
+    hot expert), with and without the next block's A rows prefetched: the AMX kernels agree with the reference,
+    and the prefetch changes no bit."""
     if "amx" not in ISAS:
         pytest.skip("needs a CPU with AMX (and the kernel's permission to use its tile data)")
-    from moecc import _C
-
     weights, x, index, w, gate_up, down = _problem(200, 6, 300, 200, 2, 4, seed=9, skew=True)
-    defaults = _C.set_amx_tuning(*knobs[:4])
-    default_group = _C.set_amx_token_group(knobs[4])
-    default_next = _C.set_amx_prefetch_next(knobs[5])
-    try:
-        native = NativeExperts("amx")
-        out, saved = native.forward(weights, x, index, w, gate_up, down)
-        grad_out = torch.randn(200, 300, generator=torch.Generator().manual_seed(2))
-        grads = native.backward(weights, saved, grad_out, gate_up, down)
-    finally:
-        _C.set_amx_tuning(*defaults)
-        _C.set_amx_token_group(default_group)
-        _C.set_amx_prefetch_next(default_next)
+    native = NativeExperts("amx", tuning=_tuning(gemm={"amx_prefetch_next": prefetch_next}))
+    out, saved = native.forward(weights, x, index, w, gate_up, down)
+    grad_out = torch.randn(200, 300, generator=torch.Generator().manual_seed(2))
+    grads = native.backward(weights, saved, grad_out, gate_up, down)
+    default_out, default_saved = NativeExperts("amx").forward(weights, x, index, w, gate_up, down)
+    assert torch.equal(out, default_out)
     assert rel_err(out, experts_autograd(weights, x.float(), index, w, gate_up, down)) <= 2e-2
     _, ref_saved = experts_forward(weights, x, index, w, gate_up, down)
     ref_grads = experts_backward(weights, ref_saved, grad_out, gate_up, down)
@@ -571,13 +561,14 @@ def test_a_result_released_again_after_it_was_lent_again_is_ignored():
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("columns", [256, 512])
-def test_swiglu_backward_over_several_column_pieces(isa, columns, task_shape):
+def test_swiglu_backward_over_several_column_pieces(isa, columns):
     """I = 300: more than one 256-column piece of the fused SwiGLU backward and not a multiple of 16, in gradient
     tasks of 256 and 512 columns. It matches the reference, and the act rows it writes itself (the forward's LoRA
     inner products kept) give bit for bit what the rows of the separate activation pass give (dropped)."""
-    task_shape(16, columns)
-    test_native_matches_reference(isa, (130, 4, 64, 300, 2, 4, True))
-    for kept, recomputed in zip(*_backward_with_kept_and_recomputed_inner(isa, (130, 4, 64, 300, 2, 4), seed=5)):
+    tuning = _tuning(16, columns)
+    _check_against_reference(isa, (130, 4, 64, 300, 2, 4, True), tuning)
+    for kept, recomputed in zip(*_backward_with_kept_and_recomputed_inner(isa, (130, 4, 64, 300, 2, 4), seed=5,
+                                                                          tuning=tuning)):
         assert torch.equal(kept, recomputed)
 
 
@@ -585,14 +576,10 @@ def test_swiglu_backward_over_several_column_pieces(isa, columns, task_shape):
 @pytest.mark.parametrize("prefetch", [(0, 0), (16, 0), (4096, 1)], ids=["none", "16-into-L1", "past-the-matrix"])
 def test_column_packing_prefetch_settings_keep_the_results(isa, prefetch):
     """The input gradients' column packing (AVX512 and AMX) with no prefetch, 16 rows ahead into L1, and more rows
-    ahead than the matrix has (every request skipped) agrees with the reference; the setting is restored after."""
-    from moecc import _C
-
-    defaults = _C.set_pack_prefetch(*prefetch)
-    try:
-        test_native_matches_reference(isa, (130, 5, 100, 40, 2, 4, True))
-    finally:
-        _C.set_pack_prefetch(*defaults)
+    ahead than the matrix has (every request skipped) agrees with the reference."""
+    rows_ahead, to_l2 = prefetch
+    tuning = _tuning(gemm={"pack_prefetch_rows": rows_ahead, "pack_prefetch_l2": bool(to_l2)})
+    _check_against_reference(isa, (130, 5, 100, 40, 2, 4, True), tuning)
 
 
 def test_product_parts_name_every_product_phase_of_the_latest_call():
@@ -686,21 +673,14 @@ def test_layer_with_portable_bf16_rounding_matches_reference():
     assert " passed" in done.stdout and "deselected" in done.stdout
 
 
-def _backward_results(isa, problem, seed, fetch_lines=None):
+def _backward_results(isa, problem, seed, tuning=None):
     """Forward output and backward results (input and routing gradients, the four factor gradients) of one
-    problem (_problem's tokens, experts, hidden, inter, top_k, rank; skewed routing). With a list as fetch_lines,
-    the lines the weight fetch asked for in the forward and in the backward are appended to it."""
-    from moecc import _C
-
+    problem (_problem's tokens, experts, hidden, inter, top_k, rank; skewed routing)."""
     weights, x, index, w, gate_up, down = _problem(*problem, seed=seed, skew=True)
     grad_out = torch.randn(problem[0], problem[2], generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
-    native = NativeExperts(isa)
+    native = NativeExperts(isa, tuning=tuning)
     out, saved = native.forward(weights, x, index, w, gate_up, down)
-    if fetch_lines is not None:
-        fetch_lines.append(_C.last_weight_fetch_lines())
     grad_hidden, grad_weights, grads = native.backward(weights, saved, grad_out, gate_up, down)
-    if fetch_lines is not None:
-        fetch_lines.append(_C.last_weight_fetch_lines())
     results = [out.clone(), grad_hidden, grad_weights]
     if gate_up is not None:
         results += [grads.gate_up_A, grads.gate_up_B, grads.down_A, grads.down_B]
@@ -718,149 +698,18 @@ def test_streamed_rows_give_the_same_results(isa, problem):
     plainly), and match the reference. Before the streamed run a problem of another H leaves non-zero values where
     this one's row padding lies in the shared scratch, so a partial last line the streamed copies failed to zero
     (columns the products read, up to the padded K) would show."""
-    from moecc import _C
-
-    assert _C.set_streaming_copies(False) is True  # on by default
-    try:
-        assert _C.set_streaming_outputs(0) == 13  # all but the gate/up output by default
-        try:
-            plain = _backward_results(isa, problem, seed=9)
-        finally:
-            _C.set_streaming_outputs(13)
-    finally:
-        _C.set_streaming_copies(True)
-    _C.set_streaming_outputs(15)  # and the gate/up output, the activation rows, the down input gradient's rows
-    try:
-        _backward_results(isa, (60, 4, problem[2] + 24, problem[3] + 8, 2, 4), seed=2)  # dirties the scratch
-        streamed = _backward_results(isa, problem, seed=9)
-        if problem[5]:  # the backward's own activation pass (the forward's LoRA inner products dropped), streamed
-            kept, recomputed = _backward_with_kept_and_recomputed_inner(isa, problem, seed=9)
-            for a, b in zip(kept, recomputed):
-                assert torch.equal(a, b)
-    finally:
-        assert _C.set_streaming_outputs(13) == 15
+    plain = _backward_results(isa, problem, seed=9, tuning=_tuning(streaming_copies=False, streaming_outputs=0))
+    every_output = _tuning(streaming_outputs=15)  # and the gate/up output
+    _backward_results(isa, (60, 4, problem[2] + 24, problem[3] + 8, 2, 4), seed=2)  # dirties the scratch
+    streamed = _backward_results(isa, problem, seed=9, tuning=every_output)
+    if problem[5]:  # the backward's own activation pass (the forward's LoRA inner products dropped), streamed
+        kept, recomputed = _backward_with_kept_and_recomputed_inner(isa, problem, seed=9, tuning=every_output)
+        for a, b in zip(kept, recomputed):
+            assert torch.equal(a, b)
     for a, b in zip(plain, streamed):
         assert torch.equal(a, b)
     assert torch.equal(_backward_results(isa, problem, seed=9)[1], streamed[1])  # the default mask, too
-    test_native_matches_reference(isa, (*problem, False))
-
-
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("problem", [(130, 5, 96, 24, 2, 8), (300, 6, 100, 56, 3, 4)], ids=["H96", "H100-I56"])
-def test_weight_fetch_gives_the_same_results_and_runs(isa, problem):
-    """The background weight fetch (each product task asking, from inside its products' loops, for the weights of
-    a task further down the list) changes no bit of any result, and it runs where the kernels step it: lines asked
-    for in the forward and in the backward (none by the portable kernels, none with the fetch off or a distance
-    past the last task)."""
-    from moecc import _C
-
-    assert _C.set_weight_fetch(0) == 0  # off by default
-    lines = []
-    plain = _backward_results(isa, problem, seed=5, fetch_lines=lines)
-    assert lines == [0, 0]
-    for distance in (1, 3, 1 << 20):
-        _C.set_weight_fetch(distance)
-        try:
-            lines = []
-            fetched = _backward_results(isa, problem, seed=5, fetch_lines=lines)
-            forward_lines, backward_lines = lines
-        finally:
-            assert _C.set_weight_fetch(0) == distance
-        for a, b in zip(plain, fetched):
-            assert torch.equal(a, b)
-        if isa == "portable" or distance == 1 << 20:
-            assert forward_lines == backward_lines == 0
-        else:
-            assert forward_lines > 0 and backward_lines > 0
-    with pytest.raises(ValueError, match="weight fetch"):
-        _C.set_weight_fetch(-1)
-
-
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("problem", [(130, 5, 96, 24, 2, 8), (300, 6, 100, 56, 3, 4), (64, 8, 64, 32, 2, 0)],
-                         ids=["H96", "H100-I56", "no-lora"])
-def test_lora_grads_among_the_products_give_the_same_results(isa, problem):
-    """The LoRA factor gradients' tasks run among the gate/up input gradient's products (set_overlap_lora_grads),
-    with the weight fetch off and on, with the forward's LoRA inner products kept and recomputed: every result bit
-    for bit as when they run after them (a skipped factor task would leave its gradient slice zero), in one phase."""
-    from moecc import _C
-
-    assert _C.set_overlap_lora_grads(False) is False  # off by default
-    plain = _backward_results(isa, problem, seed=4)
-    assert "lora_grads" in [name for name, _ in _C.last_phase_times(True)]
-    plain_inner = _backward_with_kept_and_recomputed_inner(isa, problem, seed=4) if problem[5] else None
-    for fetch in (0, 2):
-        _C.set_overlap_lora_grads(True)
-        _C.set_weight_fetch(fetch)
-        try:
-            overlapped = _backward_results(isa, problem, seed=4)
-            phases = [name for name, _ in _C.last_phase_times(True)]
-            overlapped_inner = _backward_with_kept_and_recomputed_inner(isa, problem, seed=4) if problem[5] else None
-        finally:
-            _C.set_weight_fetch(0)
-            assert _C.set_overlap_lora_grads(False) is True
-        for a, b in zip(plain, overlapped):
-            assert torch.equal(a, b)
-        if problem[5]:
-            for kept_or_recomputed, overlapped_run in zip(plain_inner, overlapped_inner):
-                for a, b in zip(kept_or_recomputed, overlapped_run):
-                    assert torch.equal(a, b)
-        merged = "gate_up_input_grad+lora_grads" if problem[5] else "gate_up_input_grad"  # no factors: no merge
-        assert merged in phases and ("lora_grads" in phases) == (problem[5] == 0)
-
-
-@pytest.mark.parametrize("isa", [isa for isa in ISAS if isa != "portable"])
-def test_weight_fetch_skips_products_that_read_a_packed_copy(isa):
-    """With a packed copy of the weights (prepack) the forward's products pack nothing, so nothing is fetched for
-    them; the backward's input gradients still pack from the model's weights and fetch."""
-    import types
-
-    from moecc import _C
-
-    weights, x, index, w, gate_up, down = _problem(130, 5, 96, 24, 2, 8, seed=5, skew=True)
-    weights.cache_owner = types.SimpleNamespace()
-    native = NativeExperts(isa, prepack=True)
-    _C.set_weight_fetch(1)
-    try:
-        out, saved = native.forward(weights, x, index, w, gate_up, down)
-        forward_lines = _C.last_weight_fetch_lines()
-        native.backward(weights, saved, torch.randn(130, 96).bfloat16(), gate_up, down)
-        backward_lines = _C.last_weight_fetch_lines()
-    finally:
-        _C.set_weight_fetch(0)
-    assert forward_lines == 0 and backward_lines > 0
-
-
-@pytest.mark.parametrize("rows, row_bytes, stride, misalign, per_step",
-                         [(1, 4096, 0, 0, 16), (1, 100, 0, 0, 1), (1, 100, 0, 40, 1), (5, 72, 200, 0, 2),
-                          (5, 72, 200, 60, 3), (3, 64, 64, 0, 7), (4, 1, 8, 63, 3), (2, 200, 4096, 17, 100)])
-def test_weight_fetch_asks_for_every_line_of_its_rows_once(rows, row_bytes, stride, misalign, per_step):
-    """A fetch asks for every cache line that holds a byte of its rows (a row not 64-byte aligned included), once,
-    in order, per_step lines a step, and nothing else; weight_fetch_lines counts the same lines."""
-    from moecc import _C
-
-    walk, counted = _C._weight_fetch_walk_test(rows, row_bytes, stride, misalign, per_step)
-    expected = []
-    for r in range(rows):
-        start = misalign + r * stride
-        expected += range(start // 64 * 64, start + row_bytes, 64)
-    assert counted == len(expected)
-    assert len(walk) == -(-len(expected) // per_step)
-    for step, (issued, last_line) in enumerate(walk):
-        assert issued == min(len(expected), per_step * (step + 1))
-        assert last_line == expected[issued - 1]
-    if per_step == 1:  # one line a step: the whole sequence
-        assert [line for _, line in walk] == expected
-    with pytest.raises(ValueError, match="stride"):
-        _C._weight_fetch_walk_test(2, 128, 64, 0, 1)
-
-
-def test_streaming_output_mask_is_checked():
-    from moecc import _C
-
-    with pytest.raises(ValueError, match="streaming outputs"):
-        _C.set_streaming_outputs(16)
-    assert _C.set_streaming_outputs(13) == 13
+    _check_against_reference(isa, (*problem, False))
 
 
 @pytest.mark.parametrize("op", ["combine_bf16", "combine_f32", "dots", "dots_bf16"])

@@ -51,8 +51,9 @@ std::string check_product(int fault) {
   const PanelGemm &amx = panel_gemm_amx(), &portable = panel_gemm_portable();
   amx.pack_rows(w.data(), n, k, 0, panels, packed_amx.data());
   portable.pack_rows(w.data(), n, k, 0, panels, packed_ref.data());
-  amx.forward(x.data(), k_padded, tokens, packed_amx.data(), k_padded, 0, panels, out_amx.data(), width);
-  portable.forward(x.data(), k_padded, tokens, packed_ref.data(), k_padded, 0, panels, out_ref.data(), width);
+  amx.forward(x.data(), k_padded, tokens, packed_amx.data(), k_padded, 0, panels, out_amx.data(), width, {});
+  portable.forward(x.data(), k_padded, tokens, packed_ref.data(), k_padded, 0, panels, out_ref.data(), width,
+                   {});
   if (fault == 2) out_amx[5] += 1.0f;
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t j = 0; j < n; ++j) {

@@ -1,10 +1,10 @@
 // Orchestration of the routed-expert FFN (see expert_ffn.h): phases of independent tasks on the pool.
 //
 // Every phase splits work into (expert, block of grouped rows[, block of output columns]) tasks (kTokenBlock
-// rows for the elementwise phases, product_rows for the products), hands them out largest first from the
-// pool's atomic counter, so a hot expert is spread over all threads instead of landing on one. Products against
-// base weights go through PanelGemm (ISA-specific); the rank-r LoRA terms and elementwise steps are plain loops
-// the compiler vectorises.
+// rows for the elementwise phases, KernelTuning::rows_per_task for the products), hands them out largest first
+// from the pool's atomic counter, so a hot expert is spread over all threads instead of landing on one. Products
+// against base weights go through PanelGemm (ISA-specific); the rank-r LoRA terms and elementwise steps are plain
+// loops the compiler vectorises.
 #include "expert_ffn.h"
 
 #include <immintrin.h>
@@ -23,32 +23,12 @@
 #include "lora_products.h"
 #include "swiglu.h"
 #include "vector16.h"
-#include "weight_fetch.h"
 #include "weight_packing.h"
 
 namespace moecc::kernels {
 namespace {
 
 constexpr int64_t kTokenBlock = 64;       // rows per elementwise task
-// Task shape (see set_task_shape): output panels per forward product task, columns per input-gradient task, and
-// rows per product task. A task's weight slice (256 columns x K, <= 1 MB; input gradients re-lay theirs, 256
-// columns x N) stays in L2 while up to 1024 rows stream past it, so weights cross the memory bus once per 1024
-// rows of an expert. With 256 rows, at 8192 tokens (Qwen3-30B-A3B) the gate/up weights crossed it about 356 times
-// per layer call, 2.2 GB: a quarter of the product's time at the AMX host's DRAM rate. Locally (2 cores,
-// AVX512-BF16, interleaved) 1024 rows took forward + backward from 970 to 894-944 ms at 4096 tokens and changed
-// nothing at 1024. On the AMX host (2026-11-29) 512 and 2048 rows were within that day's spread of 1024, as were
-// 128 gradient columns. 16 panels rather than 8 (each row block of A read by half as many tasks) scored 0.979 there
-// before the AMX next-block prefetch, and with it 0.933 and 0.975 in two interleaved sweeps (0.926 with the
-// input gradients in one K pass; later that day, Zipf, 256-8192 tokens).
-std::atomic<int64_t> panels_per_task{16};
-std::atomic<int64_t> grad_columns_per_task{256};
-std::atomic<int64_t> product_rows{1024};
-// Rows per product call inside a task (0: all of them): the task's output tile is this many rows, so its epilogue
-// reads it from L1/L2 instead of after the whole task (1024 x 256 floats: 1 MB, as large as the weight slice).
-// Off: on the AMX host blocks of 64, 128 and 256 rows scored 0.99, 1.02 and 0.99 of whole tasks (interleaved,
-// 1024-8192 tokens), within the spread.
-std::atomic<int64_t> product_block_rows{0};
-
 struct Task {
   int64_t expert, begin, end, col0, col1;
 };
@@ -81,71 +61,6 @@ std::vector<Task> make_tasks(const int64_t* offsets, int64_t experts, int64_t co
 template <typename Fn>
 void run_tasks(moecc::pool::ThreadPool& pool, const std::vector<Task>& tasks, Fn&& fn) {
   pool.run(static_cast<int64_t>(tasks.size()), [&](int64_t i, int) { fn(tasks[i]); });
-}
-
-// Background weight fetch (weight_fetch.h): tasks ahead of the running one whose weight slice it asks for (0: off),
-// and the lines asked for in the latest forward or backward call.
-std::atomic<int64_t> weight_fetch_distance{0};
-std::atomic<int64_t> fetched_lines{0};
-
-// Where a product task's weight slice lies in the model's matrix: `rows` rows of `row_bytes` bytes, `stride` apart.
-struct WeightRange {
-  const uint16_t* first;
-  int64_t rows, row_bytes, stride;
-};
-
-// Runs a product phase's tasks. With a fetch distance D, task i first starts its thread's fetch of task i + D's
-// slice (range_of), spread over the steps its own products take (steps_of), and stops it when done: what is left
-// unasked is dropped. A slice task i packs itself (a hot expert's row blocks share their slices) is not fetched.
-// product_step(i) runs task i so; run_product_tasks runs them all.
-// The step keeps copies of the three callables (they are lambdas over the caller's locals) and a reference to tasks.
-template <typename RangeOf, typename StepsOf, typename Fn>
-auto product_step(const std::vector<Task>& tasks, RangeOf range_of, StepsOf steps_of, Fn fn) {
-  return [&tasks, range_of, steps_of, fn, distance = weight_fetch_distance.load()](int64_t i) {
-    const int64_t n = static_cast<int64_t>(tasks.size());
-    WeightFetch& fetch = thread_weight_fetch();
-    const int64_t steps = distance > 0 && i + distance < n ? steps_of(tasks[i]) : 0;
-    if (steps > 0) {
-      const WeightRange range = range_of(tasks[i + distance]);
-      if (range.first != range_of(tasks[i]).first) {
-        const auto first = reinterpret_cast<std::uintptr_t>(range.first);
-        const int64_t lines = weight_fetch_lines(first, range.rows, range.row_bytes, range.stride);
-        // At most 16 lines a step: a burst beyond that waits on the core's outstanding-miss slots.
-        fetch = WeightFetch(range.first, range.rows, range.row_bytes, range.stride,
-                            std::min<int64_t>(16, (lines + steps - 1) / steps));
-      }
-    }
-    struct Stop {  // also when fn throws: no later product on this thread steps a stale range
-      WeightFetch& fetch;
-      ~Stop() {
-        fetched_lines += fetch.issued;
-        fetch = WeightFetch{};
-      }
-    } stop{fetch};
-    fn(tasks[i]);
-  };
-}
-
-template <typename... Args>
-auto product_step(std::vector<Task>&&, Args&&...) = delete;  // the step keeps a reference to the tasks
-
-template <typename RangeOf, typename StepsOf, typename Fn>
-void run_product_tasks(moecc::pool::ThreadPool& pool, const std::vector<Task>& tasks, RangeOf range_of,
-                       StepsOf steps_of, Fn fn) {
-  const auto step = product_step(tasks, std::move(range_of), std::move(steps_of), std::move(fn));
-  pool.run(static_cast<int64_t>(tasks.size()), [&](int64_t i, int) { step(i); });
-}
-
-// The slices the two kinds of product task pack: output rows [16 col0, 16 col1) of W [n, k] (pack_rows; one
-// contiguous range), or a piece of every row from column col0 (pack_columns, which reads 32 columns at a time, so
-// up to 16 past col1 for an odd count of 16-column chunks, never past k).
-WeightRange row_panels(const uint16_t* w, int64_t n, int64_t k, const Task& task) {
-  const int64_t r0 = task.col0 * kPanelRows, r1 = std::min(n, task.col1 * kPanelRows);
-  return {w + r0 * k, 1, (r1 - r0) * k * 2, 0};
-}
-WeightRange column_slice(const uint16_t* w, int64_t n, int64_t k, const Task& task) {
-  const int64_t c1 = std::min(k, task.col0 + 32 * ((column_chunks(task.col0, task.col1) + 1) / 2));
-  return {w + task.col0, n, (c1 - task.col0) * 2, k * 2};
 }
 
 // Vector primitives for the elementwise steps, built with MOECC_VECTOR_CLONES (vector16.h): an AVX512 and a
@@ -201,17 +116,6 @@ struct Dims {
         ld_dy(padded_k(s.hidden) + kRowPad), ld_dgu(padded_k(2 * s.inter) + kRowPad) {}
 };
 
-// Whether the grouped copies of token rows (hidden rows for the forward, output-gradient rows for the backward:
-// each a row per routed pair, 273 MB at 8192 tokens for Qwen3-30B-A3B) are written with non-temporal stores,
-// which skip reading each destination line into cache before it is overwritten. A knob so benchmarks can compare.
-std::atomic<bool> streaming_copies{true};
-
-// Whether the LoRA factor gradients' tasks run among the gate/up input gradient's products, in one phase, instead
-// of after them: they read rows (about 840 MB at 8192 tokens for Qwen3-30B-A3B) where the products mostly compute,
-// so the memory bus can serve them while the tile products run. Off: 1.013 of the separate phases on the AMX host
-// (set_overlap_lora_grads).
-std::atomic<bool> overlap_lora_grads{false};
-
 // dst[0, n) = src[0, n) and dst[n, padded) = 0 (bf16; dst 64-byte aligned, padded a multiple of 32), in whole
 // cache lines of non-temporal stores; the partial line's masked load reads nothing past src[n), and no pointer past
 // it is formed.
@@ -242,14 +146,6 @@ inline void copy_row(const uint16_t* src, int64_t n, uint16_t* dst, int64_t ld, 
   std::fill(dst + n, dst + ld, uint16_t{0});
 }
 
-// Which bf16 outputs leave with non-temporal stores (bits): 1 the per-pair rows of the forward's down product and
-// of the gate/up input gradient (a hidden row per pair each, 268 MB at 8192 tokens for Qwen3-30B-A3B, read back
-// once by the slot sums), 2 the forward's gate/up output (read back by the activation), 4 the activation rows
-// (100 MB; read by the down product), 8 the down input gradient's act and d gate / d up rows (300 MB; read by the
-// gate/up input gradient and the LoRA gradients). Default 1 + 4 + 8: the AMX host scored 4 + 8 at 0.972-0.981 of
-// bit 1 alone in three alternating sweeps (4096 and 8192 tokens); bit 2 is off.
-std::atomic<int64_t> streaming_outputs{13};
-
 // Orders a task's non-temporal stores before what follows (the pool's hand-over to the next phase).
 inline void fence_streamed(bool streamed) {
   if (streamed) _mm_sfence();
@@ -259,9 +155,8 @@ inline void fence_streamed(bool streamed) {
 // bypassed the cache); with `hidden_copy`, each token's row is also copied there once (by its slot-0 pair), in
 // parallel and while the row is in cache.
 void gather_hidden(const Dims& d, const Routing& routing, const uint16_t* hidden, const LoraFactors& lora,
-                   const std::vector<Task>& rows, uint16_t* xg, float* inner, moecc::pool::ThreadPool& pool,
-                   uint16_t* hidden_copy = nullptr) {
-  const bool stream = streaming_copies.load();
+                   const std::vector<Task>& rows, uint16_t* xg, float* inner, bool stream,
+                   moecc::pool::ThreadPool& pool, uint16_t* hidden_copy = nullptr) {
   run_tasks(pool, rows, [&](const Task& task) {
     bool streamed = false;
     for (int64_t g = task.begin; g < task.end; ++g) {
@@ -279,11 +174,10 @@ void gather_hidden(const Dims& d, const Routing& routing, const uint16_t* hidden
 }
 
 // act = round(round(silu(gate)) * up) in bf16, as a bf16 pipeline computes it, plus its down LoRA inner product.
-// With streaming_outputs bit 4 each row is computed into a cached thread-local row, its LoRA inner product taken
-// from there, and the row streamed out (the same values).
+// With `stream` (KernelTuning::streaming_outputs bit 4) each row is computed into a cached thread-local row, its
+// LoRA inner product taken from there, and the row streamed out (the same values).
 void activate(const Dims& d, const uint16_t* gate_up_out, const LoraFactors& lora, const std::vector<Task>& rows,
-              uint16_t* act, float* inner, moecc::pool::ThreadPool& pool) {
-  const bool stream = (streaming_outputs.load() & 4) != 0;
+              uint16_t* act, float* inner, bool stream, moecc::pool::ThreadPool& pool) {
   run_tasks(pool, rows, [&](const Task& task) {
     if (stream) {
       thread_local AlignedBuffer<uint16_t> staged;
@@ -494,12 +388,12 @@ void combine_rows(const Task& rows_block, const float* coef, int64_t coef_ld, fl
 }
 
 // A forward product task: the task's panels of W [n, k] (from `packed`, or packed now) against the grouped rows
-// x by row blocks (set_task_shape), each block's tile getting its LoRA term and leaving in bf16 at
+// x by row blocks (KernelTuning::block_rows), each block's tile getting its LoRA term and leaving in bf16 at
 // out_row(g) + the task's first column.
 template <typename OutRow>
 void forward_product(const PanelGemm& gemm, const Task& task, int64_t block_rows, const uint16_t* x, int64_t ld_x,
                      const uint16_t* w, const uint16_t* packed, int64_t n, int64_t k, const LoraFactors& lora,
-                     const float* inner, bool stream, PartClocks& clocks, OutRow out_row) {
+                     const float* inner, bool stream, const GemmTuning& tuning, PartClocks& clocks, OutRow out_row) {
   thread_local AlignedBuffer<float> block;
   thread_local AlignedBuffer<uint16_t> panels;
   const int64_t width = (task.col1 - task.col0) * kPanelRows;
@@ -513,7 +407,7 @@ void forward_product(const PanelGemm& gemm, const Task& task, int64_t block_rows
     float* const tile = block.get(rows * width);
     timed(clocks.gemm, [&] {
       gemm.forward(x + rows_block.begin * ld_x, ld_x, rows, slice, padded_k(k), 0, task.col1 - task.col0, tile,
-                   width);
+                   width, tuning);
     });
     timed(clocks.epilogue, [&] {
       combine_rows(rows_block, b_t ? inner : nullptr, lora.rank, lora.scaling, b_t, n, b_t ? lora.rank : 0,
@@ -528,18 +422,18 @@ void forward_product(const PanelGemm& gemm, const Task& task, int64_t block_rows
 // to epilogue(rows_block, tile, ld).
 template <typename Epilogue>
 void input_grad_product(const PanelGemm& gemm, const Task& task, int64_t block_rows, const uint16_t* dy,
-                        int64_t ld_dy, const uint16_t* w, int64_t n, int64_t k, PartClocks& clocks,
-                        Epilogue&& epilogue) {
+                        int64_t ld_dy, const uint16_t* w, int64_t n, int64_t k, const GemmTuning& tuning,
+                        PartClocks& clocks, Epilogue&& epilogue) {
   thread_local AlignedBuffer<float> block;
   thread_local AlignedBuffer<uint16_t> columns;
   const int64_t chunks = column_chunks(task.col0, task.col1), ld = chunks * kPanelRows;
   uint16_t* const packed = columns.get(column_panel_elements(n, task.col0, task.col1));
-  timed(clocks.pack, [&] { gemm.pack_columns(w, n, k, task.col0, task.col1, packed); });
+  timed(clocks.pack, [&] { gemm.pack_columns(w, n, k, task.col0, task.col1, packed, tuning); });
   for_row_blocks(task, block_rows, [&](const Task& rows_block) {
     const int64_t rows = rows_block.end - rows_block.begin;
     float* const tile = block.get(rows * ld);
     timed(clocks.gemm,
-          [&] { gemm.input_grad(dy + rows_block.begin * ld_dy, ld_dy, rows, packed, n, chunks, tile, ld); });
+          [&] { gemm.input_grad(dy + rows_block.begin * ld_dy, ld_dy, rows, packed, n, chunks, tile, ld, tuning); });
     timed(clocks.epilogue, [&] { epilogue(rows_block, tile, ld); });
   });
 }
@@ -548,14 +442,15 @@ void input_grad_product(const PanelGemm& gemm, const Task& task, int64_t block_r
 
 void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrices& weights,
                         const LoraFactors& gate_up_peft, const LoraFactors& down_peft, const Routing& routing,
-                        const ForwardIo& io, moecc::pool::ThreadPool& pool) {
+                        const ForwardIo& io, const KernelTuning& tuning, moecc::pool::ThreadPool& pool) {
+  check_tuning(tuning);
   Scratch& scratch = shared_scratch();
   std::lock_guard<std::mutex> lock(scratch.mutex);
   PhaseClock clock(forward_times, forward_parts);
   const PanelGemm& gemm = panel_gemm(isa);
   const Dims d(shapes);
-  const int64_t task_rows = product_rows.load(), block_rows = product_block_rows.load();  // one shape a call
-  const int64_t stream_outputs = streaming_outputs.load();
+  const int64_t task_rows = tuning.rows_per_task, block_rows = tuning.block_rows;
+  const int64_t stream_outputs = tuning.streaming_outputs;
   const LoraFactors gate_up_lora = with_rows_of_b(gate_up_peft, 2 * d.I, d.E, scratch.b_gu, pool);
   const LoraFactors down_lora = with_rows_of_b(down_peft, d.H, d.E, scratch.b_down, pool);
   const std::vector<Task> rows = make_tasks(routing.offsets, d.E, 1, 1);
@@ -567,43 +462,32 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
                                     : scratch.inner_down.get(d.pairs * std::max<int64_t>(down_lora.rank, 1));
   uint16_t* per_pair = scratch.per_pair.get(d.pairs * d.H);
 
-  gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, pool, io.hidden_copy);
+  gather_hidden(d, routing, io.hidden, gate_up_lora, rows, xg, inner_gu, tuning.streaming_copies, pool,
+                io.hidden_copy);
   clock.mark("gather");
 
   const int64_t gu_panels = padded_rows(2 * d.I) / kPanelRows;
-  const std::vector<Task> gu_tasks = make_tasks(routing.offsets, d.E, gu_panels, panels_per_task.load(), task_rows);
+  const std::vector<Task> gu_tasks = make_tasks(routing.offsets, d.E, gu_panels, tuning.panels_per_task, task_rows);
   PartClocks gu_clocks;
-  fetched_lines = 0;
-  const bool fetch_gu = weights.packed_gate_up == nullptr, fetch_down = weights.packed_down == nullptr;
-  run_product_tasks(pool, gu_tasks,
-                    [&](const Task& t) { return row_panels(weights.gate_up + t.expert * d.gu_size, 2 * d.I, d.H, t); },
-                    [&](const Task& t) {
-                      return fetch_gu ? gemm.fetch_steps(t.end - t.begin, t.col1 - t.col0, padded_k(d.H)) : 0;
-                    },
-                    [&](const Task& task) {
+  run_tasks(pool, gu_tasks, [&](const Task& task) {
     forward_product(gemm, task, block_rows, xg, d.ld_x, weights.gate_up + task.expert * d.gu_size,
-                    weights.packed_gate_up, 2 * d.I, d.H, gate_up_lora, inner_gu, (stream_outputs & 2) != 0, gu_clocks,
-                    [&](int64_t g) { return io.gate_up_out + g * 2 * d.I; });
+                    weights.packed_gate_up, 2 * d.I, d.H, gate_up_lora, inner_gu, (stream_outputs & 2) != 0,
+                    tuning.gemm, gu_clocks, [&](int64_t g) { return io.gate_up_out + g * 2 * d.I; });
   });
   record_parts(forward_parts, "gate_up", gu_clocks);
 
   clock.mark("gate_up");
-  activate(d, io.gate_up_out, down_lora, rows, act, inner_down, pool);
+  activate(d, io.gate_up_out, down_lora, rows, act, inner_down, (stream_outputs & 4) != 0, pool);
   clock.mark("activate");
 
   const int64_t down_panels = padded_rows(d.H) / kPanelRows;
   const std::vector<Task> down_tasks =
-      make_tasks(routing.offsets, d.E, down_panels, panels_per_task.load(), task_rows);
+      make_tasks(routing.offsets, d.E, down_panels, tuning.panels_per_task, task_rows);
   PartClocks down_clocks;
-  run_product_tasks(pool, down_tasks,
-                    [&](const Task& t) { return row_panels(weights.down + t.expert * d.down_size, d.H, d.I, t); },
-                    [&](const Task& t) {
-                      return fetch_down ? gemm.fetch_steps(t.end - t.begin, t.col1 - t.col0, padded_k(d.I)) : 0;
-                    },
-                    [&](const Task& task) {
+  run_tasks(pool, down_tasks, [&](const Task& task) {
     forward_product(gemm, task, block_rows, act, d.ld_act, weights.down + task.expert * d.down_size,
-                    weights.packed_down, d.H, d.I, down_lora, inner_down, (stream_outputs & 1) != 0, down_clocks,
-                    [&](int64_t g) { return per_pair + routing.order[g] * d.H; });
+                    weights.packed_down, d.H, d.I, down_lora, inner_down, (stream_outputs & 1) != 0, tuning.gemm,
+                    down_clocks, [&](int64_t g) { return per_pair + routing.order[g] * d.H; });
   });
   record_parts(forward_parts, "down", down_clocks);
 
@@ -702,23 +586,6 @@ class LoraFactorGrads {
   std::vector<FactorTask> tasks_;
 };
 
-// `a` tasks and `b` tasks in one order, each kind's tasks in their own order and spread evenly over the other's
-// (task i of a kind at i / its count of the way): codes >= 0 are a's tasks, code < 0 b's task -code - 1.
-std::vector<int64_t> interleave(int64_t a, int64_t b) {
-  std::vector<int64_t> order;
-  order.reserve(static_cast<size_t>(a + b));
-  int64_t i = 0, j = 0;
-  while (i < a || j < b) {
-    // a's next before b's next when i / a <= j / b (cross-multiplied: no rounding)
-    if (j == b || (i < a && i * b <= j * a)) {
-      order.push_back(i++);
-    } else {
-      order.push_back(-(j++) - 1);
-    }
-  }
-  return order;
-}
-
 // inner[g][r] = s * sum_c grad[g][c] B^T[r][c]: the LoRA-B side of an input gradient.
 template <typename Row>  // float, or bf16 bits
 void lora_grad_inner(const LoraFactors& lora, int64_t expert, int64_t out_features, const Row* grad_row, int64_t g,
@@ -729,13 +596,14 @@ void lora_grad_inner(const LoraFactors& lora, int64_t expert, int64_t out_featur
 
 void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatrices& weights,
                          const LoraFactors& gate_up_peft, const LoraFactors& down_peft, const Routing& routing,
-                         const BackwardIo& io_peft, moecc::pool::ThreadPool& pool) {
+                         const BackwardIo& io_peft, const KernelTuning& tuning, moecc::pool::ThreadPool& pool) {
+  check_tuning(tuning);
   Scratch& scratch = shared_scratch();
   std::lock_guard<std::mutex> lock(scratch.mutex);
   PhaseClock clock(backward_times, backward_parts);
   const PanelGemm& gemm = panel_gemm(isa);
   const Dims d(shapes);
-  const int64_t task_rows = product_rows.load(), block_rows = product_block_rows.load();  // one shape a call
+  const int64_t task_rows = tuning.rows_per_task, block_rows = tuning.block_rows;
   const LoraFactors gate_up_lora = with_rows_of_b(gate_up_peft, 2 * d.I, d.E, scratch.b_gu, pool);
   const LoraFactors down_lora = with_rows_of_b(down_peft, d.H, d.E, scratch.b_down, pool);
   // B gradients accumulate as rows of B^T (zeroed here) and are laid back into PEFT's layout at the end.
@@ -775,11 +643,13 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   }
   // The activation again as whole rows only where the forward did not keep act A_down (it needs all of I); else
   // the fused input-gradient tasks below write act chunk by chunk.
-  if (recompute_down) activate(d, io.gate_up_out, down_lora, rows, act, inner_down_scratch, pool);
+  if (recompute_down) {
+    activate(d, io.gate_up_out, down_lora, rows, act, inner_down_scratch, (tuning.streaming_outputs & 4) != 0, pool);
+  }
   clock.mark("activate");
   // Unweighted output gradient per grouped row in bf16 (zero-padded), and its down-LoRA inner product s dy B
   // from the token's own row (float32 as given, or the bf16 row read as it is).
-  const bool stream_dy = streaming_copies.load();
+  const bool stream_dy = tuning.streaming_copies;
   run_tasks(pool, rows, [&](const Task& task) {
     bool streamed = false;
     for (int64_t g = task.begin; g < task.end; ++g) {
@@ -803,24 +673,18 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   // backward of its chunk while the chunk is in cache: act again (bf16, rounded as the forward did), d gate and
   // d up (bf16, into grad_gu_bf16), and the chunk's parts of the two row sums that need all of I: act . d act (the
   // routing-weight gradient) and s dG B. Parts are kept per chunk and added in chunk order after the phase, so
-  // results do not depend on which thread ran what (they do, in the last bits, on the chunk width, the gradient
-  // columns of set_task_shape, which fixes how swiglu_backward_row's 16 lanes split act . d act). Done as separate
-  // passes (act, d act in float32, then the SwiGLU backward), d act alone was a float32 row per pair written and
-  // read back: 200 MB at 8192 tokens.
-  const int64_t chunk_columns = grad_columns_per_task.load();
+  // results do not depend on which thread ran what (they do, in the last bits, on the chunk width,
+  // KernelTuning::grad_columns_per_task, which fixes how swiglu_backward_row's 16 lanes split act . d act). Done
+  // as separate passes (act, d act in float32, then the SwiGLU backward), d act alone was a float32 row per pair
+  // written and read back: 200 MB at 8192 tokens.
+  const int64_t chunk_columns = tuning.grad_columns_per_task;
   const int64_t chunks = (d.I + chunk_columns - 1) / chunk_columns;
   float* const routing_parts = scratch.routing_parts.get(d.pairs * chunks);
   float* const inner_gu_parts =  // gate, up halves
       gate_up_lora.a ? scratch.inner_gu_parts.get(d.pairs * chunks * 2 * gate_up_lora.rank) : nullptr;
   PartClocks down_grad_clocks;
-  const bool stream_rows = (streaming_outputs.load() & 8) != 0;
-  fetched_lines = 0;
-  run_product_tasks(pool, make_tasks(routing.offsets, d.E, d.I, chunk_columns, task_rows),
-                    [&](const Task& t) { return column_slice(weights.down + t.expert * d.down_size, d.H, d.I, t); },
-                    [&](const Task& t) {
-                      return gemm.fetch_steps(t.end - t.begin, column_chunks(t.col0, t.col1), padded_k(d.H));
-                    },
-                    [&](const Task& task) {
+  const bool stream_rows = (tuning.streaming_outputs & 8) != 0;
+  run_tasks(pool, make_tasks(routing.offsets, d.E, d.I, chunk_columns, task_rows), [&](const Task& task) {
     // Rows go in groups of kGroup: the LoRA terms of a group (the A side before the SwiGLU backward, the B-side
     // dots after it) load each factor vector once for its rows (rank_combine_rows, rank_dots_rows).
     constexpr int64_t kGroup = 4;
@@ -831,7 +695,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
     const float* a = down_lora.a ? down_lora.a + task.expert * down_lora.rank * d.I + task.col0 : nullptr;
     const float* b_t = gate_up_lora.a ? gate_up_lora.b + task.expert * gate_up_lora.rank * 2 * d.I : nullptr;
     input_grad_product(gemm, task, block_rows, dy_bf16, d.ld_dy, weights.down + task.expert * d.down_size, d.H, d.I,
-                       down_grad_clocks, [&](const Task& rows_block, float* tile, int64_t ld) {
+                       tuning.gemm, down_grad_clocks, [&](const Task& rows_block, float* tile, int64_t ld) {
       for (int64_t g0 = rows_block.begin; g0 < rows_block.end; g0 += kGroup) {
         const int64_t count = std::min(kGroup, rows_block.end - g0);
         float* const grad_act = tile + (g0 - rows_block.begin) * ld;
@@ -889,47 +753,28 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   clock.mark("row_sums");
   // d hidden per pair = dG W_gate_up + (s dG B) A.
   const std::vector<Task> hidden_tasks =
-      make_tasks(routing.offsets, d.E, d.H, grad_columns_per_task.load(), task_rows);
+      make_tasks(routing.offsets, d.E, d.H, tuning.grad_columns_per_task, task_rows);
   PartClocks hidden_clocks;
-  const bool stream_hidden = (streaming_outputs.load() & 1) != 0;
+  const bool stream_hidden = (tuning.streaming_outputs & 1) != 0;
   const LoraGradInputs grad_inputs{inner_gu, inner_down, grad_inner_gu, grad_inner_down, row_weight, io.hidden, act,
                                    dy_bf16, grad_gu_bf16, io.grad_out ? nullptr : io.grad_out_bf16, d.ld_act,
                                    d.ld_dy, d.ld_dgu};
   const LoraFactorGrads factor_grads(d, gate_up_lora, down_lora, routing, grad_inputs, io);
-  const bool overlap = overlap_lora_grads.load() && factor_grads.size() > 0;
-  const auto hidden_step = product_step(hidden_tasks,
-                    [&](const Task& t) {
-                      return column_slice(weights.gate_up + t.expert * d.gu_size, 2 * d.I, d.H, t);
-                    },
-                    [&](const Task& t) {
-                      return gemm.fetch_steps(t.end - t.begin, column_chunks(t.col0, t.col1), padded_k(2 * d.I));
-                    },
-                    [&](const Task& task) {
+  run_tasks(pool, hidden_tasks, [&](const Task& task) {
     const int64_t width = task.col1 - task.col0;
     const float* a = gate_up_lora.a ? gate_up_lora.a + task.expert * gate_up_lora.rank * d.H : nullptr;
     input_grad_product(gemm, task, block_rows, grad_gu_bf16, d.ld_dgu, weights.gate_up + task.expert * d.gu_size,
-                       2 * d.I, d.H, hidden_clocks, [&](const Task& rows_block, float* tile, int64_t ld) {
+                       2 * d.I, d.H, tuning.gemm, hidden_clocks, [&](const Task& rows_block, float* tile, int64_t ld) {
       combine_rows(rows_block, a ? grad_inner_gu : nullptr, gate_up_lora.rank, 1.0f, a ? a + task.col0 : nullptr, d.H,
                    a ? gate_up_lora.rank : 0, width, tile, ld,
                    [&](int64_t g) { return per_pair + routing.order[g] * d.H + task.col0; }, stream_hidden);
     });
     fence_streamed(stream_hidden);
   });
-  // With the overlap one phase, the factor gradients' tasks spread among the products'; else the products alone.
-  const std::vector<int64_t> order =
-      interleave(static_cast<int64_t>(hidden_tasks.size()), overlap ? factor_grads.size() : 0);
-  pool.run(static_cast<int64_t>(order.size()), [&](int64_t s, int) {
-    const int64_t code = order[static_cast<size_t>(s)];
-    code >= 0 ? hidden_step(code) : factor_grads.run(-code - 1);
-  });
   record_parts(backward_parts, "gate_up_input_grad", hidden_clocks);
-  if (overlap) {
-    clock.mark("gate_up_input_grad+lora_grads");
-  } else {
-    clock.mark("gate_up_input_grad");
-    pool.run(factor_grads.size(), [&](int64_t i, int) { factor_grads.run(i); });
-    clock.mark("lora_grads");
-  }
+  clock.mark("gate_up_input_grad");
+  pool.run(factor_grads.size(), [&](int64_t i, int) { factor_grads.run(i); });
+  clock.mark("lora_grads");
   if (io_peft.grad_gate_up_b) {
     rows_to_peft_b(io.grad_gate_up_b, 2 * d.I, gate_up_lora.rank, d.E, io_peft.grad_gate_up_b, pool);
   }
@@ -939,38 +784,32 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   clock.mark("sum_slots");
 }
 
-bool set_streaming_copies(bool on) { return streaming_copies.exchange(on); }
-
-bool set_overlap_lora_grads(bool on) { return overlap_lora_grads.exchange(on); }
-
-int64_t set_weight_fetch(int64_t distance) {
-  if (distance < 0 || distance > (int64_t{1} << 20)) {
-    throw std::invalid_argument("weight fetch: the distance in tasks must be in [0, 2^20] (0: off)");
-  }
-  return weight_fetch_distance.exchange(distance);
-}
-
-int64_t last_weight_fetch_lines() { return fetched_lines.load(); }
-
-int64_t set_streaming_outputs(int64_t mask) {
-  if (mask < 0 || mask > 15) {
-    throw std::invalid_argument("streaming outputs: a mask of 1 (per-pair rows), 2 (gate/up output), 4 (activation "
-                                "rows) and 8 (the down input gradient's rows), 0-15");
-  }
-  return streaming_outputs.exchange(mask);
-}
-
-std::array<int64_t, 4> set_task_shape(int64_t panels, int64_t grad_columns, int64_t rows, int64_t block_rows) {
+void check_tuning(const KernelTuning& tuning) {
   constexpr int64_t kMax = int64_t{1} << 30;
-  if (panels < 1 || grad_columns < kPanelRows || grad_columns % kPanelRows != 0 || rows == 0 || rows < -1 ||
-      rows > kMax || panels > kMax || grad_columns > kMax || block_rows < -1 || block_rows > kMax) {
-    throw std::invalid_argument("task shape: panels per task must be >= 1, gradient columns per task a positive "
-                                "multiple of " + std::to_string(kPanelRows) + ", rows per task >= 1 and rows per "
-                                "product call >= 0 (0: the whole task; -1: unchanged), each at most 2^30");
+  const auto refuse = [](const std::string& what, int64_t value) {
+    throw std::invalid_argument("kernel tuning: " + what + ", got " + std::to_string(value));
+  };
+  if (tuning.panels_per_task < 1 || tuning.panels_per_task > kMax) {
+    refuse("panels_per_task must be in [1, 2^30]", tuning.panels_per_task);
   }
-  return {panels_per_task.exchange(panels), grad_columns_per_task.exchange(grad_columns),
-          rows < 0 ? product_rows.load() : product_rows.exchange(rows),
-          block_rows < 0 ? product_block_rows.load() : product_block_rows.exchange(block_rows)};
+  if (tuning.grad_columns_per_task < kPanelRows || tuning.grad_columns_per_task % kPanelRows != 0 ||
+      tuning.grad_columns_per_task > kMax) {
+    refuse("grad_columns_per_task must be a positive multiple of " + std::to_string(kPanelRows) + ", at most 2^30",
+           tuning.grad_columns_per_task);
+  }
+  if (tuning.rows_per_task < 1 || tuning.rows_per_task > kMax) {
+    refuse("rows_per_task must be in [1, 2^30]", tuning.rows_per_task);
+  }
+  if (tuning.block_rows < 0 || tuning.block_rows > kMax) {
+    refuse("block_rows must be in [0, 2^30] (0: the whole task)", tuning.block_rows);
+  }
+  if (tuning.streaming_outputs < 0 || tuning.streaming_outputs > 15) {
+    refuse("streaming_outputs is a mask of 1 (per-pair rows), 2 (gate/up output), 4 (activation rows) and 8 (the "
+           "down input gradient's rows), 0-15", tuning.streaming_outputs);
+  }
+  if (tuning.gemm.pack_prefetch_rows < 0 || tuning.gemm.pack_prefetch_rows > 4096) {
+    refuse("gemm.pack_prefetch_rows must be in [0, 4096] (0: none)", tuning.gemm.pack_prefetch_rows);
+  }
 }
 
 }  // namespace moecc::kernels

@@ -11,7 +11,6 @@
 // Products take bf16 inputs and accumulate in fp32; gate/up outputs are kept in bf16 for backward.
 #pragma once
 
-#include <array>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -81,9 +80,52 @@ struct BackwardIo {
   const float* inner_down = nullptr;
 };
 
+// Shape of the product tasks and which outputs leave with non-temporal stores, passed in with every call. The
+// defaults are what the engine runs; benchmarks (benchmarks/sweep_cpu_experts.py) and tests set the rest, and the
+// measurements behind the defaults are in benchmarks/results/README.md. No setting changes a result bit, except
+// grad_columns_per_task (below).
+struct KernelTuning {
+  // Forward output panels (of 16 columns) per product task. Wider tasks re-read each block of rows fewer times
+  // but hold a larger weight slice in L2 and make fewer tasks.
+  int64_t panels_per_task = 16;
+  // Input-gradient columns per task, a multiple of 16. Also the chunks whose parts the backward's row sums add,
+  // so it moves the routing and gate/up A gradients in their last bits.
+  int64_t grad_columns_per_task = 256;
+  // Rows per product task: a task's weight slice stays in L2 while its rows stream past, so the weights cross
+  // the memory bus once per this many rows of an expert; taller tasks split a hot expert over fewer threads.
+  int64_t rows_per_task = 1024;
+  // Rows per product call within a task, its epilogue (LoRA term, bf16 rounding) run on each block while the
+  // block is in cache; 0: the whole task at once.
+  int64_t block_rows = 0;
+  // Whether the grouped copies of token rows (the forward's hidden rows, the backward's bf16 output gradients)
+  // use non-temporal stores where the CPU has AVX512BW.
+  bool streaming_copies = true;
+  // Which bf16 outputs leave with non-temporal stores, a mask of 1 (the per-pair rows of the forward's down
+  // product and of the gate/up input gradient), 2 (the forward's gate/up output), 4 (the activation rows) and 8
+  // (the down input gradient's act and d gate / d up rows).
+  int64_t streaming_outputs = 13;
+  GemmTuning gemm;
+};
+
+// Throws std::invalid_argument naming the field and its value when `tuning` is out of range.
+void check_tuning(const KernelTuning& tuning);
+
+// @param isa      the product kernels (panel_gemm.h); the caller has checked that the CPU runs them.
+// @param shapes   T, k, E, H, I; T may be 0.
+// @param weights  the experts' bf16 matrices, read in place (optionally also a packed copy).
+// @param routing  the grouping of token_grouping.h and the routing weight of each pair id.
+// @param io       token rows in and out (ForwardIo: exactly one of out / out_bf16 set).
+// @param tuning   checked with check_tuning first.
+// Runs on `pool`; the caller releases the GIL.
 void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrices& weights,
                         const LoraFactors& gate_up_lora, const LoraFactors& down_lora, const Routing& routing,
-                        const ForwardIo& io, moecc::pool::ThreadPool& pool);
+                        const ForwardIo& io, const KernelTuning& tuning, moecc::pool::ThreadPool& pool);
+
+// The backward of expert_ffn_forward with the same problem, given the forward's gate/up output (and optionally
+// its LoRA inner products); A gradients accumulate into io, B gradients are written.
+void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatrices& weights,
+                         const LoraFactors& gate_up_lora, const LoraFactors& down_lora, const Routing& routing,
+                         const BackwardIo& io, const KernelTuning& tuning, moecc::pool::ThreadPool& pool);
 
 // (phase, seconds) of the latest forward or backward call, in order.
 using PhaseTimes = std::vector<std::pair<std::string, double>>;
@@ -96,48 +138,5 @@ struct ProductParts {
   double pack, gemm, epilogue;
 };
 std::vector<ProductParts> last_product_parts(bool backward);
-
-void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatrices& weights,
-                         const LoraFactors& gate_up_lora, const LoraFactors& down_lora, const Routing& routing,
-                         const BackwardIo& io, moecc::pool::ThreadPool& pool);
-
-// Shape of the product tasks: forward output panels (of 16 columns) per task, input-gradient columns per task (a
-// multiple of 16; also the chunks whose parts the backward's row sums add, so it moves the routing and gate/up A
-// gradients in their last bits), rows per task, and rows per product call within a task (its epilogue, the LoRA
-// term and the bf16 rounding, runs on each block while the block is in cache; 0: the whole task at once). rows
-// and block_rows take -1 for unchanged.
-// Wider tasks re-read each block of rows fewer times but hold a larger weight slice in L2 and make fewer tasks;
-// taller ones read each weight slice once per more rows but split a hot expert over fewer threads. Defaults 16,
-// 256, 1024 and 0; for benchmarks and tests (throws std::invalid_argument on bad values). Returns the previous four.
-std::array<int64_t, 4> set_task_shape(int64_t panels_per_task, int64_t grad_columns_per_task, int64_t rows = -1,
-                                      int64_t block_rows = -1);
-
-// Whether the grouped copies of token rows (the forward's hidden rows, the backward's bf16 output gradients) use
-// non-temporal stores where the CPU has AVX512BW (default) or plain ones; the results are the same. Returns the
-// previous setting. For benchmarks and tests.
-bool set_streaming_copies(bool on);
-
-// Which bf16 outputs leave with non-temporal stores: a mask of 1 (the per-pair rows of the forward's down product
-// and of the gate/up input gradient), 2 (the forward's gate/up output), 4 (the activation rows) and 8 (the down
-// input gradient's act and d gate / d up rows); default 13 (all but 2). The results are the same. Returns the
-// previous mask; throws std::invalid_argument outside 0-15. For benchmarks and tests.
-int64_t set_streaming_outputs(int64_t mask);
-
-// Background weight fetch (weight_fetch.h): each product task asks, from inside its products' loops, for the
-// weight slice of the task `distance` places further down the list (0: off, the default; the portable kernels
-// never fetch, nor do products that read a packed copy). On the AMX host it lost: an interleaved sweep at 1024-8192
-// tokens scored distance 16 at 1.130 and 32 at 1.134 of off (2026-11-30); on 2 Zen 5 cores distance 2 scored 0.962,
-// so it stays a knob for CPUs whose DRAM idles under the products. The results are the same. Returns the
-// previous distance; throws std::invalid_argument outside [0, 2^20]. For benchmarks and tests.
-int64_t set_weight_fetch(int64_t distance);
-// Cache lines the background fetch asked for in the latest expert_ffn_forward or expert_ffn_backward call.
-int64_t last_weight_fetch_lines();
-
-// Whether the backward runs the LoRA factor gradients' tasks among the gate/up input gradient's products, in one
-// phase (last_phase_times names it gate_up_input_grad+lora_grads), instead of after them. Off
-// by default: the AMX host's interleaved sweep scored it 1.013 of off, 1.159 with the weight fetch at 16
-// (2026-11-30). The results are the same. Returns the previous setting. For
-// benchmarks and tests.
-bool set_overlap_lora_grads(bool on);
 
 }  // namespace moecc::kernels

@@ -1,9 +1,9 @@
 // Matrix products against packed expert weights (weight_packing.h), one ISA variant per source file:
-// panel_gemm_portable.cpp (any x86-64 / C++ compiler) and panel_gemm_avx512bf16.cpp (AVX512-BF16).
+// panel_gemm_portable.cpp (any x86-64 / C++ compiler; also the dispatcher), panel_gemm_avx512bf16.cpp
+// (AVX512-BF16) and panel_gemm_amx.cpp (AMX-BF16).
 // Kernels compute a slice of the output and never own threads; the caller splits work into tasks.
 #pragma once
 
-#include <array>
 #include <cstdint>
 
 #include "weight_packing.h"
@@ -11,6 +11,17 @@
 namespace moecc::kernels {
 
 enum class Isa { kPortable = 0, kAvx512Bf16 = 1, kAmx = 2 };
+
+// Prefetch settings of the products, passed in with every call (the defaults are what the kernels run; benchmarks
+// sweep the rest). Measurements behind the defaults: benchmarks/results/README.md.
+struct GemmTuning {
+  // pack_columns_avx512 (every AVX512 and AMX input gradient): rows ahead of the one being packed that it asks
+  // for (0: none, at most 4096), into L2 (else L1).
+  int64_t pack_prefetch_rows = 8;
+  bool pack_prefetch_l2 = true;
+  // AMX: the next 32 rows' A operand is brought into L2 while the current rows' products run.
+  bool amx_prefetch_next = true;
+};
 
 struct PanelGemm {
   // Packs panels [p0, p1) (output rows 16*p0 .. 16*p1) of a row-major bf16 matrix W [n, k] into `dst` in the
@@ -23,39 +34,24 @@ struct PanelGemm {
   // @param packed panels in the layout pack_rows writes; k_padded their padded K.
   // @param out    fp32 [tokens, ldo]; written, not accumulated.
   void (*forward)(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed, int64_t k_padded,
-                  int64_t p0, int64_t p1, float* out, int64_t ldo);
+                  int64_t p0, int64_t p1, float* out, int64_t ldo, const GemmTuning& tuning);
   // Lays columns [k0, k1) of a row-major bf16 W [n, k] out as the panels of its transpose (output j = column
   // k0 + j, K = the n rows, padded to padded_k(n)) into `dst`: column_panel_elements(n, k0, k1) elements, rows
   // past n and columns past k zero. Input-gradient tasks pack once and run input_grad on row blocks.
-  void (*pack_columns)(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t k1, uint16_t* dst);
+  void (*pack_columns)(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t k1, uint16_t* dst,
+                       const GemmTuning& tuning);
   // dx[t][j] = sum_r dy[t][r] * W[r][k0 + j] for t < tokens, j < 16 * chunks, from pack_columns' panels of W's
   // columns [k0, k1) (chunks = (k1 - k0 + 15) / 16); columns past k1 - k0 of dx hold zeros or padding.
   // @param dy     bf16 [tokens, ld_dy], ld_dy >= padded_k(n) (a multiple of 32, not just of 16), columns
   //               n..padded_k(n) zero.
   // @param dx     fp32 [tokens, ld_dx], ld_dx >= 16 * chunks; written, not accumulated.
   void (*input_grad)(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* columns, int64_t n,
-                     int64_t chunks, float* dx, int64_t ld_dx);
-  // Times forward (or input_grad, with chunks as panels and padded_k(n)) steps the calling thread's weight fetch
-  // (weight_fetch.h) for `tokens` rows, `panels` panels and K padded to k_padded; 0 where it never does.
-  int64_t (*fetch_steps)(int64_t tokens, int64_t panels, int64_t k_padded);
+                     int64_t chunks, float* dx, int64_t ld_dx, const GemmTuning& tuning);
 };
 
 const PanelGemm& panel_gemm_portable();
 const PanelGemm& panel_gemm_avx512bf16();
 const PanelGemm& panel_gemm_amx();
-// AMX blocking knobs (panel_gemm_amx.cpp): K values per pass of the forward products (0: all of K in one pass),
-// A-row and weight-tile prefetch distances in K values (0: off), K values per pass of the input gradients (< 0:
-// as the forward). Built-in defaults: 0, 0, 0, 0. Returns the previous four. Not thread-safe against running
-// kernels; for benchmarks and tests.
-std::array<int64_t, 4> set_amx_tuning(int64_t k_block, int64_t prefetch_ahead, int64_t prefetch_b_ahead,
-                                      int64_t k_block_input_grad);
-// AMX loop order (panel_gemm_amx.cpp): 0 walks each K pass over all of a task's tokens; > 0 finishes groups of
-// that many tokens (rounded up to 32) over all of K first (built-in: 32). Returns the previous value;
-// std::invalid_argument below 0. Same caveats as set_amx_tuning.
-int64_t set_amx_token_group(int64_t rows);
-// AMX next-block prefetch (panel_gemm_amx.cpp): nonzero prefetches the next 32 rows' A operand into L2 while the
-// current rows' products run (built-in: 1). Returns the previous value. Same caveats as set_amx_tuning.
-int64_t set_amx_prefetch_next(int64_t on);
 
 // The AVX512 packing routines, shared with the AMX variant (every AMX CPU has AVX512-BF16):
 // pack_rows_avx512 is PanelGemm::pack_rows; pack_columns_avx512 lays columns [k0, k0 + 16*chunks) of a
@@ -64,12 +60,7 @@ int64_t set_amx_prefetch_next(int64_t on);
 // forward kernel.
 void pack_rows_avx512(const uint16_t* w, int64_t n, int64_t k, int64_t p0, int64_t p1, uint16_t* dst);
 void pack_columns_avx512(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t chunks, int64_t n_tiles,
-                         uint16_t* dst);
-
-// Prefetch of pack_columns_avx512 (which every AVX512 and AMX input gradient packs with): rows ahead of the one
-// being packed (0: none) and whether into L2 (else L1). Built-in: 8, 1. Returns the previous pair;
-// std::invalid_argument outside [0, 4096]. For benchmarks and tests.
-std::array<int64_t, 2> set_pack_prefetch(int64_t rows_ahead, int64_t to_l2);
+                         uint16_t* dst, const GemmTuning& tuning);
 
 // The 16-column chunks (panels) pack_columns lays out for columns [k0, k1), and the elements it writes for a
 // matrix with n rows.

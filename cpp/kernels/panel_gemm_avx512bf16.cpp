@@ -7,11 +7,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
-#include <stdexcept>
 
 #include "panel_gemm.h"
-#include "weight_fetch.h"
 #include "weight_packing.h"
 
 #define MOECC_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -25,16 +22,14 @@ MOECC_AVX512BF16 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m5
 
 // One block of TOKENS rows x (16 or 32) outputs; TOKENS and PANELS are compile-time so the accumulators stay
 // in registers (2 x 8 zmm at most).
-// `fetch` (or null): the thread's weight fetch, stepped once per 32 values of K.
 template <int TOKENS, int PANELS>
 MOECC_AVX512BF16 void forward_block(const uint16_t* x, int64_t ldx, const uint16_t* panel0, int64_t k_padded,
-                                    float* out, int64_t ldo, WeightFetch* fetch) {
+                                    float* out, int64_t ldo) {
   __m512 acc[TOKENS][PANELS];
   for (int t = 0; t < TOKENS; ++t)
     for (int p = 0; p < PANELS; ++p) acc[t][p] = _mm512_setzero_ps();
   const int64_t panel_stride = kPanelRows * k_padded;
   for (int64_t kp = 0; kp < k_padded / 2; ++kp) {
-    if (fetch && kp % (kKAlign / 2) == 0) fetch->step();
     __m512bh w[PANELS];
     for (int p = 0; p < PANELS; ++p) w[p] = as_bh(_mm512_loadu_si512(panel0 + p * panel_stride + kp * 32));
     for (int t = 0; t < TOKENS; ++t) {
@@ -50,31 +45,30 @@ MOECC_AVX512BF16 void forward_block(const uint16_t* x, int64_t ldx, const uint16
 
 template <int PANELS>
 MOECC_AVX512BF16 void forward_rows(const uint16_t* x, int64_t ldx, int tokens, const uint16_t* panel0,
-                                   int64_t k_padded, float* out, int64_t ldo, WeightFetch* fetch) {
+                                   int64_t k_padded, float* out, int64_t ldo) {
   switch (tokens) {
-    case 8: return forward_block<8, PANELS>(x, ldx, panel0, k_padded, out, ldo, fetch);
-    case 7: return forward_block<7, PANELS>(x, ldx, panel0, k_padded, out, ldo, fetch);
-    case 6: return forward_block<6, PANELS>(x, ldx, panel0, k_padded, out, ldo, fetch);
-    case 5: return forward_block<5, PANELS>(x, ldx, panel0, k_padded, out, ldo, fetch);
-    case 4: return forward_block<4, PANELS>(x, ldx, panel0, k_padded, out, ldo, fetch);
-    case 3: return forward_block<3, PANELS>(x, ldx, panel0, k_padded, out, ldo, fetch);
-    case 2: return forward_block<2, PANELS>(x, ldx, panel0, k_padded, out, ldo, fetch);
-    default: return forward_block<1, PANELS>(x, ldx, panel0, k_padded, out, ldo, fetch);
+    case 8: return forward_block<8, PANELS>(x, ldx, panel0, k_padded, out, ldo);
+    case 7: return forward_block<7, PANELS>(x, ldx, panel0, k_padded, out, ldo);
+    case 6: return forward_block<6, PANELS>(x, ldx, panel0, k_padded, out, ldo);
+    case 5: return forward_block<5, PANELS>(x, ldx, panel0, k_padded, out, ldo);
+    case 4: return forward_block<4, PANELS>(x, ldx, panel0, k_padded, out, ldo);
+    case 3: return forward_block<3, PANELS>(x, ldx, panel0, k_padded, out, ldo);
+    case 2: return forward_block<2, PANELS>(x, ldx, panel0, k_padded, out, ldo);
+    default: return forward_block<1, PANELS>(x, ldx, panel0, k_padded, out, ldo);
   }
 }
 
 MOECC_AVX512BF16 void forward(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed,
-                              int64_t k_padded, int64_t p0, int64_t p1, float* out, int64_t ldo) {
-  WeightFetch* const fetch = active_weight_fetch();
+                              int64_t k_padded, int64_t p0, int64_t p1, float* out, int64_t ldo, const GemmTuning&) {
   for (int64_t t0 = 0; t0 < tokens; t0 += kTokenBlock) {
     const int block = static_cast<int>(tokens - t0 < kTokenBlock ? tokens - t0 : kTokenBlock);
     for (int64_t p = p0; p < p1; p += 2) {
       const uint16_t* panel0 = packed + p * kPanelRows * k_padded;
       float* dst = out + t0 * ldo + (p - p0) * kPanelRows;
       if (p + 1 < p1) {
-        forward_rows<2>(x + t0 * ldx, ldx, block, panel0, k_padded, dst, ldo, fetch);
+        forward_rows<2>(x + t0 * ldx, ldx, block, panel0, k_padded, dst, ldo);
       } else {
-        forward_rows<1>(x + t0 * ldx, ldx, block, panel0, k_padded, dst, ldo, fetch);
+        forward_rows<1>(x + t0 * ldx, ldx, block, panel0, k_padded, dst, ldo);
       }
     }
   }
@@ -143,25 +137,15 @@ MOECC_AVX512BF16 void pack_rows_avx512(const uint16_t* w, int64_t n, int64_t k, 
 // interleave (per 128-bit lane) and a qword permute to put the lanes in column order, two lines out. Rows are
 // the outer loop, so each row's slice is read once, contiguously.
 // Each row's slice starts a new page, where the hardware prefetchers stop, so rows further down are asked for
-// (set_pack_prefetch). The weights come from DRAM: on the AMX host these tasks packed at 4.4-4.7 GB/s per thread
-// with 16 rows ahead into L1, against 8 for the forward's row panels, whose reads are contiguous (2026-11-29, 16
-// threads, 1024 tokens). Requests into L1 are bounded by its fill buffers, into L2 by the larger L2 queue. In two
-// interleaved sweeps there (Zipf, 256-8192 tokens) 8 rows into L2 scored 0.964 and 0.965 of that (backward at
-// 1024 tokens 34.6 vs 39.2 and 29.3 vs 32.1 ms), 4 into L2 0.970, 16 into L2 0.994, 32 into L2 0.983, 32 into
-// L1 1.024. On a 2-core Zen 4 16 into L1 stays best (8 into L2: +10%), a few ms of a 1024-token backward.
-namespace {
-std::atomic<int64_t> pack_prefetch_rows{8};
-std::atomic<int64_t> pack_prefetch_l2{1};
-}  // namespace
-
+// (GemmTuning: 8 rows into L2 won on the host, benchmarks/results/README.md).
 MOECC_AVX512BF16 void pack_columns_avx512(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t chunks,
-                                          int64_t n_tiles, uint16_t* dst) {
+                                          int64_t n_tiles, uint16_t* dst, const GemmTuning& tuning) {
   const __m512i first_half = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
   const __m512i second_half = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
   const int64_t chunk_stride = n_tiles * kPanelRows;
   const int64_t slice_end = std::min(k, k0 + 16 * chunks);
-  const int64_t rows_ahead = pack_prefetch_rows.load(std::memory_order_relaxed);
-  const bool to_l2 = pack_prefetch_l2.load(std::memory_order_relaxed) != 0;
+  const int64_t rows_ahead = tuning.pack_prefetch_rows;
+  const bool to_l2 = tuning.pack_prefetch_l2;
   for (int64_t r = 0; r < n_tiles / 2; ++r) {
     const int64_t a = 2 * r, b = 2 * r + 1;
     for (int64_t ahead = a + rows_ahead; rows_ahead > 0 && ahead < std::min(n, a + rows_ahead + 2); ++ahead) {
@@ -183,13 +167,6 @@ MOECC_AVX512BF16 void pack_columns_avx512(const uint16_t* w, int64_t n, int64_t 
   }
 }
 
-std::array<int64_t, 2> set_pack_prefetch(int64_t rows_ahead, int64_t to_l2) {
-  if (rows_ahead < 0 || rows_ahead > 4096) {
-    throw std::invalid_argument("pack prefetch: rows ahead must be in [0, 4096] (0: none)");
-  }
-  return {pack_prefetch_rows.exchange(rows_ahead), pack_prefetch_l2.exchange(to_l2 != 0)};
-}
-
 namespace {
 
 MOECC_AVX512BF16 void pack_rows(const uint16_t* w, int64_t n, int64_t k, int64_t p0, int64_t p1, uint16_t* dst) {
@@ -197,24 +174,20 @@ MOECC_AVX512BF16 void pack_rows(const uint16_t* w, int64_t n, int64_t k, int64_t
 }
 
 // The transposed panels' K is n, padded to a multiple of 32 as AMX tiles need (dy has zero columns there).
-MOECC_AVX512BF16 void pack_columns(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t k1, uint16_t* dst) {
-  pack_columns_avx512(w, n, k, k0, column_chunks(k0, k1), padded_k(n), dst);
+MOECC_AVX512BF16 void pack_columns(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t k1, uint16_t* dst,
+                                   const GemmTuning& tuning) {
+  pack_columns_avx512(w, n, k, k0, column_chunks(k0, k1), padded_k(n), dst, tuning);
 }
 
 MOECC_AVX512BF16 void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* columns,
-                                 int64_t n, int64_t chunks, float* dx, int64_t ld_dx) {
-  forward(dy, ld_dy, tokens, columns, padded_k(n), 0, chunks, dx, ld_dx);
-}
-
-// Steps the thread's weight fetch once per 32 values of K of each block of kTokenBlock rows and 2 panels.
-int64_t fetch_steps(int64_t tokens, int64_t panels, int64_t k_padded) {
-  return (tokens + kTokenBlock - 1) / kTokenBlock * ((panels + 1) / 2) * (k_padded / kKAlign);
+                                 int64_t n, int64_t chunks, float* dx, int64_t ld_dx, const GemmTuning& tuning) {
+  forward(dy, ld_dy, tokens, columns, padded_k(n), 0, chunks, dx, ld_dx, tuning);
 }
 
 }  // namespace
 
 const PanelGemm& panel_gemm_avx512bf16() {
-  static const PanelGemm gemm{pack_rows, forward, pack_columns, input_grad, fetch_steps};
+  static const PanelGemm gemm{pack_rows, forward, pack_columns, input_grad};
   return gemm;
 }
 

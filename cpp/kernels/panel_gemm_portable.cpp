@@ -12,7 +12,7 @@ namespace moecc::kernels {
 namespace {
 
 void forward(const uint16_t* x, int64_t ldx, int64_t tokens, const uint16_t* packed, int64_t k_padded, int64_t p0,
-             int64_t p1, float* out, int64_t ldo) {
+             int64_t p1, float* out, int64_t ldo, const GemmTuning&) {
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t p = p0; p < p1; ++p) {
       const uint16_t* panel = packed + p * kPanelRows * k_padded;
@@ -40,7 +40,7 @@ void pack_rows(const uint16_t* w, int64_t n, int64_t k, int64_t p0, int64_t p1, 
 }
 
 // The panels of W's transpose, element by element: what pack_columns_avx512 writes with vector shuffles.
-void pack_columns(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t k1, uint16_t* dst) {
+void pack_columns(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t k1, uint16_t* dst, const GemmTuning&) {
   const int64_t n_tiles = padded_k(n);
   std::fill(dst, dst + column_panel_elements(n, k0, k1), uint16_t{0});
   for (int64_t col = k0; col < std::min(k1, k); ++col) {
@@ -49,17 +49,14 @@ void pack_columns(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t k
 }
 
 void input_grad(const uint16_t* dy, int64_t ld_dy, int64_t tokens, const uint16_t* columns, int64_t n,
-                int64_t chunks, float* dx, int64_t ld_dx) {
-  forward(dy, ld_dy, tokens, columns, padded_k(n), 0, chunks, dx, ld_dx);
+                int64_t chunks, float* dx, int64_t ld_dx, const GemmTuning& tuning) {
+  forward(dy, ld_dy, tokens, columns, padded_k(n), 0, chunks, dx, ld_dx, tuning);
 }
-
-// The portable products never step a weight fetch (no prefetch instructions assumed).
-int64_t fetch_steps(int64_t, int64_t, int64_t) { return 0; }
 
 }  // namespace
 
 const PanelGemm& panel_gemm_portable() {
-  static const PanelGemm gemm{pack_rows, forward, pack_columns, input_grad, fetch_steps};
+  static const PanelGemm gemm{pack_rows, forward, pack_columns, input_grad};
   return gemm;
 }
 

@@ -127,10 +127,10 @@ double panel_gemm_flops(Isa isa, int64_t tokens, int64_t n, int64_t k, int64_t r
   for (size_t i = 0; i < x.size(); ++i) x[i] = float_to_bf16(static_cast<float>(static_cast<int>(i % 129) - 64) / 64);
   for (size_t i = 0; i < w.size(); ++i) w[i] = float_to_bf16(static_cast<float>(static_cast<int>(i % 127) - 63) / 64);
   std::vector<float> out(static_cast<size_t>(tokens * panels * kPanelRows));
-  gemm.forward(x.data(), ldx, tokens, w.data(), k_padded, 0, panels, out.data(), panels * kPanelRows);  // warm
+  gemm.forward(x.data(), ldx, tokens, w.data(), k_padded, 0, panels, out.data(), panels * kPanelRows, {});  // warm
   const auto start = std::chrono::steady_clock::now();
   for (int64_t r = 0; r < reps; ++r) {
-    gemm.forward(x.data(), ldx, tokens, w.data(), k_padded, 0, panels, out.data(), panels * kPanelRows);
+    gemm.forward(x.data(), ldx, tokens, w.data(), k_padded, 0, panels, out.data(), panels * kPanelRows, {});
   }
   const double elapsed = seconds_since(start);
   volatile float keep = out[0];

@@ -150,14 +150,16 @@ def _available_host_bytes() -> int | None:
 class NativeExperts:
     """Runs the kernels on each layer's weights as they are now (so PEFT merges are seen at once)."""
 
-    def __init__(self, isa: str, prepack: bool = False) -> None:
+    def __init__(self, isa: str, prepack: bool = False, tuning: _ops.KernelTuning | None = None) -> None:
         """``isa``: the kernel variant. ``prepack`` (``MoeccConfig.prepack_weights``): keep a copy of each
         layer's weights in the kernels' panel layout, which the forward products read instead of packing per
-        task (it doubles the experts' host memory), off by default."""
+        task (it doubles the experts' host memory), off by default. ``tuning``: the kernels' task shape and
+        store settings (None: the defaults; benchmarks and tests set others, also later through ``tuning``)."""
         _ops.check_isa(isa)
         _check_omp_wait_policy()
         self.isa = isa
         self.prepack = prepack
+        self.tuning = tuning
         self._saved_buffers = _BufferPool()  # saved state's buffers, forward to backward
         self._scratch = _BufferPool()  # float32 results, converted before they leave this object
         self._results = _BufferPool()  # bf16 outputs / input gradients handed back through release_result
@@ -264,7 +266,8 @@ class NativeExperts:
             _ops.expert_ffn_forward(self.isa, matrices, shape, top_k, hidden_bf16, offsets, order, routing,
                                     _kernel_lora(gate_up_lora), _kernel_lora(down_lora), out=out,
                                     gate_up_out=gate_up_out, hidden_copy=hidden_copy,
-                                    packed=self._packed(weights, matrices), lora_inner=lora_inner)
+                                    packed=self._packed(weights, matrices), lora_inner=lora_inner,
+                                    tuning=self.tuning)
             result = out if direct else out.to(out_dtype, copy=True)
         finally:
             if not direct:
@@ -340,7 +343,7 @@ class NativeExperts:
                 routing, _kernel_lora(gate_up_lora), _kernel_lora(down_lora), saved.gate_up_out,
                 grad_out.contiguous() if direct else pooled[1],
                 grad_hidden=self._results.take(tuple(saved.hidden.shape), torch.bfloat16) if direct else pooled[0],
-                lora_inner=_inner_for(saved, gate_up_lora, down_lora))
+                lora_inner=_inner_for(saved, gate_up_lora, down_lora), tuning=self.tuning)
             grad_hidden = grad_in if direct else grad_in.to(grad_out.dtype, copy=True)
         finally:
             for buffer in pooled:
