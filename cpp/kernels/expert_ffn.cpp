@@ -210,9 +210,8 @@ void activate(const Dims& d, const uint16_t* gate_up_out, const LoraFactors& lor
 // expert's product, which halves the traffic of the largest buffer of a call (per pair a whole hidden row: 0.5 GB
 // in float32 at 8192 tokens for Qwen3-30B-A3B); the forward's weighting here is the same float32 product it was
 // when applied per pair.
-// The rows are added one at a time into a float32 row (in L1), each read in order: adding a token's k rows 16
-// columns at a time in registers (k streams at once) read them no faster, and took 1.82 against 1.71 ms locally
-// at 2048 tokens (2 cores, 2026-11-30).
+// The rows are added one at a time into a float32 row (in L1), each read in order: k streams at once in registers
+// were slower (benchmarks/results/README.md, local measurements).
 void sum_slots(const Dims& d, const uint16_t* per_pair, const float* weights, float* out, uint16_t* out_bf16,
                moecc::pool::ThreadPool& pool) {
   const int64_t chunk = 16;
@@ -233,8 +232,8 @@ void sum_slots(const Dims& d, const uint16_t* per_pair, const float* weights, fl
 
 // PEFT's B [out, r*E] (column j*E + e) <-> B^T [E, r, out]. Tasks are blocks of kRelayoutRows output rows; within
 // one, tiles of kRelayoutExperts experts: a tile's reads and writes (kRelayoutRows x kRelayoutExperts values, 4 KB)
-// stay in L1 while it is transposed. Walking all E experts per output row instead touched E x r cache lines of
-// B^T per row, more than L1 holds, and took 6 ms of a 1024-token backward on 2 cores.
+// stay in L1 while it is transposed; walking all E experts per output row touched E x r lines of B^T per row,
+// more than L1 holds (benchmarks/results/README.md, local measurements).
 constexpr int64_t kRelayoutRows = 64;
 constexpr int64_t kRelayoutExperts = 16;
 

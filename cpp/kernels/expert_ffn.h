@@ -92,7 +92,8 @@ struct KernelTuning {
   // so it moves the routing and gate/up A gradients in their last bits.
   int64_t grad_columns_per_task = 256;
   // Rows per product task: a task's weight slice stays in L2 while its rows stream past, so the weights cross
-  // the memory bus once per this many rows of an expert; taller tasks split a hot expert over fewer threads.
+  // the memory bus once per this many rows of an expert; taller tasks split a hot expert over fewer threads
+  // (1024 against 256: benchmarks/results/README.md, local measurements).
   int64_t rows_per_task = 1024;
   // Rows per product call within a task, its epilogue (LoRA term, bf16 rounding) run on each block while the
   // block is in cache; 0: the whole task at once.

@@ -1,10 +1,7 @@
 // The generic body of the SwiGLU rows (swiglu.h) in 16-lane vectors (vector16.h), and the entry points each build
-// of it exports. One pass per 16 columns does everything an element needs while it is in registers. Written as
-// plain loops that GCC vectorised itself, the backward took six passes over the row (the vectoriser mixed 8- and
-// 16-lane code) and two divisions: 0.98 ns an element on a Zen 4 core on cached rows, the largest epilogue of the
-// layer (~7 ns on the AMX host's cores). This way, with AVX512-BF16 rounding, 0.66 ns; on the host the down input
-// gradient's epilogue at 8192 tokens went from 337-425 to 212-244 thread-ms (2026-11-29, alternating runs of both
-// builds).
+// of it exports. One pass per 16 columns does everything an element needs while it is in registers: as plain loops
+// GCC vectorised itself the backward took six passes over the row and two divisions (the ninth session's entry in
+// benchmarks/results/README.md has what the vector body saved).
 // Built once per ISA, each translation unit with its own flags (setup.py): swiglu.cpp for the baseline ISA,
 // isa/swiglu_avx512.cpp (one zmm register a vector) and isa/swiglu_avx512bf16.cpp (bf16 rounded by VCVTNEPS2BF16).
 // Everything here has internal linkage, so no build's copy of a function can stand in for another's at link time.
