@@ -10,9 +10,10 @@ Registering a paradigm: a module with an engine and a layer class, and one entry
 """
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import Callable, ClassVar, Protocol
 
 import torch
 
@@ -185,6 +186,17 @@ class ExpertLayer(ABC):
     def checked(self, pending: Pending) -> Pending:
         """``pending``, its output checked for NaN / inf at ``result()`` under ``check_finite``."""
         return _CheckedPending(pending, self) if self.engine.check_finite else pending
+
+    def backward_lock(self) -> contextlib.AbstractContextManager:
+        """Held around this layer's backward: nothing here; engines whose layers share state lock it."""
+        return contextlib.nullcontext()
+
+    def checked_backward(self, grad_out: torch.Tensor, backward: Callable[[], tuple]) -> tuple:
+        """``backward()`` of this layer's autograd node under :meth:`backward_lock`, with the incoming gradient and
+        the node's gradients checked under ``check_finite``."""
+        self.check_finite("incoming gradient (of the output)", grad_out)
+        with self.backward_lock():
+            return self.check_gradients(backward())
 
     def check_gradients(self, gradients: tuple) -> tuple:
         """Under ``check_finite``: the gradients an experts node returns (``node_gradients``) are finite."""

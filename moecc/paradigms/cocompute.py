@@ -187,9 +187,7 @@ class CpuExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        layer = ctx.job.layer
-        layer.check_finite("incoming gradient (of the output)", grad_out)
-        return layer.check_gradients(CpuExpertsFunction._backward(ctx, grad_out))
+        return ctx.job.layer.checked_backward(grad_out, lambda: CpuExpertsFunction._backward(ctx, grad_out))
 
     @staticmethod
     def _backward(ctx, grad_out):

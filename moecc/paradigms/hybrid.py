@@ -25,12 +25,11 @@ from torch.profiler import record_function
 
 from .. import _ops
 from ..config import MoeccConfig
-from ..errors import MoeccError
 from ..experts import ExpertBackend, ExpertLora, LoraGrads, SavedState
 from ..experts.select import cpu_backend, default_device_backend, device_backend
 from ..lora import lora_tensors
 from ..staging import StagingBuffers
-from .base import Pending, expert_lora_params, node_gradients, saved_state_gone
+from .base import Pending, expert_lora_params, node_gradients, routed_counts, saved_state_gone
 from .hybrid_split import CostTracker, RoutingForecast, SideCosts, hit_rate, physical_costs, plan_split
 from .offload import OffloadEngine, OffloadLayer, ParkedState, _Call, lora_on_device, offload_gpu_bytes
 
@@ -247,18 +246,6 @@ class HybridLayer(OffloadLayer):
         return HybridPending(out, parts, self.engine)
 
 
-def routed_counts(top_k_index: torch.Tensor, num_experts: int) -> list[int]:
-    """``[E]`` routed pairs per expert on the host (one sync); ids outside ``[0, E)`` are refused first."""
-    flat = top_k_index.reshape(-1).long()
-    bad = (flat < 0) | (flat >= num_experts)
-    counts = torch.bincount(torch.where(bad, num_experts, flat), minlength=num_experts + 1).tolist()
-    if counts[num_experts]:
-        seen = flat[bad][:4].tolist()
-        raise MoeccError(f"the router produced expert ids outside [0, {num_experts}) (e.g. {seen}); check the "
-                         "model's router (num_experts in its config) — nothing was computed or cached")
-    return counts[:num_experts]
-
-
 @dataclass
 class _Parts:
     """What one layer call's forward leaves for ``result()`` and backward."""
@@ -365,10 +352,7 @@ class HybridExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        layer = ctx.layer
-        layer.check_finite("incoming gradient (of the output)", grad_out)
-        with layer.engine.lock:  # the slots are shared: one thread's layer call at a time
-            return layer.check_gradients(HybridExpertsFunction._backward(ctx, grad_out))
+        return ctx.layer.checked_backward(grad_out, lambda: HybridExpertsFunction._backward(ctx, grad_out))
 
     @staticmethod
     def _backward(ctx, grad_out):

@@ -25,6 +25,7 @@ and prefetches nothing forwards.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -547,6 +548,10 @@ class OffloadLayer(ExpertLayer):
         super().__init__(name, experts, wrappers, engine, index)
         self.last_experts: list[int] | None = None  # routed in the latest forward; backward prefetches them
 
+    def backward_lock(self) -> contextlib.AbstractContextManager:
+        """The engine's lock: the slots are shared, so one thread's layer call at a time."""
+        return self.engine.lock
+
     def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Pending:
         """Queues the layer's copies and compute on the device; ``result()`` hands the output over."""
         self.check_inputs(hidden, top_k_index, top_k_weights)
@@ -613,10 +618,7 @@ class OffloadExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        layer = ctx.layer
-        layer.check_finite("incoming gradient (of the output)", grad_out)
-        with layer.engine.lock:  # the slots are shared: one thread's layer call at a time
-            return layer.check_gradients(OffloadExpertsFunction._backward(ctx, grad_out))
+        return ctx.layer.checked_backward(grad_out, lambda: OffloadExpertsFunction._backward(ctx, grad_out))
 
     @staticmethod
     def _backward(ctx, grad_out):
