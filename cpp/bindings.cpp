@@ -1,6 +1,8 @@
-// The Python/C++ boundary: plain functions over raw addresses and shapes. moecc/_ops.py is the only caller;
-// it checks dtype, device, contiguity and sizes before an address crosses, and owns every buffer.
-// Long-running calls release the GIL; C++ exceptions surface as Python exceptions through pybind11.
+// The Python/C++ boundary: plain functions over raw addresses and shapes, and the kernels' argument structs, each
+// bound once here (pointer fields as integer addresses, 0 for null). moecc/_ops.py is the only caller; it checks
+// dtype, device, contiguity and sizes before an address crosses, and owns every buffer. Long-running calls release
+// the GIL; C++ exceptions surface as Python exceptions through pybind11. Test hooks are in moecc._C.testing
+// (testing_bindings.cpp).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -10,114 +12,29 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/aligned_buffer.h"
 #include "kernels/amx_self_check.h"
-#include "kernels/bf16_rounding.h"
 #include "kernels/cpu_features.h"
 #include "kernels/expert_ffn.h"
-#include "kernels/lora_products.h"
 #include "kernels/peak_rate.h"
 #include "kernels/token_grouping.h"
 #include "kernels/vector16.h"
 #include "kernels/weight_packing.h"
 #include "pool/thread_pool.h"
+#include "testing_bindings.h"
 
 namespace py = pybind11;
 
 namespace {
 
-template <typename T>
-T* as_pointer(std::uintptr_t address) {
-  return reinterpret_cast<T*>(address);
-}
-
-// Fills out[i] = i * 2 + 1 on the pool, one task per element; a test of scheduling and coverage.
-void pool_fill_test(std::uintptr_t out_address, int64_t n) {
-  int64_t* out = as_pointer<int64_t>(out_address);
-  moecc::pool::global_pool()->run(n, [out](int64_t task, int) { out[task] = task * 2 + 1; });
-}
-
-// Runs n tasks of which task `failing_task` throws; the error must reach Python and the pool must survive.
-void pool_raise_test(int64_t n, int64_t failing_task) {
-  moecc::pool::global_pool()->run(n, [failing_task](int64_t task, int) {
-    if (task == failing_task) throw std::runtime_error("task " + std::to_string(task) + " failed on purpose");
-  });
-}
-
-// Rounds n (a multiple of 16) floats to bf16 with the epilogues' 16-lane rounding, integer (native false) or
-// AVX512-BF16's instruction; a test of the two against each other and torch.
-void round_bf16_test(std::uintptr_t src_address, std::uintptr_t dst_address, int64_t n, bool native) {
-  using namespace moecc::kernels::v16;
-  if (n % kLanes != 0) throw std::invalid_argument("_round_bf16_test: n must be a multiple of 16");
-  const float* src = as_pointer<const float>(src_address);
-  uint16_t* dst = as_pointer<uint16_t>(dst_address);
-  if (native) {
-    if (!native_bf16()) throw std::invalid_argument("_round_bf16_test: this CPU has no AVX512-BF16");
-    moecc::kernels::round_bf16_native(src, dst, n);
-  } else {
-    for (int64_t i = 0; i < n; i += kLanes) store16<PortableBf16>(dst + i, load16(src + i));
-  }
-}
-
-// Test hook: the rank-r LoRA terms of `count` rows through the grouped-row functions (lora_products.h), one
-// call a row (grouped = false) or all rows in one call, so tests can compare the two. op: "combine_bf16" (float
-// rows -> bf16 out), "combine_f32" (float rows, in place), "dots" (float rows -> float out) or "dots_bf16" (bf16
-// rows -> float out).
-void lora_rows_test(const std::string& op, std::uintptr_t coef_address, int64_t coef_ld, float scale,
-                    std::uintptr_t factors_address, int64_t ld, int64_t rank, int64_t n, std::uintptr_t rows_address,
-                    int64_t rows_ld, std::uintptr_t out_address, int64_t out_ld, int64_t count, bool grouped) {
-  using namespace moecc::kernels;
-  const float* coef = as_pointer<const float>(coef_address);
-  const float* factors = as_pointer<const float>(factors_address);
-  float* rows = as_pointer<float>(rows_address);
-  if (op == "combine_bf16") {
-    uint16_t* out = as_pointer<uint16_t>(out_address);
-    std::vector<uint16_t*> outs;
-    for (int64_t r = 0; r < count; ++r) outs.push_back(out + r * out_ld);
-    if (grouped) {
-      rank_combine_bf16_rows(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, outs.data(), count);
-    } else {
-      for (int64_t r = 0; r < count; ++r) {
-        rank_combine_bf16_rows(coef + r * coef_ld, coef_ld, scale, factors, ld, rank, n, rows + r * rows_ld, rows_ld,
-                               &outs[r], 1);
-      }
-    }
-  } else if (op == "combine_f32") {
-    if (grouped) {
-      rank_combine_rows(coef, coef_ld, scale, factors, ld, rank, n, rows, rows_ld, count);
-    } else {
-      for (int64_t r = 0; r < count; ++r) {
-        rank_combine_rows(coef + r * coef_ld, coef_ld, scale, factors, ld, rank, n, rows + r * rows_ld, rows_ld, 1);
-      }
-    }
-  } else if (op == "dots" || op == "dots_bf16") {  // dots_bf16: rows are bf16 bits
-    float* out = as_pointer<float>(out_address);
-    const auto dots = [&](const auto* typed_rows) {
-      if (grouped) {
-        rank_dots_rows(typed_rows, rows_ld, factors, ld, rank, n, scale, out, out_ld, count);
-      } else {
-        for (int64_t r = 0; r < count; ++r) {
-          rank_dots(typed_rows + r * rows_ld, factors, ld, rank, n, scale, out + r * out_ld);
-        }
-      }
-    };
-    if (op == "dots") {
-      dots(static_cast<const float*>(rows));
-    } else {
-      dots(as_pointer<const uint16_t>(rows_address));
-    }
-  } else {
-    throw std::invalid_argument("_lora_rows_test: op must be combine_bf16, combine_f32, dots or dots_bf16");
-  }
-}
-
+using moecc::bindings::as_pointer;
 using moecc::kernels::Isa;
-using moecc::kernels::LoraFactors;
 
-LoraFactors lora_factors(std::uintptr_t a, std::uintptr_t b, int64_t rank, float scaling) {
-  LoraFactors lora;
-  if (a != 0) lora = {as_pointer<const float>(a), as_pointer<const float>(b), rank, scaling};
-  return lora;
+// A pointer field of an argument struct as a read-write integer address (0: null).
+template <typename Class, typename T>
+void address(py::class_<Class>& cls, const char* name, T* Class::*field) {
+  cls.def_property(
+      name, [field](const Class& self) { return reinterpret_cast<std::uintptr_t>(self.*field); },
+      [field](Class& self, std::uintptr_t value) { self.*field = reinterpret_cast<T*>(value); });
 }
 
 // A rate measured by `one` on one thread (threads <= 1), or summed over as many concurrent runs as the pool has
@@ -131,6 +48,149 @@ double rate(int threads, Fn&& one) {
   double total = 0.0;
   for (double r : rates) total += r;
   return total;
+}
+
+// The argument structs of expert_ffn.h and the tuning of expert_ffn.h / panel_gemm.h.
+void bind_kernel_arguments(py::module_& m) {
+  using namespace moecc::kernels;
+  py::class_<ExpertShapes>(m, "ExpertShapes", "T, k, E, H, I of one expert_ffn call (expert_ffn.h).")
+      .def(py::init<>())
+      .def_readwrite("experts", &ExpertShapes::experts)
+      .def_readwrite("hidden", &ExpertShapes::hidden)
+      .def_readwrite("inter", &ExpertShapes::inter)
+      .def_readwrite("tokens", &ExpertShapes::tokens)
+      .def_readwrite("top_k", &ExpertShapes::top_k);
+
+  py::class_<ExpertMatrices> matrices(m, "ExpertMatrices", "The experts' bf16 weights (and packed copies).");
+  matrices.def(py::init<>());
+  address(matrices, "gate_up", &ExpertMatrices::gate_up);
+  address(matrices, "down", &ExpertMatrices::down);
+  address(matrices, "packed_gate_up", &ExpertMatrices::packed_gate_up);
+  address(matrices, "packed_down", &ExpertMatrices::packed_down);
+
+  py::class_<LoraFactors> lora(m, "LoraFactors", "One projection's LoRA factors; a = 0: none.");
+  lora.def(py::init<>()).def_readwrite("rank", &LoraFactors::rank).def_readwrite("scaling", &LoraFactors::scaling);
+  address(lora, "a", &LoraFactors::a);
+  address(lora, "b", &LoraFactors::b);
+
+  py::class_<Routing> routing(m, "Routing", "The grouping of token_grouping.h and the routing weight per pair.");
+  routing.def(py::init<>());
+  address(routing, "offsets", &Routing::offsets);
+  address(routing, "order", &Routing::order);
+  address(routing, "weights", &Routing::weights);
+
+  py::class_<ForwardIo> forward(m, "ForwardIo", "The forward's token rows in and out (expert_ffn.h).");
+  forward.def(py::init<>());
+  address(forward, "hidden", &ForwardIo::hidden);
+  address(forward, "gate_up_out", &ForwardIo::gate_up_out);
+  address(forward, "out", &ForwardIo::out);
+  address(forward, "out_bf16", &ForwardIo::out_bf16);
+  address(forward, "hidden_copy", &ForwardIo::hidden_copy);
+  address(forward, "inner_gate_up", &ForwardIo::inner_gate_up);
+  address(forward, "inner_down", &ForwardIo::inner_down);
+
+  py::class_<BackwardIo> backward(m, "BackwardIo", "The backward's token rows and gradients (expert_ffn.h).");
+  backward.def(py::init<>());
+  address(backward, "hidden", &BackwardIo::hidden);
+  address(backward, "gate_up_out", &BackwardIo::gate_up_out);
+  address(backward, "grad_out", &BackwardIo::grad_out);
+  address(backward, "grad_out_bf16", &BackwardIo::grad_out_bf16);
+  address(backward, "grad_hidden", &BackwardIo::grad_hidden);
+  address(backward, "grad_hidden_bf16", &BackwardIo::grad_hidden_bf16);
+  address(backward, "grad_routing", &BackwardIo::grad_routing);
+  address(backward, "grad_gate_up_a", &BackwardIo::grad_gate_up_a);
+  address(backward, "grad_gate_up_b", &BackwardIo::grad_gate_up_b);
+  address(backward, "grad_down_a", &BackwardIo::grad_down_a);
+  address(backward, "grad_down_b", &BackwardIo::grad_down_b);
+  address(backward, "inner_gate_up", &BackwardIo::inner_gate_up);
+  address(backward, "inner_down", &BackwardIo::inner_down);
+
+  py::class_<GemmTuning>(m, "GemmTuning", "Prefetch settings of the panel products (panel_gemm.h).")
+      .def(py::init<>())
+      .def_readwrite("pack_prefetch_rows", &GemmTuning::pack_prefetch_rows)
+      .def_readwrite("pack_prefetch_l2", &GemmTuning::pack_prefetch_l2)
+      .def_readwrite("amx_prefetch_next", &GemmTuning::amx_prefetch_next);
+  py::class_<KernelTuning>(m, "KernelTuning",
+                           "Task shape and non-temporal stores of the expert kernels (expert_ffn.h); built with the "
+                           "defaults the engine runs.")
+      .def(py::init<>())
+      .def_readwrite("panels_per_task", &KernelTuning::panels_per_task)
+      .def_readwrite("grad_columns_per_task", &KernelTuning::grad_columns_per_task)
+      .def_readwrite("rows_per_task", &KernelTuning::rows_per_task)
+      .def_readwrite("block_rows", &KernelTuning::block_rows)
+      .def_readwrite("streaming_copies", &KernelTuning::streaming_copies)
+      .def_readwrite("streaming_outputs", &KernelTuning::streaming_outputs)
+      .def_readwrite("gemm", &KernelTuning::gemm)
+      .def("check", &check_tuning, "Raises ValueError naming a field that is out of range.");
+}
+
+void bind_expert_ffn(py::module_& m) {
+  using namespace moecc::kernels;
+  m.def(
+      "expert_ffn_forward",
+      [](int isa, const ExpertShapes& shapes, const ExpertMatrices& weights, const LoraFactors& gate_up_lora,
+         const LoraFactors& down_lora, const Routing& routing, const ForwardIo& io, const KernelTuning& tuning) {
+        expert_ffn_forward(static_cast<Isa>(isa), shapes, weights, gate_up_lora, down_lora, routing, io, tuning,
+                           *moecc::pool::global_pool());
+      },
+      py::arg("isa"), py::arg("shapes"), py::arg("weights"), py::arg("gate_up_lora"), py::arg("down_lora"),
+      py::arg("routing"), py::arg("io"), py::arg("tuning"), py::call_guard<py::gil_scoped_release>(),
+      "Routed-expert SwiGLU forward with LoRA (expert_ffn.h); every address checked by moecc._ops.");
+  m.def(
+      "expert_ffn_backward",
+      [](int isa, const ExpertShapes& shapes, const ExpertMatrices& weights, const LoraFactors& gate_up_lora,
+         const LoraFactors& down_lora, const Routing& routing, const BackwardIo& io, const KernelTuning& tuning) {
+        expert_ffn_backward(static_cast<Isa>(isa), shapes, weights, gate_up_lora, down_lora, routing, io, tuning,
+                            *moecc::pool::global_pool());
+      },
+      py::arg("isa"), py::arg("shapes"), py::arg("weights"), py::arg("gate_up_lora"), py::arg("down_lora"),
+      py::arg("routing"), py::arg("io"), py::arg("tuning"), py::call_guard<py::gil_scoped_release>(),
+      "Backward of expert_ffn_forward; LoRA A gradients accumulate, B gradients are written.");
+  m.def("last_phase_times", &moecc::kernels::last_phase_times, py::arg("backward"),
+        "[(phase, seconds)] of the latest expert_ffn_forward (backward=False) or expert_ffn_backward call.");
+
+  m.def(
+      "last_product_parts",
+      [](bool backward) {
+        std::vector<std::tuple<std::string, double, double, double>> parts;
+        for (const auto& p : moecc::kernels::last_product_parts(backward)) {
+          parts.emplace_back(p.phase, p.pack, p.gemm, p.epilogue);
+        }
+        return parts;
+      },
+      py::arg("backward"),
+      "[(phase, pack, gemm, epilogue)] thread-seconds per product phase of the latest expert_ffn_forward "
+      "(backward=False) or expert_ffn_backward call, summed over the pool's threads.");
+}
+
+// Register-only peaks and the panel kernel's rate (peak_rate.h), for the benchmarks.
+void bind_rates(py::module_& m) {
+  m.def(
+      "peak_flops",
+      [](const std::string& isa, int64_t iterations, int threads) {
+        double (*one)(int64_t) = isa == "amx"           ? moecc::kernels::peak_flops_amx
+                                 : isa == "avx512_bf16" ? moecc::kernels::peak_flops_avx512bf16
+                                 : isa == "avx512_fma"  ? moecc::kernels::peak_flops_avx512fma
+                                                        : nullptr;
+        if (one == nullptr) {
+          throw std::invalid_argument("peak_flops: unknown unit '" + isa + "' (amx, avx512_bf16 or avx512_fma)");
+        }
+        return rate(threads, [&]() { return one(iterations); });
+      },
+      py::arg("isa"), py::arg("iterations"), py::arg("threads") = 1, py::call_guard<py::gil_scoped_release>(),
+      "Register-only FLOP/s of one thread (threads=1) or the sum over the pool's threads: bf16 for 'amx' and "
+      "'avx512_bf16', float32 FMA for 'avx512_fma'; ValueError if the CPU cannot run it or the unit is unknown.");
+
+  m.def(
+      "panel_gemm_flops",
+      [](int isa, int64_t tokens, int64_t n, int64_t k, int64_t reps, int threads) {
+        return rate(threads, [&]() {
+          return moecc::kernels::panel_gemm_flops(static_cast<Isa>(isa), tokens, n, k, reps);
+        });
+      },
+      py::arg("isa"), py::arg("tokens"), py::arg("n"), py::arg("k"), py::arg("reps"), py::arg("threads") = 1,
+      py::call_guard<py::gil_scoped_release>(),
+      "FLOP/s of the panel kernel of `isa` on one cache-resident problem, one thread or summed over the pool.");
 }
 
 }  // namespace
@@ -190,9 +250,6 @@ PYBIND11_MODULE(_C, m) {
     d["reason"] = check.reason;
     return d;
   }, "Whether the AMX kernels work in this process (amx_self_check.h): {ran, ok, reason}; cached after the first call.");
-  m.def("_reset_amx_self_check", &moecc::kernels::reset_amx_self_check, py::arg("fault"),
-        "Test hook: forget the AMX self-check's result and inject `fault` (0 none, 1 readback, 2 product) next time.");
-
   m.def("packed_elements", &moecc::kernels::packed_elements, py::arg("rows"), py::arg("cols"));
   m.def(
       "pack_experts",
@@ -214,147 +271,14 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>(),
       "Packs panels [p0, p1) of one row-major bf16 matrix with the `isa` variant's packer (tests, prepacking).");
 
-  m.def(
-      "expert_ffn_forward",
-      [](int isa, int64_t experts, int64_t hidden_size, int64_t inter, int64_t tokens, int64_t top_k,
-         std::uintptr_t gate_up, std::uintptr_t down, std::uintptr_t gate_up_a, std::uintptr_t gate_up_b,
-         int64_t gate_up_rank, float gate_up_scaling, std::uintptr_t down_a, std::uintptr_t down_b, int64_t down_rank,
-         float down_scaling, std::uintptr_t offsets, std::uintptr_t order, std::uintptr_t routing_weights,
-         std::uintptr_t hidden, std::uintptr_t gate_up_out, std::uintptr_t out, bool out_bf16,
-         std::uintptr_t hidden_copy, std::uintptr_t packed_gate_up, std::uintptr_t packed_down,
-         std::uintptr_t inner_gate_up, std::uintptr_t inner_down, const moecc::kernels::KernelTuning& tuning) {
-        moecc::kernels::expert_ffn_forward(
-            static_cast<Isa>(isa), {experts, hidden_size, inter, tokens, top_k},
-            {as_pointer<const uint16_t>(gate_up), as_pointer<const uint16_t>(down),
-             as_pointer<const uint16_t>(packed_gate_up), as_pointer<const uint16_t>(packed_down)},
-            lora_factors(gate_up_a, gate_up_b, gate_up_rank, gate_up_scaling),
-            lora_factors(down_a, down_b, down_rank, down_scaling),
-            {as_pointer<const int64_t>(offsets), as_pointer<const int64_t>(order),
-             as_pointer<const float>(routing_weights)},
-            {as_pointer<const uint16_t>(hidden), as_pointer<uint16_t>(gate_up_out),
-             out_bf16 ? nullptr : as_pointer<float>(out), out_bf16 ? as_pointer<uint16_t>(out) : nullptr,
-             as_pointer<uint16_t>(hidden_copy), as_pointer<float>(inner_gate_up), as_pointer<float>(inner_down)},
-            tuning, *moecc::pool::global_pool());
-      },
-      py::kw_only(), py::arg("isa"), py::arg("experts"), py::arg("hidden_size"), py::arg("inter"), py::arg("tokens"),
-      py::arg("top_k"), py::arg("gate_up"), py::arg("down"), py::arg("gate_up_a"), py::arg("gate_up_b"),
-      py::arg("gate_up_rank"), py::arg("gate_up_scaling"), py::arg("down_a"), py::arg("down_b"), py::arg("down_rank"),
-      py::arg("down_scaling"), py::arg("offsets"), py::arg("order"), py::arg("routing_weights"), py::arg("hidden"),
-      py::arg("gate_up_out"), py::arg("out"), py::arg("out_bf16"), py::arg("hidden_copy"),
-      py::arg("packed_gate_up") = 0, py::arg("packed_down") = 0, py::arg("inner_gate_up") = 0,
-      py::arg("inner_down") = 0, py::arg("tuning"),
-      py::call_guard<py::gil_scoped_release>(),
-      "Routed-expert SwiGLU forward with LoRA (expert_ffn.h); addresses of tensors checked by moecc._ops; out is "
-      "bf16 when out_bf16, else float32.");
-
-  m.def(
-      "expert_ffn_backward",
-      [](int isa, int64_t experts, int64_t hidden_size, int64_t inter, int64_t tokens, int64_t top_k,
-         std::uintptr_t gate_up, std::uintptr_t down, std::uintptr_t gate_up_a, std::uintptr_t gate_up_b,
-         int64_t gate_up_rank, float gate_up_scaling, std::uintptr_t down_a, std::uintptr_t down_b, int64_t down_rank,
-         float down_scaling, std::uintptr_t offsets, std::uintptr_t order, std::uintptr_t routing_weights,
-         std::uintptr_t hidden, std::uintptr_t gate_up_out, std::uintptr_t grad_out, std::uintptr_t grad_hidden,
-         std::uintptr_t grad_routing, std::uintptr_t grad_gate_up_a, std::uintptr_t grad_gate_up_b,
-         std::uintptr_t grad_down_a, std::uintptr_t grad_down_b, bool grad_out_bf16, bool grad_hidden_bf16,
-         std::uintptr_t inner_gate_up, std::uintptr_t inner_down, const moecc::kernels::KernelTuning& tuning) {
-        moecc::kernels::expert_ffn_backward(
-            static_cast<Isa>(isa), {experts, hidden_size, inter, tokens, top_k},
-            {as_pointer<const uint16_t>(gate_up), as_pointer<const uint16_t>(down)},
-            lora_factors(gate_up_a, gate_up_b, gate_up_rank, gate_up_scaling),
-            lora_factors(down_a, down_b, down_rank, down_scaling),
-            {as_pointer<const int64_t>(offsets), as_pointer<const int64_t>(order),
-             as_pointer<const float>(routing_weights)},
-            {as_pointer<const uint16_t>(hidden), as_pointer<const uint16_t>(gate_up_out),
-             grad_out_bf16 ? nullptr : as_pointer<const float>(grad_out),
-             grad_out_bf16 ? as_pointer<const uint16_t>(grad_out) : nullptr,
-             grad_hidden_bf16 ? nullptr : as_pointer<float>(grad_hidden),
-             grad_hidden_bf16 ? as_pointer<uint16_t>(grad_hidden) : nullptr,
-             as_pointer<float>(grad_routing), as_pointer<float>(grad_gate_up_a),
-             as_pointer<float>(grad_gate_up_b), as_pointer<float>(grad_down_a), as_pointer<float>(grad_down_b),
-             as_pointer<const float>(inner_gate_up), as_pointer<const float>(inner_down)},
-            tuning, *moecc::pool::global_pool());
-      },
-      py::kw_only(), py::arg("isa"), py::arg("experts"), py::arg("hidden_size"), py::arg("inter"), py::arg("tokens"),
-      py::arg("top_k"), py::arg("gate_up"), py::arg("down"), py::arg("gate_up_a"), py::arg("gate_up_b"),
-      py::arg("gate_up_rank"), py::arg("gate_up_scaling"), py::arg("down_a"), py::arg("down_b"), py::arg("down_rank"),
-      py::arg("down_scaling"), py::arg("offsets"), py::arg("order"), py::arg("routing_weights"), py::arg("hidden"),
-      py::arg("gate_up_out"), py::arg("grad_out"), py::arg("grad_hidden"), py::arg("grad_routing"),
-      py::arg("grad_gate_up_a"), py::arg("grad_gate_up_b"), py::arg("grad_down_a"), py::arg("grad_down_b"),
-      py::arg("grad_out_bf16"), py::arg("grad_hidden_bf16"), py::arg("inner_gate_up") = 0, py::arg("inner_down") = 0,
-      py::arg("tuning"), py::call_guard<py::gil_scoped_release>(),
-      "Backward of expert_ffn_forward; LoRA gradients accumulate. The *_bf16 flags say grad_out / grad_hidden "
-      "are bf16 instead of float32.");
-
-  using moecc::kernels::GemmTuning;
-  using moecc::kernels::KernelTuning;
-  py::class_<GemmTuning>(m, "GemmTuning", "Prefetch settings of the panel products (panel_gemm.h).")
-      .def(py::init<>())
-      .def_readwrite("pack_prefetch_rows", &GemmTuning::pack_prefetch_rows)
-      .def_readwrite("pack_prefetch_l2", &GemmTuning::pack_prefetch_l2)
-      .def_readwrite("amx_prefetch_next", &GemmTuning::amx_prefetch_next);
-  py::class_<KernelTuning>(m, "KernelTuning",
-                           "Task shape and non-temporal stores of the expert kernels (expert_ffn.h); built with the "
-                           "defaults the engine runs.")
-      .def(py::init<>())
-      .def_readwrite("panels_per_task", &KernelTuning::panels_per_task)
-      .def_readwrite("grad_columns_per_task", &KernelTuning::grad_columns_per_task)
-      .def_readwrite("rows_per_task", &KernelTuning::rows_per_task)
-      .def_readwrite("block_rows", &KernelTuning::block_rows)
-      .def_readwrite("streaming_copies", &KernelTuning::streaming_copies)
-      .def_readwrite("streaming_outputs", &KernelTuning::streaming_outputs)
-      .def_readwrite("gemm", &KernelTuning::gemm)
-      .def("check", &moecc::kernels::check_tuning, "Raises ValueError naming a field that is out of range.");
-  m.def("last_phase_times", &moecc::kernels::last_phase_times, py::arg("backward"),
-        "[(phase, seconds)] of the latest expert_ffn_forward (backward=False) or expert_ffn_backward call.");
-
-  m.def(
-      "last_product_parts",
-      [](bool backward) {
-        std::vector<std::tuple<std::string, double, double, double>> parts;
-        for (const auto& p : moecc::kernels::last_product_parts(backward)) {
-          parts.emplace_back(p.phase, p.pack, p.gemm, p.epilogue);
-        }
-        return parts;
-      },
-      py::arg("backward"),
-      "[(phase, pack, gemm, epilogue)] thread-seconds per product phase of the latest expert_ffn_forward "
-      "(backward=False) or expert_ffn_backward call, summed over the pool's threads.");
-
-  m.def(
-      "peak_flops",
-      [](const std::string& isa, int64_t iterations, int threads) {
-        double (*one)(int64_t) = isa == "amx"           ? moecc::kernels::peak_flops_amx
-                                 : isa == "avx512_bf16" ? moecc::kernels::peak_flops_avx512bf16
-                                 : isa == "avx512_fma"  ? moecc::kernels::peak_flops_avx512fma
-                                                        : nullptr;
-        if (one == nullptr) {
-          throw std::invalid_argument("peak_flops: unknown unit '" + isa + "' (amx, avx512_bf16 or avx512_fma)");
-        }
-        return rate(threads, [&]() { return one(iterations); });
-      },
-      py::arg("isa"), py::arg("iterations"), py::arg("threads") = 1, py::call_guard<py::gil_scoped_release>(),
-      "Register-only FLOP/s of one thread (threads=1) or the sum over the pool's threads: bf16 for 'amx' and "
-      "'avx512_bf16', float32 FMA for 'avx512_fma'; ValueError if the CPU cannot run it or the unit is unknown.");
-
-  m.def(
-      "panel_gemm_flops",
-      [](int isa, int64_t tokens, int64_t n, int64_t k, int64_t reps, int threads) {
-        return rate(threads, [&]() {
-          return moecc::kernels::panel_gemm_flops(static_cast<Isa>(isa), tokens, n, k, reps);
-        });
-      },
-      py::arg("isa"), py::arg("tokens"), py::arg("n"), py::arg("k"), py::arg("reps"), py::arg("threads") = 1,
-      py::call_guard<py::gil_scoped_release>(),
-      "FLOP/s of the panel kernel of `isa` on one cache-resident problem, one thread or summed over the pool.");
-  m.def("_round_bf16_test", &round_bf16_test, py::arg("src"), py::arg("dst"), py::arg("n"), py::arg("native"));
-  m.def("_lora_rows_test", &lora_rows_test, py::arg("op"), py::arg("coef"), py::arg("coef_ld"), py::arg("scale"),
-        py::arg("factors"), py::arg("ld"), py::arg("rank"), py::arg("n"), py::arg("rows"), py::arg("rows_ld"),
-        py::arg("out"), py::arg("out_ld"), py::arg("count"), py::arg("grouped"));
   m.def("native_bf16", &moecc::kernels::v16::native_bf16,
         "Whether the epilogues round to bf16 with AVX512-BF16's instruction (the CPU has it and it is allowed).");
   m.def("set_native_bf16", &moecc::kernels::v16::set_native_bf16, py::arg("allowed"),
         "Allows (or not) AVX512-BF16's rounding where the CPU has it (MOECC_NATIVE_BF16, read by moecc/config.py); "
         "the kernels read it at their first call.");
-  m.def("_pool_fill_test", &pool_fill_test, py::call_guard<py::gil_scoped_release>());
-  m.def("_pool_raise_test", &pool_raise_test, py::call_guard<py::gil_scoped_release>());
+  bind_kernel_arguments(m);
+  bind_expert_ffn(m);
+  bind_rates(m);
+  py::module_ testing = m.def_submodule("testing", "Test hooks (tests only; not part of moecc's API).");
+  moecc::bindings::bind_testing(testing);
 }

@@ -82,13 +82,13 @@ def available_cpus() -> int:
 def pool_fill_test(n: int) -> torch.Tensor:
     """Test hook: run ``n`` pool tasks, task ``i`` writing ``2i+1``; returns the filled ``[n]`` int64 tensor."""
     out = torch.full((max(n, 0),), -1, dtype=torch.int64)
-    _C._pool_fill_test(out.data_ptr(), int(n))
+    _C.testing.pool_fill(out.data_ptr(), int(n))
     return out
 
 
 def pool_raise_test(n: int, failing_task: int) -> None:
     """Test hook: run ``n`` pool tasks where ``failing_task`` throws; the error surfaces as RuntimeError."""
-    _C._pool_raise_test(int(n), int(failing_task))
+    _C.testing.pool_raise(int(n), int(failing_task))
 
 
 atexit.register(_C.shutdown)
@@ -134,7 +134,7 @@ def amx_self_check() -> dict:
 def _reset_amx_self_check(fault: int = 0) -> None:
     """Test hook: forget the self-check's result; the next check injects ``fault`` (1 readback, 2 product)."""
     global _amx_warned
-    _C._reset_amx_self_check(int(fault))
+    _C.testing.reset_amx_self_check(int(fault))
     _amx_warned = False
 
 
@@ -213,24 +213,27 @@ def _address(tensor: torch.Tensor | None, name: str, dtype: torch.dtype, numel: 
     return tensor.data_ptr()
 
 
-def _lora_args(prefix: str, lora: tuple | None, experts: int, n_in: int, n_out: int) -> dict:
-    """``lora`` is ``(A [E, r, in], B [out, r*E], scaling)`` float32 (PEFT's layouts) or None."""
+def _lora_factors(prefix: str, lora: tuple | None, experts: int, n_in: int, n_out: int) -> _C.LoraFactors:
+    """``lora`` is ``(A [E, r, in], B [out, r*E], scaling)`` float32 (PEFT's layouts) or None (no LoRA)."""
+    factors = _C.LoraFactors()
     if lora is None:
-        return {f"{prefix}_a": 0, f"{prefix}_b": 0, f"{prefix}_rank": 0, f"{prefix}_scaling": 0.0}
+        return factors
     a, b, scaling = lora
     rank = a.shape[1] if a.dim() == 3 else -1
     if a.dim() != 3 or tuple(a.shape) != (experts, rank, n_in) or tuple(b.shape) != (n_out, rank * experts):
         raise ValueError(f"{prefix} LoRA factors must be A [{experts}, r, {n_in}] and B [{n_out}, r*{experts}], "
                          f"got {tuple(a.shape)} and {tuple(b.shape)}")
-    return {f"{prefix}_a": _address(a, f"{prefix} LoRA A", torch.float32, experts * rank * n_in),
-            f"{prefix}_b": _address(b, f"{prefix} LoRA B", torch.float32, experts * n_out * rank),
-            f"{prefix}_rank": rank, f"{prefix}_scaling": float(scaling)}
+    factors.a = _address(a, f"{prefix} LoRA A", torch.float32, experts * rank * n_in)
+    factors.b = _address(b, f"{prefix} LoRA B", torch.float32, experts * n_out * rank)
+    factors.rank, factors.scaling = rank, float(scaling)
+    return factors
 
 
 def _inner_args(lora_inner: tuple | None, gate_up_lora: tuple | None, down_lora: tuple | None,
                 pairs: int) -> dict:
     """Addresses of the saved LoRA inner products ``(x A_gu [T*k, r], act A_down [T*k, r])``, float32, grouped
-    order; either may be None (not kept, or no LoRA on that projection: then it must be None)."""
+    order, by the field names of ``ForwardIo`` / ``BackwardIo``; either may be None (not kept, or no LoRA on that
+    projection: then it must be None)."""
     args = {"inner_gate_up": 0, "inner_down": 0}
     if lora_inner is None:
         return args
@@ -243,8 +246,10 @@ def _inner_args(lora_inner: tuple | None, gate_up_lora: tuple | None, down_lora:
     return args
 
 
-def _weight_args(weights: tuple[torch.Tensor, torch.Tensor], experts: int, hidden: int, inter: int) -> dict:
-    """The experts' own weights, read in place: gate_up [E, 2I, H] and down [E, H, I], bf16, contiguous."""
+def _matrices(weights: tuple[torch.Tensor, torch.Tensor], experts: int, hidden: int, inter: int,
+              packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> _C.ExpertMatrices:
+    """The experts' own weights, read in place: gate_up [E, 2I, H] and down [E, H, I], bf16, contiguous; and
+    optionally their copies in the panel layout (:func:`pack_expert_weights`)."""
     gate_up, down = weights
     for name, tensor, shape in (("gate_up", gate_up, (experts, 2 * inter, hidden)),
                                 ("down", down, (experts, hidden, inter))):
@@ -252,20 +257,39 @@ def _weight_args(weights: tuple[torch.Tensor, torch.Tensor], experts: int, hidde
             raise ValueError(f"expert {name} weights must be {list(shape)}, got {list(tensor.shape)}")
         if not tensor.is_contiguous():
             raise ValueError(f"expert {name} weights must be contiguous")
-    return {"gate_up": _address(gate_up, "expert gate_up weights", torch.bfloat16, gate_up.numel()),
-            "down": _address(down, "expert down weights", torch.bfloat16, down.numel())}
+    matrices = _C.ExpertMatrices()
+    matrices.gate_up = _address(gate_up, "expert gate_up weights", torch.bfloat16, gate_up.numel())
+    matrices.down = _address(down, "expert down weights", torch.bfloat16, down.numel())
+    if packed is not None:
+        matrices.packed_gate_up = _address(packed[0], "packed gate_up", torch.bfloat16,
+                                           experts * _C.packed_elements(2 * inter, hidden))
+        matrices.packed_down = _address(packed[1], "packed down", torch.bfloat16,
+                                        experts * _C.packed_elements(hidden, inter))
+    return matrices
 
 
-def _check_grouping(offsets: torch.Tensor, order: torch.Tensor, experts: int, pairs: int) -> None:
-    """The kernels index with these: offsets must bound a partition of [0, pairs), order be a permutation."""
-    _address(offsets, "offsets", torch.int64, experts + 1)
-    _address(order, "order", torch.int64, pairs)
+def _routing(offsets: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, experts: int,
+             pairs: int) -> _C.Routing:
+    """The kernels index with these: offsets must bound a partition of [0, pairs), order be a permutation; the
+    routing weights float32 [pairs]."""
+    routing = _C.Routing()
+    routing.offsets = _address(offsets, "offsets", torch.int64, experts + 1)
+    routing.order = _address(order, "order", torch.int64, pairs)
     if offsets[0] != 0 or offsets[-1] != pairs or bool((offsets[1:] < offsets[:-1]).any()):
         raise ValueError(f"offsets must rise from 0 to {pairs} (the number of routed pairs)")
     if pairs:
         in_range = bool(order.min() >= 0) and bool(order.max() < pairs)
         if not in_range or not bool(torch.bincount(order, minlength=pairs).eq(1).all()):
             raise ValueError(f"order must be a permutation of the {pairs} pair ids")
+    routing.weights = _address(weights, "routing weights", torch.float32, pairs)
+    return routing
+
+
+def _shapes(experts: int, hidden_size: int, inter: int, tokens: int, top_k: int) -> _C.ExpertShapes:
+    shapes = _C.ExpertShapes()
+    shapes.experts, shapes.hidden, shapes.inter = experts, hidden_size, inter
+    shapes.tokens, shapes.top_k = tokens, top_k
+    return shapes
 
 
 def packed_nbytes(weights: torch.Tensor) -> int:
@@ -338,31 +362,27 @@ def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sha
     experts, hidden_size, inter = shape
     tokens = hidden.shape[0]
     pairs = tokens * top_k
-    _check_grouping(offsets, order, experts, pairs)
+    routing_struct = _routing(offsets, order, routing, experts, pairs)
     out = _output(out, (tokens, hidden_size), _io_dtype(out, "out"), "out")
     gate_up_out = _output(gate_up_out, (pairs, 2 * inter), torch.bfloat16, "gate_up_out")
     if hidden_copy is not None and any(_overlap(hidden_copy, t) for t in (hidden, out, gate_up_out)):
         raise ValueError("hidden_copy must not share memory with hidden, out or gate_up_out")
-    _C.expert_ffn_forward(
-        isa=ISAS[isa], experts=experts, hidden_size=hidden_size, inter=inter, tokens=tokens, top_k=top_k,
-        **_weight_args(weights, experts, hidden_size, inter),
-        **_lora_args("gate_up", gate_up_lora, experts, hidden_size, 2 * inter),
-        **_lora_args("down", down_lora, experts, inter, hidden_size),
-        offsets=_address(offsets, "offsets", torch.int64, experts + 1),
-        order=_address(order, "order", torch.int64, tokens * top_k),
-        routing_weights=_address(routing, "routing weights", torch.float32, tokens * top_k),
-        hidden=_address(hidden, "hidden", torch.bfloat16, tokens * hidden_size),
-        gate_up_out=gate_up_out.data_ptr(), out=out.data_ptr(), out_bf16=out.dtype == torch.bfloat16,
-        hidden_copy=0 if hidden_copy is None else _address(hidden_copy, "hidden_copy", torch.bfloat16,
-                                                            tokens * hidden_size),
-        **({} if packed is None else {
-            "packed_gate_up": _address(packed[0], "packed gate_up", torch.bfloat16,
-                                       experts * _C.packed_elements(2 * inter, hidden_size)),
-            "packed_down": _address(packed[1], "packed down", torch.bfloat16,
-                                    experts * _C.packed_elements(hidden_size, inter))}),
-        **_inner_args(lora_inner, gate_up_lora, down_lora, pairs),
-        tuning=_DEFAULT_TUNING if tuning is None else tuning,
-    )
+    io = _C.ForwardIo()
+    io.hidden = _address(hidden, "hidden", torch.bfloat16, tokens * hidden_size)
+    io.gate_up_out = gate_up_out.data_ptr()
+    if out.dtype == torch.bfloat16:
+        io.out_bf16 = out.data_ptr()
+    else:
+        io.out = out.data_ptr()
+    if hidden_copy is not None:
+        io.hidden_copy = _address(hidden_copy, "hidden_copy", torch.bfloat16, tokens * hidden_size)
+    for field, address in _inner_args(lora_inner, gate_up_lora, down_lora, pairs).items():
+        setattr(io, field, address)
+    _C.expert_ffn_forward(ISAS[isa], _shapes(experts, hidden_size, inter, tokens, top_k),
+                          _matrices(weights, experts, hidden_size, inter, packed),
+                          _lora_factors("gate_up", gate_up_lora, experts, hidden_size, 2 * inter),
+                          _lora_factors("down", down_lora, experts, inter, hidden_size), routing_struct, io,
+                          _DEFAULT_TUNING if tuning is None else tuning)
     return out, gate_up_out
 
 
@@ -383,29 +403,35 @@ def expert_ffn_backward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sh
     experts, hidden_size, inter = shape
     tokens = hidden.shape[0]
     pairs = tokens * top_k
-    _check_grouping(offsets, order, experts, pairs)
+    routing_struct = _routing(offsets, order, routing, experts, pairs)
     grad_hidden = _output(grad_hidden, (tokens, hidden_size), _io_dtype(grad_hidden, "grad_hidden"), "grad_hidden")
     grad_out_dtype = _io_dtype(grad_out, "grad_out")
     grad_routing = torch.empty(pairs, dtype=torch.float32)
     # A's gradient accumulates in place; B's is written whole.
     lora_grads = [None if lora is None else (torch.zeros_like(lora[0]), torch.empty_like(lora[1]))
                   for lora in (gate_up_lora, down_lora)]
-    flat = [0 if g is None else g[i].data_ptr() for g in lora_grads for i in (0, 1)]
-    _C.expert_ffn_backward(
-        isa=ISAS[isa], experts=experts, hidden_size=hidden_size, inter=inter, tokens=tokens, top_k=top_k,
-        **_weight_args(weights, experts, hidden_size, inter),
-        **_lora_args("gate_up", gate_up_lora, experts, hidden_size, 2 * inter),
-        **_lora_args("down", down_lora, experts, inter, hidden_size),
-        offsets=_address(offsets, "offsets", torch.int64, experts + 1),
-        order=_address(order, "order", torch.int64, pairs),
-        routing_weights=_address(routing, "routing weights", torch.float32, pairs),
-        hidden=_address(hidden, "hidden", torch.bfloat16, tokens * hidden_size),
-        gate_up_out=_address(gate_up_out, "gate_up_out", torch.bfloat16, pairs * 2 * inter),
-        grad_out=_address(grad_out, "grad_out", grad_out_dtype, tokens * hidden_size),
-        grad_hidden=grad_hidden.data_ptr(), grad_routing=grad_routing.data_ptr(),
-        grad_gate_up_a=flat[0], grad_gate_up_b=flat[1], grad_down_a=flat[2], grad_down_b=flat[3],
-        grad_out_bf16=grad_out_dtype == torch.bfloat16, grad_hidden_bf16=grad_hidden.dtype == torch.bfloat16,
-        **_inner_args(lora_inner, gate_up_lora, down_lora, pairs),
-        tuning=_DEFAULT_TUNING if tuning is None else tuning,
-    )
+    io = _C.BackwardIo()
+    io.hidden = _address(hidden, "hidden", torch.bfloat16, tokens * hidden_size)
+    io.gate_up_out = _address(gate_up_out, "gate_up_out", torch.bfloat16, pairs * 2 * inter)
+    grad_out_address = _address(grad_out, "grad_out", grad_out_dtype, tokens * hidden_size)
+    if grad_out_dtype == torch.bfloat16:
+        io.grad_out_bf16 = grad_out_address
+    else:
+        io.grad_out = grad_out_address
+    if grad_hidden.dtype == torch.bfloat16:
+        io.grad_hidden_bf16 = grad_hidden.data_ptr()
+    else:
+        io.grad_hidden = grad_hidden.data_ptr()
+    io.grad_routing = grad_routing.data_ptr()
+    if lora_grads[0] is not None:
+        io.grad_gate_up_a, io.grad_gate_up_b = (grad.data_ptr() for grad in lora_grads[0])
+    if lora_grads[1] is not None:
+        io.grad_down_a, io.grad_down_b = (grad.data_ptr() for grad in lora_grads[1])
+    for field, address in _inner_args(lora_inner, gate_up_lora, down_lora, pairs).items():
+        setattr(io, field, address)
+    _C.expert_ffn_backward(ISAS[isa], _shapes(experts, hidden_size, inter, tokens, top_k),
+                           _matrices(weights, experts, hidden_size, inter),
+                           _lora_factors("gate_up", gate_up_lora, experts, hidden_size, 2 * inter),
+                           _lora_factors("down", down_lora, experts, inter, hidden_size), routing_struct, io,
+                           _DEFAULT_TUNING if tuning is None else tuning)
     return grad_hidden, grad_routing, lora_grads[0], lora_grads[1]

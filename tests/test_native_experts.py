@@ -621,7 +621,7 @@ def _round_bf16(values: torch.Tensor, native: bool) -> torch.Tensor:
     from moecc import _C
 
     out = torch.empty(values.numel(), dtype=torch.int16)
-    _C._round_bf16_test(values.data_ptr(), out.data_ptr(), values.numel(), native)
+    _C.testing.round_bf16(values.data_ptr(), out.data_ptr(), values.numel(), native)
     return out
 
 
@@ -749,7 +749,7 @@ def test_grouped_lora_rows_agree_with_one_call_a_row(op, rank, n):
                 out, out_ld = torch.full((count * (rank + 1),), 1232.0), rank + 1
             else:
                 out, out_ld = torch.zeros(1), 0
-            _C._lora_rows_test(op, coef.data_ptr(), coef_ld, 1.25, factors.data_ptr(), ld, rank, n, r.data_ptr(),
+            _C.testing.lora_rows(op, coef.data_ptr(), coef_ld, 1.25, factors.data_ptr(), ld, rank, n, r.data_ptr(),
                                rows_ld, out.data_ptr(), out_ld, count, grouped)
             if op == "combine_f32":  # in place: the columns past n untouched
                 r = r.view(count, rows_ld)

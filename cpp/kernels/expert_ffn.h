@@ -24,13 +24,15 @@ class ThreadPool;
 
 namespace moecc::kernels {
 
+// The argument structs of the kernel calls: every pointer null and every size 0 until set (moecc/_ops.py sets
+// them after checking each tensor; they are bound once in cpp/bindings.cpp).
 struct ExpertShapes {
-  int64_t experts, hidden, inter, tokens, top_k;
+  int64_t experts = 0, hidden = 0, inter = 0, tokens = 0, top_k = 0;
 };
 
 struct ExpertMatrices {  // the model's own bf16 weights, row-major, read in place
-  const uint16_t* gate_up;  // [E, 2I, H]
-  const uint16_t* down;     // [E, H, I]
+  const uint16_t* gate_up = nullptr;  // [E, 2I, H]
+  const uint16_t* down = nullptr;     // [E, H, I]
   // Optional copies already in the panel layout (weight_packing.h), E matrices of packed_elements(N, K) each
   // (MoeccConfig.prepack_weights, which doubles the experts' host memory): forward products read their panels
   // instead of packing their slice per task; backward always packs per task.
@@ -46,18 +48,18 @@ struct LoraFactors {  // a == nullptr: no LoRA on this projection
 };
 
 struct Routing {
-  const int64_t* offsets;  // [E+1]
-  const int64_t* order;    // [T*k] pair ids grouped by expert
-  const float* weights;    // [T*k] routing weight per pair id
+  const int64_t* offsets = nullptr;  // [E+1]
+  const int64_t* order = nullptr;    // [T*k] pair ids grouped by expert
+  const float* weights = nullptr;    // [T*k] routing weight per pair id
 };
 
 // Token-major inputs and outputs come in float32 or bf16: exactly one of each pair is non-null.
 struct ForwardIo {
-  const uint16_t* hidden;  // [T, H] bf16
-  uint16_t* gate_up_out;   // [T*k, 2I] bf16, grouped order: saved for backward
-  float* out;              // [T, H]
-  uint16_t* out_bf16;      // [T, H]
-  uint16_t* hidden_copy;   // [T, H] or null: receives a copy of `hidden` (a caller saving it for backward)
+  const uint16_t* hidden = nullptr;  // [T, H] bf16
+  uint16_t* gate_up_out = nullptr;   // [T*k, 2I] bf16, grouped order: saved for backward
+  float* out = nullptr;              // [T, H]
+  uint16_t* out_bf16 = nullptr;      // [T, H]
+  uint16_t* hidden_copy = nullptr;   // [T, H] or null: receives a copy of `hidden` (a caller saving it for backward)
   // [T*k, r] each, grouped order, or null: receive the LoRA inner products x A_gu and act A_down (a caller saving
   // them for backward, which then skips recomputing them: 512 bytes per token at r = 8, k = 8)
   float* inner_gate_up = nullptr;
@@ -65,18 +67,18 @@ struct ForwardIo {
 };
 
 struct BackwardIo {
-  const uint16_t* hidden;       // [T, H] bf16
-  const uint16_t* gate_up_out;  // [T*k, 2I] bf16 from forward
-  const float* grad_out;        // [T, H]
-  const uint16_t* grad_out_bf16;  // [T, H]
-  float* grad_hidden;           // [T, H]
-  uint16_t* grad_hidden_bf16;   // [T, H]
-  float* grad_routing;          // [T*k] per pair id
-  float* grad_gate_up_a;        // [E, r, H] or null; accumulated into
-  float* grad_gate_up_b;        // [2I, r*E] (PEFT's layout) or null; written
-  float* grad_down_a;           // [E, r, I] or null; accumulated into
-  float* grad_down_b;           // [H, r*E] (PEFT's layout) or null; written
-  const float* inner_gate_up = nullptr;  // ForwardIo's, when the caller saved them; null: recomputed
+  const uint16_t* hidden = nullptr;         // [T, H] bf16
+  const uint16_t* gate_up_out = nullptr;    // [T*k, 2I] bf16 from forward
+  const float* grad_out = nullptr;          // [T, H]
+  const uint16_t* grad_out_bf16 = nullptr;  // [T, H]
+  float* grad_hidden = nullptr;             // [T, H]
+  uint16_t* grad_hidden_bf16 = nullptr;     // [T, H]
+  float* grad_routing = nullptr;            // [T*k] per pair id
+  float* grad_gate_up_a = nullptr;          // [E, r, H] or null; accumulated into
+  float* grad_gate_up_b = nullptr;          // [2I, r*E] (PEFT's layout) or null; written
+  float* grad_down_a = nullptr;             // [E, r, I] or null; accumulated into
+  float* grad_down_b = nullptr;             // [H, r*E] (PEFT's layout) or null; written
+  const float* inner_gate_up = nullptr;     // ForwardIo's, when the caller saved them; null: recomputed
   const float* inner_down = nullptr;
 };
 
