@@ -55,7 +55,7 @@ MOECC_INLINE float widen(uint16_t bits) { return bf16_to_float(bits); }
 
 // Rows in chunks of kRowChunk, and within a chunk columns in steps of 2 x 16 (2G accumulators), then 16, then
 // one at a time. A chunk's factors are computed once, and its rows (at most 32 x 256 bf16 = 16 KB for the
-// 256-column tasks of expert_ffn.cpp) stay in L1 while every column step reads them; the next chunk's rows are
+// 256-column tasks of expert_ffn_backward.cpp) stay in L1 while every column step reads them; the next chunk's rows are
 // prefetched meanwhile. Walking all of an expert's rows per column step instead (the first version) touched one
 // cache line per row at the row stride, which the hardware prefetchers do not follow, and recomputed each factor
 // once per column step.

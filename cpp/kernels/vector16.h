@@ -19,8 +19,8 @@
 namespace moecc::kernels::v16 {
 
 #define MOECC_INLINE __attribute__((always_inline)) inline
-// For plain loops outside the per-ISA files (expert_ffn.cpp), which GCC and clang vectorise themselves: an AVX512 and
-// a baseline copy, the running CPU picks one at load time.
+// For plain loops outside the per-ISA files (expert_ffn_common.cpp), which GCC and clang vectorise themselves: an
+// AVX512 and a baseline copy, the running CPU picks one at load time.
 #ifndef MOECC_VECTOR_CLONES  // a build may pick other clones (-D), e.g. to time 256-bit code
 #define MOECC_VECTOR_CLONES __attribute__((target_clones("avx512f", "default")))
 #endif
