@@ -155,16 +155,14 @@ class HybridEngine(OffloadEngine):
         return out
 
     def forward_split(self, layer: HybridLayer, counts: list[int], recompute: bool) -> tuple[int, ...]:
-        """The experts layer ``layer`` runs on the GPU in this forward: the rule's when one is set; else every
-        routed expert already in its slot (prefetched from the forecast), or, before any forecast, the plan for
-        these very counts."""
+        """The experts layer ``layer`` runs on the GPU in this forward: the rule's when one is set; else the plan
+        for these very counts with the experts already in the slot (prefetched from the forecast) costing no copy,
+        so a few routed experts the forecast missed are copied now where that beats a CPU part for them."""
         if self.split_rule is not None:
             return tuple(sorted({int(e) for e in self.split_rule(layer.index, counts, "forward")}))
         slot = self.slots.get(layer.index)
         present = slot.present if slot is not None and slot.revision == layer.revision() else set()
-        if layer.index not in self.planned and not present:
-            return plan_split(counts, self.costs("forward")).gpu
-        return tuple(sorted(e for e in present if counts[e] > 0))
+        return plan_split(counts, self.costs("forward"), resident=present).gpu
 
     def prefetch_forward(self, index: int) -> None:
         """Queues layer ``index``'s forecast GPU experts (after this layer's own copies)."""
@@ -363,8 +361,11 @@ class HybridExpertsFunction(torch.autograd.Function):
         if parts.cpu:
             staged = engine.staging.to_host({"grad_out": grad_out.contiguous()})
             cpu_future = engine.run_cpu(_cpu_backward, engine, parts, staged, [ctx.counts[e] for e in parts.cpu])
-        grads = _gpu_backward(engine, layer, parts, grad_out, ctx.call) if parts.gpu else None
-        _prefetch_backward(engine, layer, ctx.call)
+        slot = engine._timed_fetch("backward", layer, list(parts.gpu), parts.lora) if parts.gpu else None
+        if isinstance(parts.gpu_state, ParkedState):
+            engine.parking.restore(parts.gpu_state)  # queued now unless the layer after prefetched it
+        _prefetch_backward(engine, layer, ctx.call)  # before this layer's compute, whose subset syncs the host
+        grads = _gpu_backward(engine, layer, parts, slot, grad_out) if parts.gpu else None
         if cpu_future is not None:
             start = time.perf_counter()
             cpu_hidden, cpu_weights, cpu_lora = cpu_future.result()
@@ -411,11 +412,8 @@ def _gpu_forward(engine: HybridEngine, layer: HybridLayer, slot, hidden, top_k_i
     return out, engine.keep_for_backward(call, saved), math
 
 
-def _gpu_backward(engine: HybridEngine, layer: HybridLayer, parts: _Parts, grad_out, call):
+def _gpu_backward(engine: HybridEngine, layer: HybridLayer, parts: _Parts, slot, grad_out):
     state, parts.gpu_state = parts.gpu_state, None
-    slot = engine._timed_fetch("backward", layer, list(parts.gpu), parts.lora)
-    if isinstance(state, ParkedState):
-        engine.parking.restore(state)
     engine.use(slot)
     saved = engine.unpark(state)
     begun = engine.compute_begins()
