@@ -93,17 +93,18 @@ Backward::Backward(Isa isa, const ExpertShapes& shapes, const ExpertMatrices& we
     : d_(shapes), gemm_(panel_gemm(isa)), tuning_(tuning), weights_(weights), routing_(routing), io_peft_(io_peft),
       io_(io_peft), pool_(pool) {
   const Dims& d = d_;
-  gate_up_lora_ = with_rows_of_b(gate_up_peft, 2 * d.I, d.E, scratch.b_gu, pool);
-  down_lora_ = with_rows_of_b(down_peft, d.H, d.E, scratch.b_down, pool);
-  const auto zeroed = [&](AlignedBuffer<float>& buffer, int64_t n) {
-    float* data = buffer.get(n);
-    pool.run((n + (1 << 16) - 1) >> 16, [&](int64_t c, int) {
-      std::fill(data + (c << 16), data + std::min(n, (c + 1) << 16), 0.0f);
+  gate_up_lora_ = with_rows_of_b(gate_up_peft, 2 * d.I, d.E, routing.offsets, scratch.b_gu, pool);
+  down_lora_ = with_rows_of_b(down_peft, d.H, d.E, routing.offsets, scratch.b_down, pool);
+  // The B gradients' rows [E, r, out], zeroed for the experts with routed rows only: lay_back_lora_b reads no others.
+  const auto zeroed = [&](AlignedBuffer<float>& buffer, int64_t rank, int64_t out) {
+    float* data = buffer.get(d.E * rank * out);
+    pool.run(d.E, [&](int64_t e, int) {
+      if (routing.offsets[e + 1] > routing.offsets[e]) std::fill(data + e * rank * out, data + (e + 1) * rank * out, 0.0f);
     });
     return data;
   };
-  if (io_peft.grad_gate_up_b) io_.grad_gate_up_b = zeroed(scratch.grad_b_gu, d.E * gate_up_lora_.rank * 2 * d.I);
-  if (io_peft.grad_down_b) io_.grad_down_b = zeroed(scratch.grad_b_down, d.E * down_lora_.rank * d.H);
+  if (io_peft.grad_gate_up_b) io_.grad_gate_up_b = zeroed(scratch.grad_b_gu, gate_up_lora_.rank, 2 * d.I);
+  if (io_peft.grad_down_b) io_.grad_down_b = zeroed(scratch.grad_b_down, down_lora_.rank, d.H);
   const int64_t r_gu = std::max<int64_t>(gate_up_lora_.rank, 1), r_d = std::max<int64_t>(down_lora_.rank, 1);
   rows_ = make_tasks(routing.offsets, d.E, 1, 1);
   recompute_gu_ = gate_up_lora_.a && !io_.inner_gate_up;
@@ -352,9 +353,12 @@ void Backward::factor_grad(const FactorTask& t) const {
 void Backward::lay_back_lora_b() const {
   const Dims& d = d_;
   if (io_peft_.grad_gate_up_b) {
-    rows_to_peft_b(io_.grad_gate_up_b, 2 * d.I, gate_up_lora_.rank, d.E, io_peft_.grad_gate_up_b, pool_);
+    rows_to_peft_b(io_.grad_gate_up_b, 2 * d.I, gate_up_lora_.rank, d.E, routing_.offsets, io_peft_.grad_gate_up_b,
+                   pool_);
   }
-  if (io_peft_.grad_down_b) rows_to_peft_b(io_.grad_down_b, d.H, down_lora_.rank, d.E, io_peft_.grad_down_b, pool_);
+  if (io_peft_.grad_down_b) {
+    rows_to_peft_b(io_.grad_down_b, d.H, down_lora_.rank, d.E, routing_.offsets, io_peft_.grad_down_b, pool_);
+  }
 }
 
 void Backward::sum_slots_per_token() const {

@@ -163,11 +163,15 @@ void sum_slots(const Dims& d, const uint16_t* per_pair, const float* weights, fl
 constexpr int64_t kRelayoutRows = 64;
 constexpr int64_t kRelayoutExperts = 16;
 
-// Copies `from` into `to`, one layout into the other: kToRows, B -> B^T; else B^T -> B.
+// Copies `from` into `to`, one layout into the other: kToRows, B -> B^T; else B^T -> B. Only the experts with
+// routed rows (offsets) are read: B^T rows of the others are never used (skipped), and their B columns of a
+// gradient are zero (written as such), so a call on a few experts does not pay for all E of them.
 namespace {
 
+inline bool has_rows(const int64_t* offsets, int64_t e) { return offsets[e + 1] > offsets[e]; }
+
 template <bool kToRows>
-void relayout_b(const float* from, int64_t out, int64_t rank, int64_t experts, float* to,
+void relayout_b(const float* from, int64_t out, int64_t rank, int64_t experts, const int64_t* offsets, float* to,
                 moecc::pool::ThreadPool& pool) {
   const int64_t columns = rank * experts;
   pool.run((out + kRelayoutRows - 1) / kRelayoutRows, [&](int64_t block, int) {
@@ -177,13 +181,14 @@ void relayout_b(const float* from, int64_t out, int64_t rank, int64_t experts, f
         const int64_t e1 = std::min(experts, e0 + kRelayoutExperts);
         if (kToRows) {  // contiguous runs of B^T rows written, 64-byte runs of B rows read
           for (int64_t e = e0; e < e1; ++e) {
+            if (!has_rows(offsets, e)) continue;
             float* dst = to + (e * rank + j) * out;
             for (int64_t o = o0; o < o1; ++o) dst[o] = from[o * columns + j * experts + e];
           }
         } else {  // 64-byte runs of B rows written, the tile's B^T rows read
           for (int64_t o = o0; o < o1; ++o) {
             float* dst = to + o * columns + j * experts;
-            for (int64_t e = e0; e < e1; ++e) dst[e] = from[(e * rank + j) * out + o];
+            for (int64_t e = e0; e < e1; ++e) dst[e] = has_rows(offsets, e) ? from[(e * rank + j) * out + o] : 0.0f;
           }
         }
       }
@@ -191,24 +196,19 @@ void relayout_b(const float* from, int64_t out, int64_t rank, int64_t experts, f
   });
 }
 
-void peft_b_to_rows(const float* b, int64_t out, int64_t rank, int64_t experts, float* b_t,
-                    moecc::pool::ThreadPool& pool) {
-  relayout_b<true>(b, out, rank, experts, b_t, pool);
-}
-
 }  // namespace
 
-void rows_to_peft_b(const float* b_t, int64_t out, int64_t rank, int64_t experts, float* b,
+void rows_to_peft_b(const float* b_t, int64_t out, int64_t rank, int64_t experts, const int64_t* offsets, float* b,
                     moecc::pool::ThreadPool& pool) {
-  relayout_b<false>(b_t, out, rank, experts, b, pool);
+  relayout_b<false>(b_t, out, rank, experts, offsets, b, pool);
 }
 
-LoraFactors with_rows_of_b(const LoraFactors& lora, int64_t out, int64_t experts, AlignedBuffer<float>& b_t,
-                           moecc::pool::ThreadPool& pool) {
+LoraFactors with_rows_of_b(const LoraFactors& lora, int64_t out, int64_t experts, const int64_t* offsets,
+                           AlignedBuffer<float>& b_t, moecc::pool::ThreadPool& pool) {
   if (lora.a == nullptr) return lora;
   LoraFactors relaid = lora;
   float* rows = b_t.get(experts * lora.rank * out);
-  peft_b_to_rows(lora.b, out, lora.rank, experts, rows, pool);
+  relayout_b<true>(lora.b, out, lora.rank, experts, offsets, rows, pool);
   relaid.b = rows;
   return relaid;
 }

@@ -72,12 +72,14 @@ void activate(const Dims& d, const uint16_t* gate_up_out, const LoraFactors& lor
 void sum_slots(const Dims& d, const uint16_t* per_pair, const float* weights, float* out, uint16_t* out_bf16,
                moecc::pool::ThreadPool& pool);
 
-// B^T [E, r, out] -> PEFT's B [out, r*E].
-void rows_to_peft_b(const float* b_t, int64_t out, int64_t rank, int64_t experts, float* b,
+// B^T [E, r, out] -> PEFT's B [out, r*E]; the columns of experts without routed rows (offsets [E+1]) are zero
+// and their B^T rows are not read.
+void rows_to_peft_b(const float* b_t, int64_t out, int64_t rank, int64_t experts, const int64_t* offsets, float* b,
                     moecc::pool::ThreadPool& pool);
 
-// The factors with B re-laid into `b_t` (scratch) as rows of B^T, as the products' loops read them.
-LoraFactors with_rows_of_b(const LoraFactors& lora, int64_t out, int64_t experts, AlignedBuffer<float>& b_t,
-                           moecc::pool::ThreadPool& pool);
+// The factors with B re-laid into `b_t` (scratch) as rows of B^T, as the products' loops read them; only the
+// rows of experts with routed rows (offsets [E+1]) are written.
+LoraFactors with_rows_of_b(const LoraFactors& lora, int64_t out, int64_t experts, const int64_t* offsets,
+                           AlignedBuffer<float>& b_t, moecc::pool::ThreadPool& pool);
 
 }  // namespace moecc::kernels::ffn
