@@ -11,11 +11,19 @@ filesystem lacks it): a reader sees the old adapter or the new one, never half o
 Ctrl-C while writing leaves the old one untouched. Files in the directory that are not the adapter's (a
 Trainer checkpoint's optimizer state) are carried over as hard links; adapter files the new save did not write
 (a stale ``adapter_model.bin``, another adapter's subdirectory) are not.
+
+A model prepared by moecc also writes ``moecc_config.json`` beside the adapter (plain PEFT ignores it): the
+family, the paradigm, the ``MoeccConfig`` fields and the LoRA shape it was trained with. ``moecc.prepare(adapter=
+dir)`` takes its paradigm and settings from there, and loading an adapter into a prepared model (a Trainer
+resuming from a checkpoint calls ``load_adapter``) first compares the directory with the model and names every
+difference (family, rank, alpha, targets) in one message, before PEFT's or the optimizer's generic errors.
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
+import logging
 import os
 import shutil
 import types
@@ -28,8 +36,10 @@ from peft import LoraConfig
 from .errors import AdapterMismatchError, MoeccError
 
 CONFIG_NAME = "adapter_config.json"
+SETTINGS_NAME = "moecc_config.json"  # moecc's settings beside the adapter
 WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin")  # PEFT's load order
-ADAPTER_FILES = (CONFIG_NAME, *WEIGHT_NAMES, "README.md")  # what a PEFT save owns in its directory
+ADAPTER_FILES = (CONFIG_NAME, SETTINGS_NAME, *WEIGHT_NAMES, "README.md")  # what a save owns in its directory
+LORA_FIELDS = ("r", "lora_alpha", "target_modules", "target_parameters", "rank_pattern", "alpha_pattern")
 _TEMP_TAG = ".moecc-tmp-"
 
 
@@ -120,14 +130,95 @@ def expected_shapes(peft_model: torch.nn.Module, adapter_name: str = "default") 
     return {key: tuple(t.shape) for key, t in state.items()}
 
 
-def check_adapter_matches(peft_model: torch.nn.Module, path: str | Path) -> None:
+def check_adapter_matches(peft_model: torch.nn.Module, path: str | Path, adapter_name: str = "default") -> None:
     """Raises AdapterMismatchError unless the saved adapter (either format) has exactly the model's LoRA tensors
     and shapes, every value finite."""
     directory = Path(path)
     file = weights_file(directory)
     if file is None:
         raise AdapterMismatchError(f"{str(directory)!r} holds no adapter weights ({' or '.join(WEIGHT_NAMES)})")
-    check_tensors(expected_shapes(peft_model), read_adapter_tensors(file), repr(str(directory)))
+    check_tensors(expected_shapes(peft_model, adapter_name), read_adapter_tensors(file), repr(str(directory)))
+
+
+# --- moecc's settings beside the adapter ------------------------------------------------------------------------
+
+def _lora_fields(config) -> dict:
+    """The LoRA settings that shape an adapter's tensors, JSON-comparable (target sets as sorted lists)."""
+    fields = {}
+    for name in LORA_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, (set, list, tuple)):
+            value = sorted(value)
+        fields[name] = value if name in ("r", "lora_alpha") else (value or None)  # [] / {} / None: none
+    return fields
+
+
+def write_settings(peft_model: torch.nn.Module, directory: Path, adapter_name: str = "default") -> None:
+    """Writes ``moecc_config.json`` into ``directory`` for a model ``moecc.prepare`` returned (else nothing)."""
+    state = getattr(peft_model, "moecc", None)
+    if state is None:
+        return
+    from . import __version__
+
+    settings = {
+        "moecc_version": __version__,
+        "family": state.family.model_type,
+        "paradigm": state.paradigm,
+        "config": dataclasses.asdict(state.config),
+        "lora": _lora_fields(peft_model.peft_config[adapter_name]),
+    }
+    (directory / SETTINGS_NAME).write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+
+
+def read_settings(path: str | Path) -> dict | None:
+    """The settings ``moecc_config.json`` in ``path`` holds, or None when there is none (a plain PEFT adapter)."""
+    file = Path(path) / SETTINGS_NAME
+    if not file.is_file():
+        return None
+    try:
+        settings = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise AdapterMismatchError(f"{str(file)!r} is not valid JSON ({error}); delete it to load the adapter with "
+                                   "the settings you pass, or save the adapter again") from None
+    if not isinstance(settings, dict) or not isinstance(settings.get("config", {}), dict):
+        raise AdapterMismatchError(f"{str(file)!r} is not moecc's settings file (expected a JSON object with "
+                                   "'family', 'paradigm', 'config'); delete it or save the adapter again")
+    return settings
+
+
+def adapter_differences(peft_model: torch.nn.Module, path: str | Path, adapter_name: str = "default") -> list[str]:
+    """How the adapter in ``path`` differs from ``adapter_name`` of ``peft_model``: family and LoRA settings."""
+    differences = []
+    settings = read_settings(path) or {}
+    state = getattr(peft_model, "moecc", None)
+    family = state.family.model_type if state is not None else getattr(peft_model.config, "model_type", None)
+    if settings.get("family") not in (None, family):
+        differences.append(f"family: adapter {settings['family']}, model {family}")
+    saved = _lora_fields(read_adapter_config(path))
+    current = _lora_fields(peft_model.peft_config[adapter_name])
+    for name in LORA_FIELDS:
+        if saved[name] != current[name]:
+            differences.append(f"{name}: adapter {saved[name]!r}, model {current[name]!r}")
+    return differences
+
+
+def check_adapter_loads(peft_model: torch.nn.Module, path: str | Path, adapter_name: str = "default") -> None:
+    """Raises AdapterMismatchError naming every difference between the adapter in ``path`` and the model's
+    ``adapter_name`` (family, rank, alpha, targets; then tensor keys and shapes), before anything is loaded."""
+    differences = adapter_differences(peft_model, path, adapter_name)
+    if differences:
+        raise AdapterMismatchError(
+            f"adapter {str(path)!r} does not match this model's adapter {adapter_name!r}: " + "; ".join(differences)
+            + ". Prepare the model with the same LoRA settings (moecc.prepare(model, adapter=path) reads them "
+            "from the directory), or start from a checkpoint of this run"
+        )
+    check_adapter_matches(peft_model, path, adapter_name)
+    settings = read_settings(path) or {}
+    state = getattr(peft_model, "moecc", None)
+    if state is not None and settings.get("paradigm") not in (None, state.paradigm):
+        logging.getLogger("moecc").warning(
+            "adapter %r was trained under paradigm %r, this model runs %r (the values load the same)",
+            str(path), settings["paradigm"], state.paradigm)
 
 
 # --- atomic saving ---------------------------------------------------------------------------------------------
@@ -150,6 +241,7 @@ def save_adapter(peft_model: torch.nn.Module, save_directory: str | Path, check_
     temporary = target.with_name(f".{target.name}{_TEMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         PeftModel.save_pretrained(peft_model, str(temporary), **kwargs)
+        write_settings(peft_model, temporary)
         _check_written(peft_model, temporary, check_finite, target)
         _sync_tree(temporary)
         _swap_in(temporary, target)
@@ -160,15 +252,25 @@ def save_adapter(peft_model: torch.nn.Module, save_directory: str | Path, check_
 
 
 def install_atomic_save(peft_model: torch.nn.Module) -> None:
-    """Makes ``peft_model.save_pretrained`` (called by users, ``Trainer`` and ``accelerate``) save atomically."""
+    """Makes ``peft_model.save_pretrained`` (called by users, ``Trainer`` and ``accelerate``) save atomically,
+    with moecc's settings, and ``peft_model.load_adapter`` (a Trainer's resume) check the directory first."""
     current = getattr(peft_model, "save_pretrained", None)
-    if getattr(current, "__func__", None) is _atomic_save_pretrained:
-        return
-    peft_model.save_pretrained = types.MethodType(_atomic_save_pretrained, peft_model)  # rebinds under deepcopy
+    if getattr(current, "__func__", None) is not _atomic_save_pretrained:
+        peft_model.save_pretrained = types.MethodType(_atomic_save_pretrained, peft_model)  # rebinds under deepcopy
+    current = getattr(peft_model, "load_adapter", None)
+    if current is not None and getattr(current, "__func__", None) is not _checked_load_adapter:
+        peft_model.load_adapter = types.MethodType(_checked_load_adapter, peft_model)
 
 
 def _atomic_save_pretrained(self, save_directory, **kwargs):
     return save_adapter(self, save_directory, **kwargs)
+
+
+def _checked_load_adapter(self, model_id, adapter_name: str = "default", *args, **kwargs):
+    """``PeftModel.load_adapter`` after :func:`check_adapter_loads` when it replaces an adapter the model has."""
+    if adapter_name in self.peft_config and Path(str(model_id)).is_dir():
+        check_adapter_loads(self, model_id, adapter_name)
+    return type(self).load_adapter(self, model_id, adapter_name, *args, **kwargs)
 
 
 def _check_written(peft_model, temporary: Path, check_finite: bool, target: Path) -> None:

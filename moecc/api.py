@@ -1,6 +1,7 @@
 """Public entry point: ``prepare`` turns a Hugging Face MoE model into a LoRA model whose experts run on the CPU."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +11,8 @@ from peft import LoraConfig, PeftModel, get_peft_model, load_peft_weights, set_p
 from . import _ops
 from .config import MoeccConfig
 from .errors import MoeccError, UnsupportedDtypeError, UnsupportedModelError
-from .adapter_files import install_atomic_save
+from .adapter_files import install_atomic_save, read_settings
+from .engine_summary import log_prepared
 from .lora import (check_adapter_matches, check_expert_targets_matched, check_lora_config, expert_wrappers,
                    read_adapter_config, track_merges)
 from .lora import default_lora_config as _default_lora_config
@@ -101,6 +103,43 @@ def _apply_lora(model: torch.nn.Module, family: MoeFamily, lora_config: LoraConf
     return _lora_model(model, config)
 
 
+def _adopt(model: PeftModel, lora_config: LoraConfig | None, adapter: str | Path | None) -> PeftModel:
+    """A ``PeftModel`` built outside moecc (TRL's ``peft_config``, a user's ``get_peft_model``): its adapters are
+    kept as they are (same modules, same values) once their settings pass the checks ``prepare`` makes."""
+    if getattr(model, "moecc", None) is not None:
+        raise MoeccError("this model was already prepared by moecc; use it as it is (prepare it once)")
+    if lora_config is not None or adapter is not None:
+        raise MoeccError(
+            f"the PeftModel already carries LoRA (adapters {sorted(model.peft_config)}), so lora_config / adapter "
+            "would be a second one: pass the PeftModel alone to adopt its adapters, or the plain transformers model "
+            "(peft_model.unload()) with lora_config / adapter"
+        )
+    for name, config in model.peft_config.items():
+        if not isinstance(config, LoraConfig):
+            raise MoeccError(f"adapter {name!r} of the PeftModel is {type(config).__name__}; moecc trains LoRA only "
+                             "(peft.LoraConfig, with target_parameters for the experts)")
+        check_lora_config(config)
+        check_expert_targets_matched(model, config)
+    return model
+
+
+def _settings(adapter: str | Path | None, paradigm: str | None, config: MoeccConfig | None):
+    """``(paradigm, config)``: the ones given, else those saved beside ``adapter`` (``moecc_config.json``, with
+    ``MOECC_*`` variables that are set taking precedence), else ``"cocompute"`` and the environment's."""
+    saved = read_settings(adapter) if adapter is not None else None
+    env = MoeccConfig.from_env()
+    if config is None and saved and saved.get("config"):
+        fields = {f.name for f in dataclasses.fields(MoeccConfig)}
+        defaults = MoeccConfig()
+        config = MoeccConfig(**{k: v for k, v in saved["config"].items() if k in fields})
+        for name in fields:  # a variable set now wins over the saved value
+            if getattr(env, name) != getattr(defaults, name):
+                setattr(config, name, getattr(env, name))
+    if paradigm is None:
+        paradigm = (saved or {}).get("paradigm", "cocompute")
+    return paradigm, config or env
+
+
 def _lora_model(model: torch.nn.Module, config: LoraConfig, check=lambda peft_model: None) -> PeftModel:
     """``get_peft_model``, then checks that every expert target adapted something (PEFT only warns) and
     ``check``; on a refusal the caller's model is left as it was, so a retry with another config works."""
@@ -118,40 +157,47 @@ def prepare(
     model: torch.nn.Module,
     lora_config: LoraConfig | None = None,
     adapter: str | Path | None = None,
-    paradigm: str = "cocompute",
+    paradigm: str | None = None,
     device: str | torch.device | None = None,
     config: MoeccConfig | None = None,
 ) -> PeftModel:
     """Makes a transformers MoE model trainable with LoRA while its routed experts stay in host memory.
 
     Args:
-        model: a transformers MoE causal LM (``AutoModelForCausalLM``), weights in host memory.
+        model: a transformers MoE causal LM (``AutoModelForCausalLM``), weights in host memory; or a
+            ``peft.PeftModel`` of one (built by TRL from ``peft_config``, or by ``get_peft_model``), whose LoRA is
+            adopted as it is: same adapters, same values.
         lora_config: LoRA for attention/dense (``target_modules``) and experts (``target_parameters``, e.g.
             ``["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]``). Default: rank 8 on attention + experts.
-        adapter: path of a PEFT adapter directory to keep training instead of a new LoRA.
-        paradigm: a name in ``moecc.paradigms.PARADIGMS``: ``"cocompute"``, routed experts computed on the CPU;
-            ``"offload"``, copied to the device and computed there; ``"hybrid"``, each layer's experts split
-            between both, at once; or ``"auto"``, which picks one and logs why (``moecc.paradigms.choose_paradigm``).
+        adapter: path of a PEFT adapter directory to keep training instead of a new LoRA; its
+            ``moecc_config.json`` (written by moecc's saves) supplies ``paradigm`` and ``config`` not given here.
+        paradigm: a name in ``moecc.paradigms.PARADIGMS``: ``"cocompute"`` (the default), routed experts computed
+            on the CPU; ``"offload"``, copied to the device and computed there; ``"hybrid"``, each layer's experts
+            split between both, at once; or ``"auto"``, which picks one and logs why
+            (``moecc.paradigms.choose_paradigm``).
         device: device for attention, dense layers, routers and shared experts; default CUDA if available.
         config: engine options (threads, backend); default from ``MOECC_*`` environment variables.
 
     Returns:
         A ``peft.PeftModel``: call it like the original, train ``model.parameters()``, ``save_pretrained`` a
         standard PEFT adapter (atomically: an interrupted save leaves the previous adapter whole, see
-        ``moecc.adapter_files``). ``model.moecc`` holds the engine state and metrics.
+        ``moecc.adapter_files``, with moecc's settings in ``moecc_config.json``). ``model.moecc`` holds the engine
+    state and metrics. One line on logger ``moecc`` says what runs where.
     """
-    config = config or MoeccConfig.from_env()
+    paradigm, config = _settings(adapter, paradigm, config)
     device = resolve_device(device)
     paradigm = choose_paradigm(paradigm, device)
     paradigm_engine = engine_class(paradigm)
-    if isinstance(model, PeftModel):
-        raise MoeccError("pass the plain transformers model; moecc applies LoRA itself (lora_config / adapter)")
-    family = family_for(model)
-    _check_model(model)
-    blocks = _sparse_blocks(model, family)
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    family = family_for(base)
+    _check_model(base)
+    blocks = _sparse_blocks(base, family)
     for _, block in blocks:
-        block.experts.to("cpu")  # LoRA factors get created next to the weights, in host memory
-    peft_model = _apply_lora(model, family, lora_config, adapter)
+        block.experts.to("cpu")  # LoRA factors get created (or stay) next to the weights, in host memory
+    if isinstance(model, PeftModel):
+        peft_model = _adopt(model, lora_config, adapter)
+    else:
+        peft_model = _apply_lora(model, family, lora_config, adapter)
 
     _ops.configure_pool(config.num_threads, config.pin_threads)
     engine = paradigm_engine.from_config(device, config)
@@ -167,6 +213,7 @@ def prepare(
     peft_model.to(device)
     peft_model.moecc = MoeccState(family, paradigm, device, engine, engine.layers, config)
     install_atomic_save(peft_model)  # save_pretrained writes to a temporary name and renames
+    log_prepared(peft_model.moecc, config)
     return peft_model
 
 
@@ -198,12 +245,16 @@ def from_pretrained(
     path: str | Path,
     lora_config: LoraConfig | None = None,
     adapter: str | Path | None = None,
-    paradigm: str = "cocompute",
+    paradigm: str | None = None,
     device: str | torch.device | None = None,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: str | torch.dtype = "auto",
     config: MoeccConfig | None = None,
 ) -> PeftModel:
-    """Loads a local MoE checkpoint directory and prepares it (see :func:`prepare` for the arguments).
+    """Loads a local MoE checkpoint directory and prepares it (see :func:`prepare` for the other arguments).
+
+    ``dtype`` is read as transformers reads it: ``"auto"`` (default) keeps the checkpoint's dtype (config.json's
+    ``dtype`` / ``torch_dtype``), a name (``"bfloat16"``, ``"torch.float32"``) or a ``torch.dtype`` picks one.
+    The native CPU kernels run bfloat16 experts; other dtypes run the reference backend (``prepare`` logs which).
 
     Checkpoints may store experts per expert (as originally published) or fused. Shards are read one at a
     time: experts go once into host memory, everything else straight to ``device``, so host memory peaks near
@@ -211,7 +262,5 @@ def from_pretrained(
     """
     from .loading import load_model
 
-    if dtype not in SUPPORTED_DTYPES:
-        raise UnsupportedDtypeError(f"dtype={dtype}; moecc supports torch.bfloat16, torch.float16, torch.float32")
     model = load_model(path, dtype, resolve_device(device))
     return prepare(model, lora_config=lora_config, adapter=adapter, paradigm=paradigm, device=device, config=config)

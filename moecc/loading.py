@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from .errors import MoeccError, UnsupportedModelError
+from .errors import MoeccError, UnsupportedDtypeError, UnsupportedModelError
 from .models import FAMILIES
 
 _INDEX = "model.safetensors.index.json"
@@ -85,6 +85,36 @@ def check_checkpoint(path: str | Path) -> dict:
     elif not (directory / "model.safetensors").is_file():
         raise MoeccError(f"no safetensors weights in {str(directory)!r} (model.safetensors or an index + shards)")
     return fields
+
+
+SUPPORTED_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def _dtype_from_name(name: str, what: str) -> torch.dtype:
+    """``"bfloat16"``, ``"torch.bfloat16"``, ``"bf16"``... as a dtype moecc trains, or an error naming ``what``."""
+    key = name.strip().removeprefix("torch.")
+    key = _DTYPE_ALIASES.get(key, key)
+    if key not in SUPPORTED_DTYPES:
+        raise UnsupportedDtypeError(f"{what}={name!r}; moecc trains {', '.join(SUPPORTED_DTYPES)} weights (a "
+                                    "quantised checkpoint must be dequantised first)")
+    return SUPPORTED_DTYPES[key]
+
+
+def resolve_dtype(dtype: str | torch.dtype, fields: dict) -> torch.dtype:
+    """The dtype to load in, as transformers reads ``dtype``: ``"auto"`` is the checkpoint's own (config.json's
+    ``dtype``, or ``torch_dtype`` as older checkpoints name it; float32 when it names none, transformers' default),
+    a string names a dtype, a ``torch.dtype`` is itself. Nothing is down-cast unless asked for."""
+    if isinstance(dtype, torch.dtype):
+        return _dtype_from_name(str(dtype), "dtype")
+    if not isinstance(dtype, str):
+        raise UnsupportedDtypeError(f"dtype={dtype!r}: pass 'auto', a dtype name ('bfloat16') or a torch.dtype")
+    if dtype.strip() != "auto":
+        return _dtype_from_name(dtype, "dtype")
+    saved = fields.get("dtype") or fields.get("torch_dtype")
+    if saved is None:
+        return torch.float32
+    return _dtype_from_name(str(saved), "the checkpoint's config.json dtype")
 
 
 def _shard_files(directory: Path) -> list[Path]:
@@ -251,11 +281,12 @@ def _read_shard(shard: Path, filler: _ModelFiller) -> None:
                          "truncated or corrupted: copy it again from the original checkpoint") from error
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """The checkpoint's causal LM: experts in host memory, everything else on ``device``, in ``dtype``."""
+def load_model(path: str | Path, dtype: str | torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The checkpoint's causal LM: experts in host memory, everything else on ``device``, in ``dtype`` (see
+    :func:`resolve_dtype`: ``"auto"`` keeps the checkpoint's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    check_checkpoint(path)
+    dtype = resolve_dtype(dtype, check_checkpoint(path))
     directory = Path(path)
     config = AutoConfig.from_pretrained(str(directory))
     with torch.device("meta"):

@@ -1,6 +1,8 @@
 """Whole-model parity of moecc.prepare against the unmodified Hugging Face model + PEFT."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -244,3 +246,77 @@ def test_merge_and_unload_gives_the_merged_hf_model():
         merged_reference, merged_engine = reference.merge_and_unload(), engine.merge_and_unload()
         assert not isinstance(merged_engine, PeftModel)
         assert rel_err(merged_engine(input_ids=ids).logits, merged_reference(input_ids=ids).logits) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_prepare_adopts_a_peft_model_as_it_is(family):
+    from peft import get_peft_model
+
+    built = get_peft_model(tiny_model(family, seed=4), lora_config(family))  # as TRL's peft_config builds it
+    randomize_lora(built, seed=5)
+    reference = get_peft_model(tiny_model(family, seed=4), lora_config(family))
+    reference.load_state_dict(built.state_dict())
+    before = {n: p.detach().clone() for n, p in built.named_parameters() if "lora_" in n}
+    engine = moecc.prepare(built, device="cpu")
+    assert engine is built and engine.moecc.family.model_type == family
+    after = {n: p for n, p in engine.named_parameters() if "lora_" in n}
+    assert after.keys() == before.keys()  # no second LoRA
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    for batch in batches(reference.config.vocab_size, 2, seed=6):
+        forward_backward_both(reference, engine, batch, TOLERANCE[torch.float32])
+    assert_grads_match(reference, engine, TOLERANCE[torch.float32])
+    assert engine.moecc.engine.metrics_since_reset()["tokens"] > 0
+
+
+def test_prepare_refuses_peft_models_it_cannot_adopt():
+    from peft import get_peft_model
+
+    with pytest.raises(moecc.MoeccError, match="already carries LoRA.*second one"):
+        moecc.prepare(get_peft_model(tiny_model("qwen3_moe"), lora_config("qwen3_moe")),
+                      lora_config=lora_config("qwen3_moe"), device="cpu")
+    from peft import IA3Config
+
+    with pytest.raises(moecc.MoeccError, match="IA3Config; moecc trains LoRA only"):
+        moecc.prepare(get_peft_model(tiny_model("qwen3_moe"), IA3Config(target_modules=["q_proj"],
+                                                                        feedforward_modules=[])), device="cpu")
+    prepared = moecc.prepare(tiny_model("qwen3_moe"), device="cpu")
+    with pytest.raises(moecc.MoeccError, match="already prepared by moecc"):
+        moecc.prepare(prepared, device="cpu")
+
+
+def test_prepare_logs_what_runs_where(caplog):
+    with caplog.at_level("INFO", logger="moecc"):
+        moecc.prepare(tiny_model("qwen3_moe", dtype=torch.bfloat16), device="cpu")
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("moecc prepared"))
+    assert "paradigm=cocompute" in line and "2 x bfloat16: CPU native (" in line
+    assert "threads=" in line and "gpu budget=none" in line
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="moecc"):
+        moecc.prepare(tiny_model("qwen3_moe"), device="cpu")
+    warning, = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "float32" in warning and "reference backend" in warning and "dtype=torch.bfloat16" in warning
+
+
+def test_saved_settings_travel_with_the_adapter(tmp_path):
+    config = moecc.MoeccConfig(offload_slots=3, check_finite=True)
+    model = moecc.prepare(tiny_model("qwen3_moe"), lora_config=lora_config("qwen3_moe"), device="cpu",
+                          paradigm="offload", config=config)
+    model.save_pretrained(tmp_path)
+    settings = json.loads((tmp_path / "moecc_config.json").read_text())
+    assert settings["paradigm"] == "offload" and settings["config"]["offload_slots"] == 3
+    reloaded = moecc.prepare(tiny_model("qwen3_moe"), adapter=tmp_path, device="cpu")
+    assert reloaded.moecc.paradigm == "offload" and reloaded.moecc.config == config
+    assert moecc.prepare(tiny_model("qwen3_moe"), adapter=tmp_path, device="cpu",
+                         paradigm="cocompute").moecc.paradigm == "cocompute"
+    PeftModel.from_pretrained(tiny_model("qwen3_moe"), tmp_path)  # plain PEFT ignores the file
+
+    other = moecc.prepare(tiny_model("qwen3_moe"), lora_config=lora_config("qwen3_moe", rank=2, alpha=8),
+                          device="cpu")
+    with pytest.raises(moecc.AdapterMismatchError, match="r: adapter 4, model 2") as error:
+        other.load_adapter(str(tmp_path), "default", is_trainable=True)
+    assert "lora_alpha" not in str(error.value)  # only what differs
+    settings["family"] = "mixtral"
+    (tmp_path / "moecc_config.json").write_text(json.dumps(settings))
+    with pytest.raises(moecc.AdapterMismatchError, match="family: adapter mixtral, model qwen3_moe"):
+        reloaded.load_adapter(str(tmp_path), "default", is_trainable=True)

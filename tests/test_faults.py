@@ -316,7 +316,7 @@ FAULTS = [
     Fault("meta-weights", lambda s, t: moecc.prepare(meta_model(), device="cpu"), moecc.UnsupportedModelError,
           ("meta", "device_map")),
     Fault("peft-model-passed", lambda s, t: moecc.prepare(prepared(), device="cpu"), MoeccError,
-          ("plain transformers model",)),
+          ("already prepared by moecc",)),
     Fault("unknown-paradigm", lambda s, t: prepare_with(paradigm="turbo"), MoeccError, ("paradigm 'turbo'", "choose")),
     Fault("device-meta", lambda s, t: prepare_with(device="meta"), MoeccError, ("'meta'", "not supported")),
     Fault("gelu-experts", lambda s, t: moecc.prepare(tiny_model(FAMILY, hidden_act="gelu"), device="cpu"),
@@ -715,7 +715,8 @@ def test_save_removes_stale_adapter_files_and_keeps_the_rest(model_and_old):
     (out / "runs").mkdir()
     (out / "runs" / "events").write_text("log")
     model.save_pretrained(out)
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter_config.json", SAFE, "optimizer.pt", "runs"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter_config.json", SAFE, "moecc_config.json",
+                                                     "optimizer.pt", "runs"]
     assert (out / "optimizer.pt").read_bytes() == b"optimizer state" and (out / "runs" / "events").read_text() == "log"
     assert_holds(out, model)
 

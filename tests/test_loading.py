@@ -88,3 +88,33 @@ def test_checkpoint_errors(tmp_path):
         moecc.from_pretrained(tmp_path, dtype=torch.float32)
     with pytest.raises(moecc.UnsupportedDtypeError, match="float64"):
         moecc.from_pretrained(tmp_path, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("saved,given,expected", [
+    (torch.float32, "auto", torch.float32),  # the checkpoint's dtype: no silent down-cast
+    (torch.bfloat16, "auto", torch.bfloat16),
+    (torch.float32, "bfloat16", torch.bfloat16),
+    (torch.float32, "float16", torch.float16),
+    (torch.bfloat16, torch.float32, torch.float32),
+], ids=str)
+def test_dtype_is_read_as_transformers_reads_it(tmp_path, saved, given, expected):
+    tiny_model("qwen3_moe", dtype=saved).save_pretrained(tmp_path)
+    model = moecc.from_pretrained(tmp_path, device="cpu", dtype=given)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=given)
+    base = {p.dtype for n, p in model.get_base_model().named_parameters() if "lora_" not in n}
+    assert base == {expected} == {p.dtype for p in hf.parameters()}
+
+
+def test_dtype_auto_reads_torch_dtype_and_refuses_others(tmp_path):
+    tiny_model("qwen3_moe", dtype=torch.bfloat16).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["torch_dtype"] = config.pop("dtype", "bfloat16")  # older checkpoints' name
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = moecc.from_pretrained(tmp_path, device="cpu")
+    assert model.get_base_model().model.layers[0].mlp.experts.base_layer.base_layer.gate_up_proj.dtype == \
+        torch.bfloat16
+    with pytest.raises(moecc.UnsupportedDtypeError, match="dtype='int8'.*bfloat16"):
+        moecc.from_pretrained(tmp_path, device="cpu", dtype="int8")
+    (tmp_path / "config.json").write_text(json.dumps({**config, "torch_dtype": "float64"}))
+    with pytest.raises(moecc.UnsupportedDtypeError, match="config.json dtype='float64'"):
+        moecc.from_pretrained(tmp_path, device="cpu")

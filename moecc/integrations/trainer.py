@@ -1,4 +1,9 @@
-"""``MoeccCallback``: moecc inside a Hugging Face ``Trainer`` loop.
+"""``MoeccCallback``: moecc inside a Hugging Face ``Trainer`` loop (and TRL's trainers, which are Trainers).
+
+Given a model ``moecc.prepare`` has not seen, the callback prepares it when the trainer is built (``on_init_end``,
+which runs before ``train`` creates the optimizer): a ``PeftModel`` the trainer made from ``peft_config`` is adopted
+in place (same adapters, same values), a plain model gets the callback's ``lora_config`` (or moecc's default) and
+replaces the trainer's model. What cannot be prepared fails there, before training, with a message naming the fix.
 
 It logs the engine's per-step metrics (``moecc/cpu_experts_s``, ``moecc/h2d_gb``, ``moecc/d2h_gb``,
 ``moecc/tokens_per_s``, ``moecc/routing_skew``, ``moecc/gpu_wait_s``; per optimizer step, averaged over the
@@ -16,10 +21,12 @@ layer as it appears.
 """
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 
 import torch
+from peft import PeftModel
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
@@ -29,20 +36,42 @@ from ..errors import MoeccError
 from ..lora import check_finite_gradients
 
 METRIC_PREFIX = "moecc/"
+PREPARE_ARGUMENTS = tuple(name for name in inspect.signature(prepare).parameters if name != "model")
+
+
+def _calling_trainer():
+    """The ``Trainer`` whose ``__init__`` is running this callback (found up the call stack), or None."""
+    from transformers import Trainer
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
 
 
 class MoeccCallback(TrainerCallback):
-    """Trainer callback for models prepared by moecc.
+    """Trainer callback that prepares the trainer's model (unless it is prepared already) and logs its metrics.
 
     Args:
         check_finite: check gradients for NaN / inf before the optimizer step at logging steps.
-        prepare_kwargs: arguments for :func:`moecc.prepare` used by :meth:`prepare` (``lora_config``,
-            ``paradigm``, ``device``, ...), for when the callback should prepare the model itself.
+        prepare_kwargs: arguments of :func:`moecc.prepare` (``lora_config``, ``adapter``, ``paradigm``,
+            ``device``, ``config``) for the model the callback prepares: the trainer's model when it reaches the
+            callback unprepared, or one passed to :meth:`prepare`. ``device`` defaults to the trainer's device.
+            A model prepared elsewhere, or a ``PeftModel`` together with ``lora_config`` / ``adapter``, is refused,
+            since these settings would not apply to it.
     """
 
     def __init__(self, check_finite: bool = True, **prepare_kwargs) -> None:
+        unknown = sorted(set(prepare_kwargs) - set(PREPARE_ARGUMENTS))
+        if unknown:
+            raise TypeError(f"MoeccCallback got {', '.join(unknown)}, which moecc.prepare does not take; it takes "
+                            f"{', '.join(PREPARE_ARGUMENTS)}")
         self.check_finite = check_finite
         self.prepare_kwargs = prepare_kwargs
+        self._prepared_here: set[int] = set()  # ids of the models this callback prepared
         self._engine = None
         self._window_steps = 0
         self._window_s = 0.0
@@ -53,20 +82,49 @@ class MoeccCallback(TrainerCallback):
         self._first_non_finite: tuple[str, int] | None = None
         self._engine_checks = False  # the engine's check_finite as prepared (kept on at every step if set)
 
-    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Prepares a plain transformers model with the arguments this callback was built with."""
-        return prepare(model, **self.prepare_kwargs)
+    def prepare(self, model: torch.nn.Module, device=None) -> torch.nn.Module:
+        """Prepares ``model`` (plain, or a ``PeftModel`` to adopt) with the arguments this callback was built with."""
+        kwargs = dict(self.prepare_kwargs)
+        if device is not None:
+            kwargs.setdefault("device", device)
+        if isinstance(model, PeftModel) and ({"lora_config", "adapter"} & set(kwargs)):
+            raise MoeccError(
+                "the trainer already applied LoRA to the model (a PeftModel, e.g. from peft_config=...), and "
+                "MoeccCallback got lora_config / adapter as well: give the LoRA settings once, either as the "
+                "trainer's peft_config or as MoeccCallback(lora_config=...)"
+            )
+        prepared = prepare(model, **kwargs)
+        self._prepared_here.add(id(prepared))
+        return prepared
+
+    def _prepared_model(self, args, model: torch.nn.Module) -> torch.nn.Module:
+        """The trainer's model, prepared (in place for a ``PeftModel``, swapped into the trainer otherwise)."""
+        if getattr(model, "moecc", None) is not None:
+            if self.prepare_kwargs and id(model) not in self._prepared_here:
+                raise MoeccError(
+                    "the trainer's model was already prepared by moecc.prepare, so MoeccCallback's settings "
+                    f"({', '.join(sorted(self.prepare_kwargs))}) would not apply to it: drop them from "
+                    "MoeccCallback(...), or give the trainer the unprepared model"
+                )
+            return model
+        trainer = _calling_trainer()
+        if trainer is None and not isinstance(model, PeftModel):
+            raise MoeccError("MoeccCallback found no Trainer to give the prepared model to; prepare it first: "
+                             "Trainer(model=moecc.prepare(model, ...), callbacks=[MoeccCallback()])")
+        try:
+            prepared = self.prepare(model, device=args.device)
+        except MoeccError as error:
+            raise type(error)(f"MoeccCallback could not prepare the trainer's model: {error}") from None
+        if prepared is not model:
+            trainer.model = trainer.model_wrapped = prepared
+            trainer.callback_handler.model = prepared
+        return prepared
 
     def _engine_of(self, model: torch.nn.Module):
-        state = getattr(model, "moecc", None)
-        if state is None:
-            raise MoeccError(
-                "MoeccCallback needs a model prepared by moecc: pass Trainer(model=moecc.prepare(model, ...)) or "
-                "Trainer(model=callback.prepare(model))"
-            )
-        return state.engine
+        return model.moecc.engine
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
+        model = self._prepared_model(args, model)
         self._engine = self._engine_of(model)
         self._engine_checks = self._engine.check_finite
         install_atomic_save(model)

@@ -91,13 +91,35 @@ def test_reporting_callbacks_registered_earlier_see_the_metrics(tmp_path):
     assert with_loss and all("moecc/routing_skew" in logs for logs in with_loss)
 
 
-def test_callback_needs_a_prepared_model(tmp_path):
-    with pytest.raises(moecc.MoeccError, match="prepared by moecc"):
-        Trainer(model=tiny_model(FAMILY), args=_args(tmp_path), train_dataset=SequenceData(),
-                callbacks=[MoeccCallback()])
+def test_callback_prepares_a_plain_model_with_its_lora_config(tmp_path):
+    callback = MoeccCallback(lora_config=lora_config(FAMILY, rank=2))
+    trainer = Trainer(model=tiny_model(FAMILY, seed=1), args=_args(tmp_path, max_steps=2),
+                      train_dataset=SequenceData(), callbacks=[callback])
+    model = trainer.model  # prepared at Trainer.__init__, before train() creates the optimizer
+    assert model.moecc.paradigm == "cocompute" and model.peft_config["default"].r == 2
+    assert trainer.model_wrapped is model and trainer.callback_handler.model is model
+    trainer.train()
+    assert model.moecc.engine.forward_passes == 2
+    assert all(p.shape[0] == 2 * 8 for n, p in model.named_parameters() if n.endswith("experts.lora_A.default.weight"))
+
+
+def test_callback_settings_apply_or_are_refused(tmp_path):
+    make = lambda model, callback: Trainer(model=model, args=_args(tmp_path), train_dataset=SequenceData(),  # noqa: E731
+                                           callbacks=[callback])
+    with pytest.raises(moecc.MoeccError, match="already prepared by moecc.prepare.*lora_config"):
+        make(_moecc_model(), MoeccCallback(lora_config=lora_config(FAMILY)))
+    with pytest.raises(moecc.MoeccError, match="peft_config"):
+        make(get_peft_model(tiny_model(FAMILY), lora_config(FAMILY)), MoeccCallback(lora_config=lora_config(FAMILY)))
+    with pytest.raises(moecc.MoeccError, match="MoeccCallback could not prepare the trainer's model.*'llama'"):
+        from transformers import LlamaConfig, LlamaForCausalLM
+        dense = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
+        make(dense, MoeccCallback())
+    with pytest.raises(TypeError, match="lora_cfg"):
+        MoeccCallback(lora_cfg=lora_config(FAMILY))
     callback = MoeccCallback(lora_config=lora_config(FAMILY), device="cpu")
-    model = callback.prepare(tiny_model(FAMILY))
-    assert model.moecc.paradigm == "cocompute"
+    model = callback.prepare(tiny_model(FAMILY))  # the documented two-step form still works
+    assert make(model, callback).model is model
 
 
 def test_resume_from_checkpoint_continues_exactly(tmp_path):
