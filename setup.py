@@ -107,6 +107,6 @@ setup(
         "tqdm",
         "matplotlib",
     ],
-    extras_require={"test": ["pytest"]},
+    extras_require={"test": ["pytest", "trl>=1.16"]},
     entry_points={"console_scripts": ["moecc = moecc.cli:main"]},
 )
