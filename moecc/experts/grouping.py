@@ -42,6 +42,11 @@ class Grouping:
             raise ValueError(f"expert_mask must be bool [{self.num_experts}], got shape {tuple(expert_mask.shape)}")
         counts = self.counts() * mask  # [E]
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        if self.offsets.device.type == "cpu":  # the kept experts' slices (repeat_interleave is slow on the CPU)
+            bounds = self.offsets.tolist()
+            kept = [self.order[bounds[e]:bounds[e + 1]] for e in mask.nonzero().view(-1).tolist()]
+            order = torch.cat(kept) if kept else self.order[:0]
+            return Grouping(offsets, order)
         keep = torch.repeat_interleave(mask, self.counts(), output_size=self.num_pairs)  # [P]
         return Grouping(offsets, self.order[keep])
 
