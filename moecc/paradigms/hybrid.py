@@ -323,7 +323,7 @@ class HybridExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, top_k_weights, top_k_index, layer, lora, call, counts, parts, *factors):
-        engine, num_experts = layer.engine, layer.weights.num_experts
+        engine = layer.engine
         gpu = engine.forward_split(layer, counts, call.recompute)
         on_gpu = set(gpu)
         cpu = tuple(e for e, n in enumerate(counts) if n > 0 and e not in on_gpu)
