@@ -35,3 +35,16 @@ def answer_accuracy(logits: torch.Tensor, ids: torch.Tensor) -> float:
     after_equals = (ids == CHARS.index("=")).long().cumsum(1)[:, :-1] > 0
     mask = after_equals & (target != PAD)
     return ((predicted == target) & mask).sum().item() / max(mask.sum().item(), 1)
+
+
+def char_tokenizer():
+    """A transformers tokenizer with the ids :func:`encode` gives (one token per character, newline ending a
+    sequence, ``PAD`` padding), for trainers that tokenize text themselves (TRL's)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(CHARS)} | {"<pad>": PAD}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="\n", unk_token="<pad>")

@@ -39,3 +39,15 @@ def test_demo_data_is_what_its_script_writes(tmp_path):
     lines = data.split()
     assert len(lines) == 4000
     assert all(int(a) + int(b) == int(c) for a, rest in (l.split("+") for l in lines) for b, c in [rest.split("=")])
+
+
+def test_trl_sft_prepares_through_the_callback_and_resumes(tmp_path):
+    out = _run("trl_sft.py", "--steps", "4", "--out", str(tmp_path / "run"), cwd=tmp_path)
+    assert "prepared by moecc: cocompute (2 MoE layers)" in out and "held-out after" in out
+    printed_logs = [line for line in out.splitlines() if line.startswith("{'loss'")]
+    assert printed_logs and all("'moecc/cpu_experts_s'" in line for line in printed_logs)
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    assert (checkpoint / "adapter_model.safetensors").is_file() and (checkpoint / "moecc_config.json").is_file()
+    resumed = _run("trl_sft.py", "--steps", "4", "--out", str(tmp_path / "run"), "--resume", str(checkpoint),
+                   cwd=tmp_path)
+    assert "held-out after" in resumed
