@@ -5,8 +5,9 @@ which runs before ``train`` creates the optimizer): a ``PeftModel`` the trainer 
 in place (same adapters, same values), a plain model gets the callback's ``lora_config`` (or moecc's default) and
 replaces the trainer's model. What cannot be prepared fails there, before training, with a message naming the fix.
 
-It logs the engine's per-step metrics (``moecc/cpu_experts_s``, ``moecc/h2d_gb``, ``moecc/d2h_gb``,
-``moecc/tokens_per_s``, ``moecc/routing_skew``, ``moecc/gpu_wait_s``; per optimizer step, averaged over the
+It logs the engine's per-step metrics (``moecc/cpu_experts_s``, ``moecc/tokens_per_s``, ``moecc/routing_skew``;
+on a CUDA device also ``moecc/h2d_gb``, ``moecc/d2h_gb``, ``moecc/gpu_wait_s``, and without one
+``moecc/expert_wait_s``, the training thread's wait for expert results; per optimizer step, averaged over the
 logging window) into the printed logs, ``state.log_history`` and every reporting integration. Checkpoints hold
 the adapter in PEFT's format because the prepared model is a ``PeftModel``; resuming loads it back in place,
 into the expert LoRA factors wherever the engine keeps them (host memory, or the GPU under offload's
@@ -190,12 +191,15 @@ class MoeccCallback(TrainerCallback):
         steps = self._window_steps
         metrics = {
             METRIC_PREFIX + "cpu_experts_s": self._totals["cpu_experts_s"] / steps,
-            METRIC_PREFIX + "h2d_gb": self._totals["h2d_gb"] / steps,
-            METRIC_PREFIX + "d2h_gb": self._totals["d2h_gb"] / steps,
-            METRIC_PREFIX + "gpu_wait_s": self._totals["gpu_wait_s"] / steps,
             METRIC_PREFIX + "tokens_per_s": self._totals["tokens"] / self._window_s if self._window_s else 0.0,
             METRIC_PREFIX + "routing_skew": self._totals["routing_skew"] / steps,
         }
+        if self._engine.device.type == "cuda":  # copies between host and device, and the GPU's waits for them
+            metrics[METRIC_PREFIX + "h2d_gb"] = self._totals["h2d_gb"] / steps
+            metrics[METRIC_PREFIX + "d2h_gb"] = self._totals["d2h_gb"] / steps
+            metrics[METRIC_PREFIX + "gpu_wait_s"] = self._totals["gpu_wait_s"] / steps
+        else:  # no device: nothing crosses a link; the wait is the training thread's, for the expert results
+            metrics[METRIC_PREFIX + "expert_wait_s"] = self._totals["gpu_wait_s"] / steps
         metrics = {key: round(value, 6) for key, value in metrics.items()}
         logs.update(metrics)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:

@@ -67,10 +67,10 @@ def test_metrics_reach_log_history_and_trainable_count(tmp_path):
     assert len(logged) == 3
     for entry in logged:
         assert entry["moecc/cpu_experts_s"] > 0
-        assert entry["moecc/d2h_gb"] > 0 and entry["moecc/h2d_gb"] > 0
+        assert "moecc/h2d_gb" not in entry and "moecc/gpu_wait_s" not in entry  # no device: no link, no GPU
         assert entry["moecc/tokens_per_s"] > 0
         assert entry["moecc/routing_skew"] >= 1.0
-        assert entry["moecc/gpu_wait_s"] >= 0
+        assert entry["moecc/expert_wait_s"] >= 0
     plain = get_peft_model(tiny_model(FAMILY, seed=1), lora_config(FAMILY))
     assert model.get_nb_trainable_parameters() == plain.get_nb_trainable_parameters()
     assert any(".experts." in n for n, p in model.named_parameters() if p.requires_grad)
@@ -197,4 +197,4 @@ def test_callback_logs_offload_metrics(tmp_path):
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert logged and all(entry["moecc/tokens_per_s"] > 0 for entry in logged)
-    assert logged[0]["moecc/h2d_gb"] > 0  # later steps may find every routed expert already on the device
+    assert all("moecc/h2d_gb" not in entry for entry in logged)  # "device" is the CPU: nothing crosses a link
