@@ -6,6 +6,7 @@ native side writes is allocated here and owned by the returned tensors.
 from __future__ import annotations
 
 import atexit
+import os
 import warnings
 
 import torch
@@ -92,6 +93,15 @@ def pool_raise_test(n: int, failing_task: int) -> None:
 
 
 atexit.register(_C.shutdown)
+
+
+def _after_fork_in_child() -> None:
+    # torch's OpenMP team does not survive fork: the child's first parallel op waits for threads it does not have
+    # (plain torch too). One intra-op thread avoids that; moecc's own pool restarts itself (cpp/pool, pthread_atfork).
+    torch.set_num_threads(1)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def set_native_bf16(allowed: bool) -> None:

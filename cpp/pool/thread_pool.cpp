@@ -39,6 +39,18 @@ constexpr int kSpinPolls = 20000;
 std::mutex g_pool_mutex;
 std::shared_ptr<ThreadPool> g_pool;
 
+// fork(): a child has only the forking thread, so the pool's workers are gone and a job would wait for them for
+// ever. The child forgets the pool without joining (its memory is left behind on purpose: destroying joinable
+// threads that do not exist would terminate) and its first global_pool() starts a fresh one. The mutex is held
+// across fork so the child never inherits it locked by a thread it does not have.
+void lock_before_fork() { g_pool_mutex.lock(); }
+void unlock_in_parent() { g_pool_mutex.unlock(); }
+void forget_in_child() {
+  new std::shared_ptr<ThreadPool>(std::move(g_pool));
+  g_pool_mutex.unlock();
+}
+const int g_fork_handlers = pthread_atfork(lock_before_fork, unlock_in_parent, forget_in_child);
+
 }  // namespace
 
 int available_cpus() { return static_cast<int>(allowed_cpu_ids().size()); }

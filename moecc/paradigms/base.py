@@ -11,6 +11,8 @@ Registering a paradigm: a module with an engine and a layer class, and one entry
 from __future__ import annotations
 
 import contextlib
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, ClassVar, Protocol
@@ -49,6 +51,23 @@ class StepMetrics:
         counts = [c.tolist() if isinstance(c, torch.Tensor) else c for c in self.expert_token_counts]
         skews = [max(c) * len(c) / sum(c) for c in counts if sum(c) > 0]
         return sum(skews) / len(skews) if skews else 0.0
+
+
+class Worker:
+    """An engine's one background thread for CPU expert work (layers are sequential; the kernels parallelise
+    inside a call). In a forked child the parent's thread does not exist, so a job would wait for ever: the first
+    submit there starts a new thread."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._pid = os.getpid()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    def submit(self, fn, *args) -> Future:
+        if os.getpid() != self._pid:
+            self._pid = os.getpid()
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
+        return self._executor.submit(fn, *args)
 
 
 class Pending(Protocol):

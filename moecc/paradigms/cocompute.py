@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 from torch.profiler import record_function
@@ -23,7 +23,7 @@ from ..experts import ExpertBackend, ExpertLora, SavedState
 from ..experts.select import cpu_backend
 from ..lora import lora_tensors
 from ..staging import HostCopy, StagingBuffers
-from .base import Engine, ExpertLayer, Pending, node_gradients, saved_state_gone
+from .base import Engine, ExpertLayer, Pending, Worker, node_gradients, saved_state_gone
 
 
 class CoComputeEngine(Engine):
@@ -37,7 +37,7 @@ class CoComputeEngine(Engine):
         self.backend = backend
         self._bytes_mark = (0, 0)
         # One worker: layers are sequential, and the kernels parallelise inside a call.
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecc-experts")
+        self.worker = Worker("moecc-experts")
 
     @classmethod
     def from_config(cls, device: torch.device, config: MoeccConfig) -> CoComputeEngine:

@@ -16,7 +16,7 @@ machine's rates and follow what each pass measures while both sides run (``CostT
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -29,7 +29,7 @@ from ..experts import ExpertBackend, ExpertLora, LoraGrads, SavedState
 from ..experts.select import cpu_backend, default_device_backend, device_backend
 from ..lora import lora_tensors
 from ..staging import StagingBuffers
-from .base import Pending, expert_lora_params, node_gradients, routed_counts, saved_state_gone
+from .base import Pending, Worker, expert_lora_params, node_gradients, routed_counts, saved_state_gone
 from .hybrid_split import CostTracker, RoutingForecast, SideCosts, hit_rate, physical_costs, plan_split
 from .offload import OffloadEngine, OffloadLayer, ParkedState, _Call, lora_on_device, offload_gpu_bytes
 
@@ -63,7 +63,7 @@ class HybridEngine(OffloadEngine):
         super().__init__(device, max(2, slots), compute, cache_bytes)
         self.cpu = cpu
         self.staging = StagingBuffers(device)
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moecc-hybrid-cpu")
+        self.worker = Worker("moecc-hybrid-cpu")
         self.forecast = RoutingForecast()
         self.trackers: dict[str, CostTracker] | None = None if costs is None else {
             "forward": CostTracker(costs[0]), "backward": CostTracker(costs[1])}

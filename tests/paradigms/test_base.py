@@ -74,3 +74,33 @@ def test_unknown_paradigm_lists_the_registered_ones():
     with pytest.raises(moecc.MoeccError, match="paradigm 'eager' is not available; choose one of "
                                                + ", ".join(PARADIGMS)):
         moecc.prepare(tiny_model("qwen3_moe"), paradigm="eager", device="cpu")
+
+
+@pytest.mark.parametrize("paradigm", ["cocompute", "offload", "hybrid"])
+def test_a_forked_child_computes_the_same_logits(paradigm):
+    """After os.fork() the child has none of the parent's threads (moecc's pool, the engine's worker, torch's
+    OpenMP team); it must still run the model, not wait for ever, and get the parent's logits."""
+    import os
+    import time
+
+    model = moecc.prepare(tiny_model("qwen3_moe", dtype=torch.bfloat16), device="cpu", paradigm=paradigm)
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits  # the parent's pools and worker are running now
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only with the same logits
+        try:
+            with torch.no_grad():
+                os._exit(0 if torch.equal(model(input_ids=ids).logits, expected) else 3)
+        finally:
+            os._exit(4)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.1)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung (waited 60 s)")
