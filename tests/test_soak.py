@@ -107,3 +107,44 @@ def test_soak_is_flat_after_warm_up(paradigm, tmp_path):
         assert len(set(figures["threads"])) == 1, figures
     assert len(figures["open_files"]) == 1, figures
     assert figures["last_loss"] < figures["first_loss"]  # it trained
+
+
+_TRAIN_FOREVER = """
+import sys, torch, moecc
+from moecc.tiny_models import tiny_model
+model = moecc.prepare(tiny_model("qwen3_moe", dtype=torch.bfloat16), device="cpu", paradigm=sys.argv[1])
+optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+ids = torch.randint(0, 200, (4, 64), generator=torch.Generator().manual_seed(0))
+print("training", flush=True)
+while True:
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("paradigm", ["cocompute", "offload", "hybrid"])
+def test_ctrl_c_mid_step_exits_within_seconds(paradigm):
+    """SIGINT at three random points of a training loop (inside forward, backward, the kernels or the optimizer):
+    the process ends with KeyboardInterrupt within 10 s each time, so no pool or worker thread keeps it alive."""
+    import random
+    import signal
+    import subprocess
+    import sys
+
+    rng = random.Random(paradigm)
+    for _ in range(3):
+        child = subprocess.Popen([sys.executable, "-c", _TRAIN_FOREVER, paradigm], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().strip() == "training"
+            time.sleep(rng.uniform(0.2, 1.5))
+            child.send_signal(signal.SIGINT)
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            pytest.fail(f"{paradigm}: still running 10 s after Ctrl-C")
+        finally:
+            if child.poll() is None:
+                child.kill()
+        assert child.returncode != 0 and "KeyboardInterrupt" in child.stderr.read()
