@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 import torch
@@ -90,14 +90,19 @@ class HybridEngine(OffloadEngine):
     def finish(self, model: torch.nn.Module, config: MoeccConfig) -> None:
         """Expert LoRA on the GPU where it fits (offload's rule: the optimizer steps it there and the GPU part uses
         it in place; the CPU part reads a host mirror), else in host memory with a device copy per pass."""
-        self.lora_on_device = self.device.type == "cuda" and lora_on_device(model, self.layers, self.device, config)
+        self.lora_on_device = self.device.type == "cuda" and lora_on_device(model, self.layers, self.device,
+                                                                            self._slots_config(config))
         self.place_lora(expert_lora_params(self.layers))
         self.cpu.prepare_layers([layer.weights for layer in self.layers])
         if self.trackers is None and self.layers:
             self.trackers = {p: CostTracker(c) for p, c in zip(("forward", "backward"), default_costs(self))}
 
     def gpu_bytes(self, config: MoeccConfig) -> int:
-        return offload_gpu_bytes(self.layers, config, self.lora_on_device)
+        return offload_gpu_bytes(self.layers, self._slots_config(config), self.lora_on_device)
+
+    def _slots_config(self, config: MoeccConfig) -> MoeccConfig:
+        """``config`` with the slots this engine allocates (at least two, one ahead: ``offload_slots=1`` gets two)."""
+        return replace(config, offload_slots=self.capacity)
 
     def budget_advice(self) -> str:
         return (" or lower offload_slots / offload_cache_gb"
@@ -346,6 +351,7 @@ class HybridExpertsFunction(torch.autograd.Function):
             out = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
         ctx.layer, ctx.parts, ctx.call, ctx.counts = layer, parts, call, counts
         ctx.dtypes = (hidden.dtype, top_k_weights.dtype)
+        ctx.weights_shape = top_k_weights.shape
         return out
 
     @staticmethod
@@ -375,6 +381,8 @@ class HybridExpertsFunction(torch.autograd.Function):
             engine.cpu.release_result(cpu_hidden)
             cpu_weights = engine.staging.to_device("grad_weights", cpu_weights.to(ctx.dtypes[1]))
             grads = _add(grads, (cpu_hidden_device, cpu_weights, cpu_lora), parts.lora)
+        if grads is None:  # no routed pair on either side (no tokens): every gradient is zero
+            grads = _zero_grads(grad_out, ctx.weights_shape, parts.lora)
         grad_hidden, grad_weights, lora_grads = grads
         return node_gradients(grad_hidden.to(ctx.dtypes[0]), grad_weights.to(ctx.dtypes[1]), 6, parts.lora,
                               lora_grads)
@@ -433,6 +441,13 @@ def _prefetch_backward(engine: HybridEngine, layer: HybridLayer, call) -> None:
     if previous.last_gpu and engine.capacity > 1:
         engine._timed_fetch("backward", previous, list(previous.last_gpu))
     engine.parking.prefetch((call.key[0], previous.index))
+
+
+def _zero_grads(grad_out: torch.Tensor, weights_shape: torch.Size, lora: tuple) -> tuple:
+    """(grad_hidden, grad_top_k_weights, LoraGrads) of a layer call that routed nothing: zeros."""
+    factors = [t for part in lora for t in ((part.A, part.B) if part is not None else (None, None))]
+    zeros = [None if f is None else torch.zeros_like(f) for f in factors]
+    return torch.zeros_like(grad_out), grad_out.new_zeros(weights_shape), LoraGrads(*zeros)
 
 
 def _add(gpu: tuple | None, cpu: tuple, lora: tuple) -> tuple:

@@ -102,6 +102,35 @@ def test_bad_expert_ids_are_refused_before_any_state_changes():
     assert_grads_match(reference, engine, TOLERANCE[torch.float32])
 
 
+
+@pytest.mark.parametrize("rule", ["own", "all_gpu"])
+def test_a_layer_call_with_no_tokens_has_zero_gradients(rule):
+    """Zero tokens route nothing to either side; backward returns zeros of each input's shape (it failed to
+    unpack the missing parts' gradients)."""
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid")
+    engine.moecc.engine.split_rule = None if rule == "own" else RULES[rule]
+    layer = engine.moecc.layers[0]
+    hidden = torch.randn(0, layer.weights.hidden_size, requires_grad=True)
+    weights = torch.rand(0, 2, requires_grad=True)
+    out = layer.submit(hidden, torch.zeros(0, 2, dtype=torch.long), weights).result()
+    out.sum().backward()
+    assert hidden.grad.shape == hidden.shape and weights.grad.shape == weights.shape
+    expert_lora = [p for n, p in engine.named_parameters() if ".experts." in n and "lora_" in n]
+    assert expert_lora and all(p.grad is not None and not p.grad.any() for p in expert_lora[:4])
+
+
+def test_gpu_budget_counts_the_two_slots_hybrid_keeps_with_offload_slots_1():
+    """Hybrid keeps at least two slots (one layer ahead); the budget check counts what it allocates."""
+    from moecc.paradigms.offload import offload_gpu_bytes
+
+    config = moecc.MoeccConfig(backend="reference", offload_slots=1)
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
+                           moecc_options={"offload_slots": 1})
+    hybrid = engine.moecc.engine
+    assert hybrid.capacity == 2
+    two = offload_gpu_bytes(hybrid.layers, moecc.MoeccConfig(offload_slots=2), hybrid.lora_on_device)
+    assert hybrid.gpu_bytes(config) == two > offload_gpu_bytes(hybrid.layers, config, hybrid.lora_on_device)
+
 def test_hybrid_is_registered_and_reports_its_sides():
     assert "hybrid" in moecc.paradigms.PARADIGMS
     _, engine = build_pair("olmoe", torch.float32, lora_config("olmoe"), paradigm="hybrid")
