@@ -5,13 +5,13 @@
 # budget (where the whole model fits, so the `gpu` paradigm has rows). Results land in OUT_DIR (default
 # benchmarks/results); each markdown file starts with the command that made it.
 #
-#   bash benchmarks/run_host_suite.sh [OUT_DIR] [all|tests|kernels|sweeps|bench|bench8|profile]
+#   bash benchmarks/run_host_suite.sh [OUT_DIR] [all|tests|kernels|sweeps|bench|bench8|profile|hybrid]
 set -uo pipefail
 out="${1:-benchmarks/results}"
 part="${2:-all}"
 case "$part" in
-  all|tests|kernels|sweeps|bench|bench8|profile) ;;
-  *) echo "run_host_suite.sh: unknown part '$part' (all|tests|kernels|sweeps|bench|bench8|profile)" >&2; exit 2 ;;
+  all|tests|kernels|sweeps|bench|bench8|profile|hybrid) ;;
+  *) echo "run_host_suite.sh: unknown part '$part' (all|tests|kernels|sweeps|bench|bench8|profile|hybrid)" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 scratch="$(mktemp -d)"  # the sweeps' own tables, printed only
@@ -64,4 +64,10 @@ if [[ "$part" == all || "$part" == profile ]]; then
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/profile_step.py --paradigm offload \
       --tokens 8192 2>&1 | grep -v "Warn\|warn"
   python benchmarks/profile_step.py --paradigm cocompute --layers 8 --tokens 512 2>&1 | grep -v "Warn\|warn"
+fi
+if [[ "$part" == all || "$part" == hybrid ]]; then
+  # Hybrid against the pure paradigms on 16 layers (all three in one run), then where its steps go by split.
+  python -m moecc.cli bench --layers 16 --paradigms hybrid,offload,cocompute --out "$out/bench_L16_hybrid" 2>&1 \
+      | grep -v "it/s\|s/it"
+  python benchmarks/profile_hybrid.py --layers 16 --tokens 512,2048,8192 2>&1 | grep -v "Warn\|warn"
 fi

@@ -1,0 +1,93 @@
+"""Where a hybrid step's time goes, by split: the engine's own split against forced ones, on one model.
+
+Builds the ``moecc bench`` model under ``paradigm="hybrid"`` and times training steps (forward, backward and
+optimizer separately) with the engine's own split and with the split forced all on the GPU, all on the CPU and
+with the coldest experts of each layer on the CPU; prints one line per case with the step's parts, each side's
+experts and pairs, the CPU and copy seconds, the waits, the prefetch hit rate and the fitted CPU costs.
+
+    python benchmarks/profile_hybrid.py --layers 16 --tokens 512,2048,8192
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import moecc  # noqa: F401  (before torch: its OpenMP threads sleep between ops, as moecc runs them)
+import torch
+
+from moecc.bench import runner, timing
+from moecc.losses import chunked_causal_lm_loss
+
+KEYS = ("cpu_experts_s", "copy_s", "cpu_wait_s", "gpu_wait_s", "cpu_experts", "gpu_experts", "cpu_pairs",
+        "gpu_pairs", "prefetch_hit_rate", "h2d_gb")
+
+
+def coldest_on_cpu(count: int):
+    """A split rule: each layer's ``count`` least-routed experts on the CPU, the rest on the GPU."""
+    return lambda layer, counts, phase: sorted(range(len(counts)), key=lambda e: -counts[e])[:len(counts) - count]
+
+
+RULES = {"own": None, "all_gpu": lambda layer, counts, phase: range(len(counts)),
+         "all_cpu": lambda layer, counts, phase: (), "coldest32_cpu": coldest_on_cpu(32)}
+
+
+def time_case(model, optimizer, ids, device, steps: int) -> tuple[list[float], dict]:
+    """Median (forward, backward, optimizer) seconds over ``steps`` steps after one warm-up, and the last step's
+    engine metrics."""
+    engine = model.moecc.engine
+    parts, metrics = [], {}
+    for step in range(steps + 1):
+        engine.reset_metrics()
+        timing.synchronize(device)
+        marks = [time.perf_counter()]
+        loss = chunked_causal_lm_loss(model, ids, ids)
+        timing.synchronize(device)
+        marks.append(time.perf_counter())
+        loss.backward()
+        timing.synchronize(device)
+        marks.append(time.perf_counter())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        timing.synchronize(device)
+        marks.append(time.perf_counter())
+        metrics = engine.metrics_since_reset()
+        if step:
+            parts.append([b - a for a, b in zip(marks, marks[1:])])
+    return [statistics.median(p[i] for p in parts) for i in range(3)], metrics
+
+
+def describe(tokens: int, rule: str, parts: list[float], metrics: dict, engine) -> str:
+    forward, backward = engine.trackers["forward"], engine.trackers["backward"]
+    shown = ", ".join(f"{key} {metrics.get(key, 0.0):.3g}" for key in KEYS)
+    return (f"{tokens:>6} tokens {rule:<14} step {1e3 * sum(parts):7.1f} ms (forward {1e3 * parts[0]:.1f}, backward "
+            f"{1e3 * parts[1]:.1f}, optimizer {1e3 * parts[2]:.1f}); {shown}; CPU fit forward "
+            f"{1e3 * forward.cpu_fixed_s:.1f} ms + {forward.cpu_scale:.2f}x, backward {1e3 * backward.cpu_fixed_s:.1f}"
+            f" ms + {backward.cpu_scale:.2f}x; copies {forward.copy_scale:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="qwen3-30b-a3b")
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--tokens", default="512,2048,8192")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--gpu-budget", type=float, default=24.0)
+    parser.add_argument("--rules", default=",".join(RULES), help=f"comma-separated, of {', '.join(RULES)}")
+    args = parser.parse_args()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    model, _, _ = runner.build_for_timing(args.preset, args.layers, "hybrid", device, args.gpu_budget, "off")
+    optimizer = timing.adamw(model.parameters())
+    engine = model.moecc.engine
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        seq = min(tokens, 2048)
+        ids = torch.randint(0, model.config.vocab_size, (max(1, tokens // seq), seq), device=device)
+        for rule in args.rules.split(","):
+            engine.split_rule = RULES[rule]
+            parts, metrics = time_case(model, optimizer, ids, device, args.steps)
+            print(describe(tokens, rule, parts, metrics, engine), flush=True)
+        engine.split_rule = None
+
+
+if __name__ == "__main__":
+    main()
