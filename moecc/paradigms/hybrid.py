@@ -15,6 +15,7 @@ machine's rates and follow what each pass measures while both sides run (``CostT
 """
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -70,10 +71,11 @@ class HybridEngine(OffloadEngine):
         self.split_rule: SplitRule | None = None  # tests and experiments: force the GPU set per layer pass
         self.planned: dict[int, tuple[int, ...]] = {}  # layer -> GPU experts its forward prefetch planned
         self.sides = SideMetrics()
+        self.measure_lock = threading.Lock()  # the worker's CPU timings against the caller's reads and resets
         self._copy_samples: list[tuple[str, int, object]] = []  # (pass, experts copied, (begin, end) | seconds)
         # Device-resident LoRA factors: the CPU part reads host mirrors, copied once per pass on their own stream.
         self.mirror_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._mirrors: dict[int, list[torch.Tensor]] = {}  # layer -> pinned host copies of its factors
+        self._mirrors: dict[int, tuple[list, list[torch.Tensor]]] = {}  # layer -> (factors, pinned host copies)
 
     @classmethod
     def from_config(cls, device: torch.device, config: MoeccConfig) -> HybridEngine:
@@ -113,10 +115,15 @@ class HybridEngine(OffloadEngine):
         mirrors, copied after the work queued so far (the last optimizer step), and the event they are ready at."""
         if not any(part is not None and part.A.device.type == "cuda" for part in lora):
             return lora, None
-        factors = [t.detach() for t in lora_tensors(lora) if t is not None]
-        mirrors = self._mirrors.get(index)
-        if mirrors is None or [m.shape for m in mirrors] != [t.shape for t in factors]:
-            mirrors = self._mirrors[index] = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in factors]
+        sources = [t for t in lora_tensors(lora) if t is not None]
+        factors = [t.detach() for t in sources]
+        held = self._mirrors.get(index)
+        # Reused only for the very factor tensors they were made from (an optimizer writes those in place between
+        # passes): another adapter's factors get buffers of their own, so a graph of the first still reads its own.
+        if held is None or len(held[0]) != len(sources) or any(a is not b for a, b in zip(held[0], sources)):
+            held = self._mirrors[index] = (sources, [torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                                                     for t in factors])
+        mirrors = held[1]
         self.mirror_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.mirror_stream):
             for mirror, factor in zip(mirrors, factors):
@@ -132,11 +139,20 @@ class HybridEngine(OffloadEngine):
         self._learn_copy_rates()
 
     def costs(self, phase: str) -> SideCosts:
-        return self.trackers[phase].costs()
+        with self.measure_lock:
+            return self.trackers[phase].costs()
+
+    def record_cpu(self, phase: str, counts: list[int], seconds: float) -> None:
+        """One CPU part's seconds, from the worker: the metrics and the cost fit."""
+        with self.measure_lock:
+            self.sides.cpu_s += seconds
+            if self.trackers is not None:
+                self.trackers[phase].observe(counts, seconds, 0, 0.0)
 
     def reset_metrics(self) -> None:
         super().reset_metrics()
-        self.sides = SideMetrics()
+        with self.measure_lock:
+            self.sides = SideMetrics()
         self._bytes_mark_staging = (self.staging.bytes_to_device, self.staging.bytes_to_host)
 
     def metrics_since_reset(self) -> dict[str, float]:
@@ -201,7 +217,8 @@ class HybridEngine(OffloadEngine):
             if not isinstance(timing, float):
                 timing[1].synchronize()  # long done: the layer's compute waited for it
             seconds = timing if isinstance(timing, float) else timing[0].elapsed_time(timing[1]) / 1e3
-            self.trackers[phase].observe((), 0.0, experts, seconds)
+            with self.measure_lock:
+                self.trackers[phase].observe((), 0.0, experts, seconds)
 
     def run_cpu(self, fn, *args) -> Future:
         return self.worker.submit(fn, *args)
@@ -304,10 +321,7 @@ def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora
     with record_function("moecc.hybrid.cpu_forward"):
         out, saved = engine.cpu.forward(weights, views["hidden"], views["top_k_index"], views["top_k_weights"],
                                         *lora, expert_mask=_mask(cpu, weights.num_experts, torch.device("cpu")))
-    seconds = time.perf_counter() - start
-    engine.sides.cpu_s += seconds
-    if engine.trackers is not None:
-        engine.trackers["forward"].observe([counts[e] for e in cpu], seconds, 0, 0.0)
+    engine.record_cpu("forward", [counts[e] for e in cpu], time.perf_counter() - start)
     return out, saved
 
 
@@ -316,10 +330,7 @@ def _cpu_backward(engine: HybridEngine, parts: _Parts, staged, counts: list[int]
     start = time.perf_counter()
     with record_function("moecc.hybrid.cpu_backward"):
         result = engine.cpu.backward(parts.weights_host, parts.cpu_saved, views["grad_out"], *parts.cpu_lora)
-    seconds = time.perf_counter() - start
-    engine.sides.cpu_s += seconds
-    if engine.trackers is not None:
-        engine.trackers["backward"].observe(counts, seconds, 0, 0.0)
+    engine.record_cpu("backward", counts, time.perf_counter() - start)
     return result
 
 
