@@ -192,7 +192,8 @@ class HybridEngine(OffloadEngine):
         expected = self.forecast.expected(index)
         if expected is None:
             return
-        plan = plan_split(expected, self.costs("forward")).gpu
+        # Below half a token the forecast is an expert the recent passes stopped routing to, not a CPU part's cost.
+        plan = plan_split([n if n >= 0.5 else 0.0 for n in expected], self.costs("forward")).gpu
         self.planned[index] = plan
         if plan:
             self._timed_fetch("forward", self.layers[index], list(plan))
