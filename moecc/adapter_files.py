@@ -34,6 +34,7 @@ import torch
 from peft import LoraConfig
 
 from .errors import AdapterMismatchError, MoeccError
+from .loading import read_json_object
 
 CONFIG_NAME = "adapter_config.json"
 SETTINGS_NAME = "moecc_config.json"  # moecc's settings beside the adapter
@@ -59,13 +60,8 @@ def read_adapter_config(path: str | Path) -> LoraConfig:
             f"{str(directory)!r} is not a PEFT adapter directory: it needs {CONFIG_NAME} and "
             "adapter_model.safetensors or adapter_model.bin (as written by model.save_pretrained)"
         )
-    try:
-        fields = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise AdapterMismatchError(f"{str(config_file)!r} is not valid JSON ({error}); the save was cut short or the "
-                                   "file was edited: save the adapter again") from None
-    if not isinstance(fields, dict):
-        raise AdapterMismatchError(f"{str(config_file)!r} holds a {type(fields).__name__}, not a JSON object")
+    fields = read_json_object(config_file, "adapter config", "the save was cut short or the file was edited: save "
+                              "the adapter again", AdapterMismatchError)
     if fields.get("peft_type", "LORA") != "LORA":
         raise AdapterMismatchError(f"adapter in {str(directory)!r} is {fields.get('peft_type')}, not LoRA")
     try:
@@ -175,12 +171,9 @@ def read_settings(path: str | Path) -> dict | None:
     file = Path(path) / SETTINGS_NAME
     if not file.is_file():
         return None
-    try:
-        settings = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise AdapterMismatchError(f"{str(file)!r} is not valid JSON ({error}); delete it to load the adapter with "
-                                   "the settings you pass, or save the adapter again") from None
-    if not isinstance(settings, dict) or not isinstance(settings.get("config", {}), dict):
+    settings = read_json_object(file, "moecc settings", "delete it to load the adapter with the settings you pass, "
+                                "or save the adapter again", AdapterMismatchError)
+    if not isinstance(settings.get("config", {}), dict):
         raise AdapterMismatchError(f"{str(file)!r} is not moecc's settings file (expected a JSON object with "
                                    "'family', 'paradigm', 'config'); delete it or save the adapter again")
     return settings

@@ -30,21 +30,23 @@ from .models import FAMILIES
 _INDEX = "model.safetensors.index.json"
 
 
-def _read_json(path: Path, what: str) -> dict:
-    """A JSON object from ``path``; a truncated or hand-edited file is named with the parser's position."""
+def read_json_object(path: Path, what: str, fix: str = "copy the file again from the original checkpoint",
+                     error: type[MoeccError] = MoeccError) -> dict:
+    """A JSON object from ``path``; a truncated or hand-edited file raises ``error`` naming ``what`` it is, the
+    parser's position and the ``fix``."""
     try:
         fields = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise MoeccError(f"{what} {str(path)!r} is not valid JSON ({error}); copy the file again from the "
-                         "original checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as problem:
+        raise error(f"{what} {str(path)!r} is not valid JSON ({problem}); {fix}") from None
     if not isinstance(fields, dict):
-        raise MoeccError(f"{what} {str(path)!r} holds a {type(fields).__name__}, not a JSON object")
+        raise error(f"{what} {str(path)!r} holds a {type(fields).__name__}, not a JSON object")
     return fields
+
 
 
 def _index_shards(directory: Path) -> list[str]:
     """Shard file names listed by the checkpoint's index, sorted."""
-    index = _read_json(directory / _INDEX, "checkpoint index")
+    index = read_json_object(directory / _INDEX, "checkpoint index")
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise MoeccError(f"checkpoint index {str(directory / _INDEX)!r} has no 'weight_map' of tensor names to "
@@ -60,7 +62,7 @@ def check_checkpoint(path: str | Path) -> dict:
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise MoeccError(f"{str(directory)!r} has no config.json; pass a Hugging Face checkpoint directory")
-    fields = _read_json(config_file, "checkpoint config")
+    fields = read_json_object(config_file, "checkpoint config")
     model_type = fields.get("model_type")
     if model_type not in FAMILIES:
         raise UnsupportedModelError(

@@ -11,13 +11,14 @@ trl = pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
 from peft import get_peft_model  # noqa: E402
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 import moecc  # noqa: E402
 from moecc.integrations import MoeccCallback  # noqa: E402
 from moecc.tiny_models import tiny_model  # noqa: E402
 
 from ..parity import lora_config, rel_err  # noqa: E402
+from .test_trainer import StopAfter  # noqa: E402
 
 FAMILY = "qwen2_moe"
 COMMON = dict(per_device_train_batch_size=4, learning_rate=5e-3, logging_steps=1, report_to=[], use_cpu=True,
@@ -70,16 +71,6 @@ def _assert_same_run(moecc_trainer, plain_trainer, tol: float = 1e-4, param_tol:
         assert rel_err(param, plain[name]) <= param_tol, name
 
 
-class StopAfter(TrainerCallback):
-    """Interrupts training after ``step`` optimizer steps (saving), as a preemption would."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_save = True
-            control.should_training_stop = True
 
 
 def _sft(tmp_path, name, callbacks=(), peft_config=None, model=None, steps=3, **overrides):
