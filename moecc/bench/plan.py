@@ -182,7 +182,7 @@ def _hybrid_layers_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int, 
     for phase, gpu_s, extra in (("forward", forward, 0.0), ("backward", backward, parked_s)):
         experts_s, link_s, split = hybrid_split(s, tokens, rates, timed, rank, phase, gpu_s, extra)
         both = split.side == "both"
-        total += max(attention / 2 + experts_s + (3e-4 if both else 0.0), link_s)
+        total += max(attention / 2 + experts_s + (SideCosts.both_sides_s if both else 0.0), link_s)
     return s["moe_layers"] * total
 
 

@@ -9,8 +9,9 @@ balance CPU seconds against copy and GPU seconds; layer i's forward queues layer
 Backward, where routing is known from forward: each layer runs the same split as its forward (each side holds its
 own saved state), and layer i's backward prefetches layer i-1's GPU experts and parked activations.
 
-One set of LoRA factors: host parameters, read in place by the CPU and copied to the device once per pass for the
-GPU; their gradient is the sum of both sides' (each zero outside its experts). The split's costs start from the
+One set of LoRA factors: on the GPU where they fit (the CPU part reads pinned host mirrors, copied once per pass),
+else host parameters read in place by the CPU and copied to the device once per pass; their gradient is the sum of
+both sides' (each zero outside its experts). The split's costs start from the
 machine's rates and follow what each pass measures while both sides run (``CostTracker``).
 """
 from __future__ import annotations
@@ -60,17 +61,17 @@ class HybridEngine(OffloadEngine):
     name = "hybrid"
 
     def __init__(self, device: torch.device, cpu: ExpertBackend, slots: int = 2, compute: str | None = None,
-                 cache_bytes: int = 0, costs: tuple[SideCosts, SideCosts] | None = None) -> None:
+                 cache_bytes: int = 0) -> None:
         super().__init__(device, max(2, slots), compute, cache_bytes)
         self.cpu = cpu
         self.staging = StagingBuffers(device)
         self.worker = Worker("moecc-hybrid-cpu")
         self.forecast = RoutingForecast()
-        self.trackers: dict[str, CostTracker] | None = None if costs is None else {
-            "forward": CostTracker(costs[0]), "backward": CostTracker(costs[1])}
+        self.trackers: dict[str, CostTracker] | None = None  # per pass; made in finish, from the first layer's shape
         self.split_rule: SplitRule | None = None  # tests and experiments: force the GPU set per layer pass
         self.planned: dict[int, tuple[int, ...]] = {}  # layer -> GPU experts its forward prefetch planned
         self.sides = SideMetrics()
+        self._bytes_mark_staging = (0, 0)
         self.measure_lock = threading.Lock()  # the worker's CPU timings against the caller's reads and resets
         self._copy_samples: list[tuple[str, int, object]] = []  # (pass, experts copied, (begin, end) | seconds)
         # Device-resident LoRA factors: the CPU part reads host mirrors, copied once per pass on their own stream.
@@ -84,10 +85,9 @@ class HybridEngine(OffloadEngine):
             # pool the CPU kernels ran 2.2x slower while PCIe streamed (benchmarks/results/README.md).
             _ops.configure_pool(max(1, _ops.available_cpus() - 2), config.pin_threads)
         compute = config.offload_compute
-        engine = cls(device, cpu_backend(config.backend, config.isa, prepack=config.prepack_weights),
-                     config.offload_slots, default_device_backend(device) if compute == "auto" else compute,
-                     int(config.offload_cache_gb * 1e9))
-        return engine
+        return cls(device, cpu_backend(config.backend, config.isa, prepack=config.prepack_weights),
+                   config.offload_slots, default_device_backend(device) if compute == "auto" else compute,
+                   int(config.offload_cache_gb * 1e9))
 
     def finish(self, model: torch.nn.Module, config: MoeccConfig) -> None:
         """Expert LoRA on the GPU where it fits (offload's rule: the optimizer steps it there and the GPU part uses
@@ -162,7 +162,7 @@ class HybridEngine(OffloadEngine):
         cost model's measured ``cpu_slowdown`` / ``copy_slowdown`` (measured over predicted seconds)."""
         out = super().metrics_since_reset()
         s = self.sides
-        mark = getattr(self, "_bytes_mark_staging", (0, 0))
+        mark = self._bytes_mark_staging
         out.update({
             "cpu_experts_s": s.cpu_s, "cpu_experts": float(s.cpu_experts), "gpu_experts": float(s.gpu_experts),
             "cpu_pairs": float(s.cpu_pairs), "gpu_pairs": float(s.gpu_pairs), "cpu_wait_s": s.cpu_wait_s,
@@ -175,7 +175,7 @@ class HybridEngine(OffloadEngine):
         out["d2h_gb"] += (self.staging.bytes_to_host - mark[1]) / 1e9
         return out
 
-    def forward_split(self, layer: HybridLayer, counts: list[int], recompute: bool) -> tuple[int, ...]:
+    def forward_split(self, layer: HybridLayer, counts: list[int]) -> tuple[int, ...]:
         """The experts layer ``layer`` runs on the GPU in this forward: the rule's when one is set; else the plan
         for these very counts with the experts already in the slot (prefetched from the forecast) costing no copy,
         so a few routed experts the forecast missed are copied now where that beats a CPU part for them."""
@@ -187,7 +187,7 @@ class HybridEngine(OffloadEngine):
 
     def prefetch_forward(self, index: int) -> None:
         """Queues layer ``index``'s forecast GPU experts (after this layer's own copies)."""
-        if not (0 <= index < len(self.layers)) or self.capacity < 2 or self.split_rule is not None:
+        if not 0 <= index < len(self.layers) or self.split_rule is not None:
             return
         expected = self.forecast.expected(index)
         if expected is None:
@@ -200,10 +200,9 @@ class HybridEngine(OffloadEngine):
 
     def _timed_fetch(self, phase: str, layer: HybridLayer, experts: list[int], lora: tuple | None = None):
         """``fetch``, remembering how many experts crossed PCIe and how long that took, for the cost tracker."""
-        before_bytes, before_events, before_s = self.h2d_bytes, len(self._copy_events), self.copy_s
+        before_experts, before_events, before_s = self.experts_copied, len(self._copy_events), self.copy_s
         slot = self.fetch(layer, experts, lora)
-        per_expert = layer.weights.gate_up[0].nbytes + layer.weights.down[0].nbytes
-        copied = int((self.h2d_bytes - before_bytes) // per_expert) if per_expert else 0
+        copied = self.experts_copied - before_experts
         if copied:
             timing = self._copy_events[-1] if len(self._copy_events) > before_events else self.copy_s - before_s
             self._copy_samples.append((phase, copied, timing))
@@ -234,7 +233,8 @@ def default_costs(engine: HybridEngine) -> tuple[SideCosts, SideCosts]:
         rates = dict(dram_gbps=100.0, cpu_tflops=3.0, pcie_gbps=50.0, gpu_tflops=400.0)
     else:  # no link: "copies" are host copies, and the same CPU runs both sides
         rates = dict(dram_gbps=20.0, cpu_tflops=0.2, pcie_gbps=20.0, gpu_tflops=0.2)
-    return (physical_costs(hidden, inter, 8, 8, **rates), physical_costs(hidden, inter, 8, 8, backward=True, **rates))
+    rank = max((part.rank for part in engine.layers[0].lora() if part is not None), default=0)
+    return (physical_costs(hidden, inter, rank, **rates), physical_costs(hidden, inter, rank, backward=True, **rates))
 
 
 class HybridLayer(OffloadLayer):
@@ -341,7 +341,7 @@ class HybridExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, top_k_weights, top_k_index, layer, lora, call, counts, parts, *factors):
         engine = layer.engine
-        gpu = engine.forward_split(layer, counts, call.recompute)
+        gpu = engine.forward_split(layer, counts)
         on_gpu = set(gpu)
         cpu = tuple(e for e, n in enumerate(counts) if n > 0 and e not in on_gpu)
         parts.gpu, parts.cpu, parts.lora, parts.weights_host = gpu, cpu, lora, layer.weights
@@ -450,22 +450,20 @@ def _prefetch_backward(engine: HybridEngine, layer: HybridLayer, call) -> None:
     if layer.index == 0:
         return
     previous = engine.layers[layer.index - 1]
-    if previous.last_gpu and engine.capacity > 1:
+    if previous.last_gpu:
         engine._timed_fetch("backward", previous, list(previous.last_gpu))
     engine.parking.prefetch((call.key[0], previous.index))
 
 
 def _zero_grads(grad_out: torch.Tensor, weights_shape: torch.Size, lora: tuple) -> tuple:
     """(grad_hidden, grad_top_k_weights, LoraGrads) of a layer call that routed nothing: zeros."""
-    factors = [t for part in lora for t in ((part.A, part.B) if part is not None else (None, None))]
-    zeros = [None if f is None else torch.zeros_like(f) for f in factors]
-    return torch.zeros_like(grad_out), grad_out.new_zeros(weights_shape), LoraGrads(*zeros)
+    return torch.zeros_like(grad_out), grad_out.new_zeros(weights_shape), LoraGrads.zeros(*lora)
 
 
 def _add(gpu: tuple | None, cpu: tuple, lora: tuple) -> tuple:
     """Both parts' (grad_hidden, grad_top_k_weights, LoraGrads) summed on the GPU part's device, the LoRA
     gradients where their factors live (host gradients reach the GPU without a sync)."""
-    factors = [t for part in lora for t in ((part.A, part.B) if part is not None else (None, None))]
+    factors = lora_tensors(lora)
     cpu_grads = (cpu[2].gate_up_A, cpu[2].gate_up_B, cpu[2].down_A, cpu[2].down_B)
     if gpu is None:
         moved = [None if c is None else c.to(f.device, non_blocking=True) for c, f in zip(cpu_grads, factors)]

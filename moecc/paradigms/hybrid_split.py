@@ -4,7 +4,7 @@ Three resources work on one layer pass at once — the CPU (cold experts, in pla
 weights to the GPU) and the GPU (the hot experts' math) — so a pass costs about the busiest of the three, plus a
 fixed cost for running both sides (submit, sync, merge). With experts sorted by tokens, most first, the GPU takes
 a prefix: the split is the prefix length that minimises that cost. Experts already on the GPU (cached) cost no
-copy and go to the GPU whenever routed. A prefix of zero or of every routed expert is a pure paradigm, taken where
+copy and come first in that order. A prefix of zero or of every routed expert is a pure paradigm, taken where
 a split does not pay.
 
 The per-expert costs come from rates measured while both sides run (``SideCosts``), and are corrected online by
@@ -148,8 +148,9 @@ class CostTracker:
     def observe(self, cpu_counts: Sequence[int], cpu_s: float, copied_experts: int, copy_s: float) -> None:
         """One pass's CPU part (its experts' token counts, measured seconds) and copies (experts, seconds)."""
         predicted_cpu = self.base.cpu_s(cpu_counts) - self.base.cpu_call_s
-        if predicted_cpu > 0 and cpu_s > 0:
-            self._fit_cpu(predicted_cpu, cpu_s)
+        beyond_call = cpu_s - self.base.cpu_call_s  # the fit's fixed part is what a call costs beyond the base's
+        if predicted_cpu > 0 and beyond_call > 0:
+            self._fit_cpu(predicted_cpu, beyond_call)
         if copied_experts > 0 and copy_s > 0 and self.base.copy_expert_s > 0:
             self.copy_scale = _blend(self.copy_scale, copy_s / (copied_experts * self.base.copy_expert_s), self.decay)
         self.samples += 1
@@ -175,8 +176,8 @@ def _blend(old: float, new: float, decay: float) -> float:
     return (1 - decay) * old + decay * new
 
 
-def physical_costs(hidden: int, inter: int, top_k: int, rank: int, dram_gbps: float, cpu_tflops: float,
-                   pcie_gbps: float, gpu_tflops: float, backward: bool = False) -> SideCosts:
+def physical_costs(hidden: int, inter: int, rank: int, dram_gbps: float, cpu_tflops: float, pcie_gbps: float,
+                   gpu_tflops: float, backward: bool = False) -> SideCosts:
     """First costs for a layer shape from machine rates: an active expert reads its 3·H·I bf16 weights once per
     pass (from DRAM on the CPU, over PCIe to the GPU); each pair costs 6·H·I (+ LoRA) FLOPs forward, and backward
     about as many again plus the LoRA gradients, so twice the forward's per-pair cost is used."""

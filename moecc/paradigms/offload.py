@@ -271,6 +271,7 @@ class OffloadEngine(Engine):
         # turns layer by layer (reentrant: a checkpointed layer's recomputation may run on the thread holding it).
         self.lock = threading.RLock()
         self.h2d_bytes = 0  # expert weights copied to the device
+        self.experts_copied = 0  # of them, whole experts (hybrid's cost model times them)
         self.copy_s = 0.0  # measured directly where copies are synchronous (no CUDA)
         self._mark = (0, 0, 0)
         self._cache_mark = 0
@@ -427,6 +428,7 @@ class OffloadEngine(Engine):
                     slot.ready = _timed_event(self.copy_stream)
                     self._copy_events.append((begin, slot.ready))
         self.h2d_bytes += copied * (host.gate_up[0].nbytes + host.down[0].nbytes)
+        self.experts_copied += copied
         slot.present.update(missing)
         return slot
 

@@ -102,8 +102,8 @@ def test_cost_tracker_separates_the_cpu_parts_fixed_cost_from_its_slope():
 def test_physical_costs_for_qwen3_shape_match_the_host_model():
     """DESIGN.md: a Qwen3-30B-A3B layer's experts (128 x 3 x 2048 x 768 bf16) take 21.8 ms over 55 GB/s and about
     9.7 ms from DRAM at 125 GB/s."""
-    costs = physical_costs(2048, 768, 8, 8, dram_gbps=125, cpu_tflops=4, pcie_gbps=55.4, gpu_tflops=680)
+    costs = physical_costs(2048, 768, 8, dram_gbps=125, cpu_tflops=4, pcie_gbps=55.4, gpu_tflops=680)
     assert 128 * costs.copy_expert_s == pytest.approx(21.8e-3, rel=0.02)
     assert 128 * (costs.cpu_expert_s - 2e-5) == pytest.approx(9.7e-3, rel=0.03)
-    backward = physical_costs(2048, 768, 8, 8, 125, 4, 55.4, 680, backward=True)
+    backward = physical_costs(2048, 768, 8, 125, 4, 55.4, 680, backward=True)
     assert backward.cpu_token_s == pytest.approx(2 * costs.cpu_token_s)
