@@ -151,37 +151,33 @@ def _reset_amx_self_check(fault: int = 0) -> None:
 _amx_warned = False
 
 
+def _runs(isa: str) -> bool:
+    try:
+        check_isa(isa)
+        return True
+    except ValueError:
+        return False
+
+
 def hardware_isas() -> list[str]:
     """The ISAs whose instructions this CPU and kernel offer (cpuid, XCR0, the AMX permission), before any
-    self-check: the ones the kernels must be correct on here."""
-    features = cpu_features()
-    isas = ["portable"]
-    avx512 = all(features[f] for f in ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "os_avx512"))
-    if avx512:
-        isas.append("avx512_bf16")
-    if avx512 and features["amx_tile"] and features["amx_bf16"] and features["os_amx"]:
-        isas.append("amx")
-    return isas
+    self-check: the ones the kernels must be correct on here. AMX counts where its self-check could run at all."""
+    return ["portable"] + ["avx512_bf16"] * _runs("avx512_bf16") + ["amx"] * amx_self_check()["ran"]
 
 
 def best_isa() -> str:
     """The fastest kernel ISA that works here: amx (if its self-check passes), then avx512_bf16, then portable.
     A CPU with AMX whose self-check fails gets one warning naming the reason, and the next ISA."""
     global _amx_warned
-    if "amx" in hardware_isas():
-        check = amx_self_check()
-        if check["ok"]:
-            return "amx"
-        if not _amx_warned:
-            _amx_warned = True
-            warnings.warn(f"this CPU has AMX but moecc's AMX self-check failed ({check['reason']}); the expert "
-                          "kernels fall back to AVX512-BF16. Please report this with `moecc info`.",
-                          RuntimeWarning, stacklevel=2)
-    try:
-        check_isa("avx512_bf16")
-        return "avx512_bf16"
-    except ValueError:
-        return "portable"
+    check = amx_self_check()
+    if check["ok"]:
+        return "amx"
+    if check["ran"] and not _amx_warned:
+        _amx_warned = True
+        warnings.warn(f"this CPU has AMX but moecc's AMX self-check failed ({check['reason']}); the expert "
+                      "kernels fall back to AVX512-BF16. Please report this with `moecc info`.",
+                      RuntimeWarning, stacklevel=2)
+    return "avx512_bf16" if _runs("avx512_bf16") else "portable"
 
 
 def pack_experts(weights: torch.Tensor) -> torch.Tensor:
