@@ -50,6 +50,11 @@ def _lora_factor(s: dict, rank: int) -> float:
     return 1 + rank * (2 * s["hidden"] + 3 * s["inter"]) / (3 * s["hidden"] * s["inter"])
 
 
+def _expert_bytes(s: dict) -> int:
+    """One expert's bf16 weights: gate, up and down, 3·H·I values."""
+    return 3 * s["hidden"] * s["inter"] * BF16
+
+
 def _routed_experts(s: dict, tokens: int) -> float:
     """Experts one layer routes to, expected under uniform routing (each token picks k distinct experts)."""
     return s["experts"] * (1 - (1 - s["top_k"] / s["experts"]) ** tokens)
@@ -75,7 +80,7 @@ def _cpu_experts_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int) ->
     """One MoE layer's routed experts on the CPU, forward + backward: timed (scaled to ``rank``), and in each
     pass at least the time to read the routed experts' weights from DRAM."""
     scale = _lora_factor(s, rank) / _lora_factor(s, RANK)
-    floor = _routed_experts(s, tokens) * 3 * s["hidden"] * s["inter"] * BF16 / (rates["dram_gbps"] * 1e9)
+    floor = _routed_experts(s, tokens) * _expert_bytes(s) / (rates["dram_gbps"] * 1e9)
     return sum(max(scale * _at(tokens, timed["tokens"], timed[f"cpu_{p}_s"]), floor) for p in ("forward", "backward"))
 
 
@@ -130,7 +135,7 @@ def _offload_layers_s(s: dict, tokens: int, rates: dict, attention: float, forwa
     layers = s["moe_layers"]
     if layers == 0:
         return 0.0
-    expert_s = 3 * s["hidden"] * s["inter"] * BF16 / (rates["h2d_gbps"] * 1e9)
+    expert_s = _expert_bytes(s) / (rates["h2d_gbps"] * 1e9)
     routed = _routed_experts(s, tokens)
     copy_routed, copy_all = routed * expert_s, s["experts"] * expert_s
     gpu_forward, gpu_backward = forward + attention / 2, backward + attention / 2
@@ -163,10 +168,10 @@ def hybrid_split(s: dict, tokens: int, rates: dict, timed: dict, rank: int, phas
     pairs = tokens * s["top_k"]
     scale = _lora_factor(s, rank) / _lora_factor(s, RANK)
     cpu_pass = HYBRID_CPU_SLOWDOWN * scale * _at(tokens, timed["tokens"], timed[f"cpu_{phase}_s"])
-    weights_s = 3 * s["hidden"] * s["inter"] * BF16 / (rates["dram_gbps"] * 1e9)
+    weights_s = _expert_bytes(s) / (rates["dram_gbps"] * 1e9)
     cpu_pass = max(cpu_pass, routed * weights_s)
     costs = SideCosts(cpu_expert_s=weights_s, cpu_token_s=(cpu_pass - routed * weights_s) / pairs,
-                      copy_expert_s=3 * s["hidden"] * s["inter"] * BF16 / (rates["h2d_gbps"] * 1e9),
+                      copy_expert_s=_expert_bytes(s) / (rates["h2d_gbps"] * 1e9),
                       gpu_expert_s=0.0, gpu_token_s=gpu_s / pairs, cpu_call_s=HYBRID_CPU_CALL_S)
     split = plan_split([pairs / routed] * routed, costs)
     gpu_share = len(split.gpu) / routed
