@@ -71,6 +71,7 @@ class HybridEngine(OffloadEngine):
         self.split_rule: SplitRule | None = None  # tests and experiments: force the GPU set per layer pass
         self.planned: dict[int, tuple[int, ...]] = {}  # layer -> GPU experts its forward prefetch planned
         self.sides = SideMetrics()
+        self.cpu_spans: list | None = None  # timelines set a list: (pass, start, end) of each CPU part, Unix ns
         self._bytes_mark_staging = (0, 0)
         self.measure_lock = threading.Lock()  # the worker's CPU timings against the caller's reads and resets
         self._copy_samples: list[tuple[str, int, object]] = []  # (pass, experts copied, (begin, end) | seconds)
@@ -142,9 +143,11 @@ class HybridEngine(OffloadEngine):
         with self.measure_lock:
             return self.trackers[phase].costs()
 
-    def record_cpu(self, phase: str, counts: list[int], seconds: float) -> None:
-        """One CPU part's seconds, from the worker: the metrics and the cost fit."""
+    def record_cpu(self, phase: str, counts: list[int], seconds: float, began_ns: int) -> None:
+        """One CPU part's seconds, from the worker: the metrics, the cost fit and a timeline's span."""
         with self.measure_lock:
+            if self.cpu_spans is not None:
+                self.cpu_spans.append((phase, began_ns, began_ns + int(seconds * 1e9)))
             self.sides.cpu_s += seconds
             if self.trackers is not None:
                 self.trackers[phase].observe(counts, seconds, 0, 0.0)
@@ -318,20 +321,20 @@ def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora
     views = staged.wait()
     if lora_ready is not None:
         lora_ready.synchronize()
-    start = time.perf_counter()
+    began_ns, start = time.time_ns(), time.perf_counter()
     with record_function("moecc.hybrid.cpu_forward"):
         out, saved = engine.cpu.forward(weights, views["hidden"], views["top_k_index"], views["top_k_weights"],
                                         *lora, expert_mask=_mask(cpu, weights.num_experts, torch.device("cpu")))
-    engine.record_cpu("forward", [counts[e] for e in cpu], time.perf_counter() - start)
+    engine.record_cpu("forward", [counts[e] for e in cpu], time.perf_counter() - start, began_ns)
     return out, saved
 
 
 def _cpu_backward(engine: HybridEngine, parts: _Parts, staged, counts: list[int]):
     views = staged.wait()
-    start = time.perf_counter()
+    began_ns, start = time.time_ns(), time.perf_counter()
     with record_function("moecc.hybrid.cpu_backward"):
         result = engine.cpu.backward(parts.weights_host, parts.cpu_saved, views["grad_out"], *parts.cpu_lora)
-    engine.record_cpu("backward", counts, time.perf_counter() - start)
+    engine.record_cpu("backward", counts, time.perf_counter() - start, began_ns)
     return result
 
 
@@ -340,6 +343,12 @@ class HybridExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, top_k_weights, top_k_index, layer, lora, call, counts, parts, *factors):
+        with record_function("moecc.hybrid.layer_forward"):  # the span a timeline zooms in on
+            return HybridExpertsFunction._forward(ctx, hidden, top_k_weights, top_k_index, layer, lora, call,
+                                                  counts, parts)
+
+    @staticmethod
+    def _forward(ctx, hidden, top_k_weights, top_k_index, layer, lora, call, counts, parts):
         engine = layer.engine
         gpu = engine.forward_split(layer, counts)
         on_gpu = set(gpu)
@@ -368,7 +377,8 @@ class HybridExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        return ctx.layer.checked_backward(grad_out, lambda: HybridExpertsFunction._backward(ctx, grad_out))
+        with record_function("moecc.hybrid.layer_backward"):
+            return ctx.layer.checked_backward(grad_out, lambda: HybridExpertsFunction._backward(ctx, grad_out))
 
     @staticmethod
     def _backward(ctx, grad_out):
