@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from ..paradigms.hybrid_split import SideCosts, Split, plan_split
+from ..paradigms.hybrid_split import SideCosts, Split, forced_split, plan_split
 from .presets import preset_config
 from .shapes import RANK, SEQUENCE, moe_shape, shape_key
 
@@ -158,34 +158,45 @@ HYBRID_CPU_CALL_S = 5e-3
 HYBRID_CPU_SLOWDOWN = 1.1
 
 
-def hybrid_split(s: dict, tokens: int, rates: dict, timed: dict, rank: int, phase: str, gpu_s: float,
-                 extra_copy_s: float = 0.0) -> tuple[float, float, Split]:
-    """One MoE layer's ``phase`` pass under hybrid, routing uniform: (expert seconds of the split, link seconds,
-    the split). The CPU's timed pass is cut into a per-expert part (its DRAM floor: reading the weights) and a
-    per-pair part; the link carries each GPU expert's weights (and ``extra_copy_s`` of the GPU share's parked
-    state); the GPU's timed pass is per pair."""
+def _hybrid_costs(s: dict, tokens: int, rates: dict, timed: dict, rank: int, phase: str, gpu_s: float) -> SideCosts:
+    """One MoE layer's ``phase`` pass under hybrid, routing uniform: the CPU's timed pass cut into a per-expert
+    part (its DRAM floor: reading the weights) and a per-pair part; the link carries each GPU expert's weights;
+    the GPU's timed pass is per pair."""
     routed = max(1, round(_routed_experts(s, tokens)))
     pairs = tokens * s["top_k"]
     scale = _lora_factor(s, rank) / _lora_factor(s, RANK)
     cpu_pass = HYBRID_CPU_SLOWDOWN * scale * _at(tokens, timed["tokens"], timed[f"cpu_{phase}_s"])
     weights_s = _expert_bytes(s) / (rates["dram_gbps"] * 1e9)
     cpu_pass = max(cpu_pass, routed * weights_s)
-    costs = SideCosts(cpu_expert_s=weights_s, cpu_token_s=(cpu_pass - routed * weights_s) / pairs,
-                      copy_expert_s=_expert_bytes(s) / (rates["h2d_gbps"] * 1e9),
-                      gpu_expert_s=0.0, gpu_token_s=gpu_s / pairs, cpu_call_s=HYBRID_CPU_CALL_S)
-    split = plan_split([pairs / routed] * routed, costs)
-    gpu_share = len(split.gpu) / routed
-    return max(split.cpu_s, split.gpu_s), split.copy_s + extra_copy_s * gpu_share, split
+    return SideCosts(cpu_expert_s=weights_s, cpu_token_s=(cpu_pass - routed * weights_s) / pairs,
+                     copy_expert_s=_expert_bytes(s) / (rates["h2d_gbps"] * 1e9),
+                     gpu_expert_s=0.0, gpu_token_s=gpu_s / pairs, cpu_call_s=HYBRID_CPU_CALL_S)
+
+
+def hybrid_splits(s: dict, tokens: int, rates: dict, timed: dict, rank: int, gpu_forward_s: float,
+                  gpu_backward_s: float) -> tuple[Split, Split]:
+    """The (forward, backward) of one MoE layer under hybrid, routing uniform: one split for both passes, as the
+    engine plans it (the backward runs its forward's split, copying the GPU experts again)."""
+    routed = max(1, round(_routed_experts(s, tokens)))
+    counts = [tokens * s["top_k"] / routed] * routed
+    forward = _hybrid_costs(s, tokens, rates, timed, rank, "forward", gpu_forward_s)
+    backward = _hybrid_costs(s, tokens, rates, timed, rank, "backward", gpu_backward_s)
+    split = plan_split(counts, forward, then=backward)
+    return split, forced_split(counts, split.gpu, backward)
 
 
 def _hybrid_layers_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int, attention: float,
                      forward: float, backward: float) -> float:
     """The MoE layers under hybrid: per layer pass the busier of (the GPU's attention share then the slower
-    side's experts) and the link, which streams the next layer's GPU experts all the while."""
+    side's experts) and the link, which streams the next layer's GPU experts (and in backward the GPU share's
+    parked state) all the while."""
     parked_s = _parked_bytes(s, tokens) / (rates["h2d_gbps"] * 1e9)
     total = 0.0
-    for phase, gpu_s, extra in (("forward", forward, 0.0), ("backward", backward, parked_s)):
-        experts_s, link_s, split = hybrid_split(s, tokens, rates, timed, rank, phase, gpu_s, extra)
+    splits = hybrid_splits(s, tokens, rates, timed, rank, forward, backward)
+    routed = max(1, round(_routed_experts(s, tokens)))
+    for split, extra in zip(splits, (0.0, parked_s)):
+        experts_s = max(split.cpu_s, split.gpu_s)
+        link_s = split.copy_s + extra * len(split.gpu) / routed
         both = split.side == "both"
         total += max(attention / 2 + experts_s + (SideCosts.both_sides_s if both else 0.0), link_s)
     return s["moe_layers"] * total
@@ -307,8 +318,7 @@ def hybrid_plan(preset: str, tokens: int, rates: dict, layers: int | None = None
         return {}
     forward, backward = _gpu_experts_s(s, tokens, rates, timed, rank)
     out = {}
-    for phase, gpu_s in (("forward", forward), ("backward", backward)):
-        _, _, split = hybrid_split(s, tokens, rates, timed, rank, phase, gpu_s)
+    for phase, split in zip(("forward", "backward"), hybrid_splits(s, tokens, rates, timed, rank, forward, backward)):
         out[phase] = {"gpu_experts": len(split.gpu), "routed_experts": round(_routed_experts(s, tokens)),
                       "cpu_s": split.cpu_s, "link_s": split.copy_s, "gpu_s": split.gpu_s, "side": split.side}
     return out

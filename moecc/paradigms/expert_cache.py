@@ -63,6 +63,11 @@ class ExpertCache:
                 self.entries[(layer_index, expert)] = (weights.gate_up[expert].to(self.device, copy=True),
                                                        weights.down[expert].to(self.device, copy=True), revision)
 
+    def holds(self, layer: int, expert: int, revision: tuple) -> bool:
+        """Whether a current copy of ``expert`` is cached (without counting a hit)."""
+        entry = self.entries.get((layer, expert))
+        return entry is not None and entry[2] == revision
+
     def take(self, layer: int, expert: int, revision: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The cached (gate_up, down) of ``expert`` if they are current, counting the hit; else None."""
         entry = self.entries.get((layer, expert))

@@ -180,13 +180,16 @@ class HybridEngine(OffloadEngine):
 
     def forward_split(self, layer: HybridLayer, counts: list[int]) -> tuple[int, ...]:
         """The experts layer ``layer`` runs on the GPU in this forward: the rule's when one is set; else the plan
-        for these very counts with the experts already in the slot (prefetched from the forecast) costing no copy,
-        so a few routed experts the forecast missed are copied now where that beats a CPU part for them."""
+        for these very counts with the experts already in the slot (prefetched from the forecast) on the GPU and
+        their copies charged to this layer, so a routed expert the forecast missed is copied now only where that
+        beats running it on the CPU beside them (cached experts cost no copy)."""
         if self.split_rule is not None:
             return tuple(sorted({int(e) for e in self.split_rule(layer.index, counts, "forward")}))
         slot = self.slots.get(layer.index)
         present = slot.present if slot is not None and slot.revision == layer.revision() else set()
-        return plan_split(counts, self.costs("forward"), resident=present).gpu
+        cached = {e for e in present if self.cache is not None and self.cache.holds(layer.index, e, layer.revision())}
+        return plan_split(counts, self.costs("forward"), resident=cached, committed=present,
+                          then=self.costs("backward")).gpu
 
     def prefetch_forward(self, index: int) -> None:
         """Queues layer ``index``'s forecast GPU experts (after this layer's own copies)."""
@@ -196,7 +199,8 @@ class HybridEngine(OffloadEngine):
         if expected is None:
             return
         # Below half a token the forecast is an expert the recent passes stopped routing to, not a CPU part's cost.
-        plan = plan_split([n if n >= 0.5 else 0.0 for n in expected], self.costs("forward")).gpu
+        plan = plan_split([n if n >= 0.5 else 0.0 for n in expected], self.costs("forward"),
+                          then=self.costs("backward")).gpu
         self.planned[index] = plan
         if plan:
             self._timed_fetch("forward", self.layers[index], list(plan))

@@ -4,7 +4,8 @@ Three resources work on one layer pass at once — the CPU (cold experts, in pla
 weights to the GPU) and the GPU (the hot experts' math) — so a pass costs about the busiest of the three, plus a
 fixed cost for running both sides (submit, sync, merge). With experts sorted by tokens, most first, the GPU takes
 a prefix: the split is the prefix length that minimises that cost. Experts already on the GPU (cached) cost no
-copy and come first in that order. A prefix of zero or of every routed expert is a pure paradigm, taken where
+copy and come first in that order; experts a prefetch copied for this pass come next, their copies charged
+(the copy engine is the pipeline's shared resource: a copy made for this layer delays the next layer's). A prefix of zero or of every routed expert is a pure paradigm, taken where
 a split does not pay.
 
 The per-expert costs come from rates measured while both sides run (``SideCosts``), and are corrected online by
@@ -60,37 +61,74 @@ class Split:
         return "gpu" if self.cpu_s == 0.0 else "both"
 
 
-def plan_split(counts: Sequence[int], costs: SideCosts, resident: Iterable[int] = ()) -> Split:
+def plan_split(counts: Sequence[int], costs: SideCosts, resident: Iterable[int] = (),
+               committed: Iterable[int] = (), then: SideCosts | None = None) -> Split:
     """The GPU set minimising max(CPU, copy, GPU) seconds (+ ``both_sides_s`` when both work) for a pass whose
-    experts get ``counts[e]`` tokens; ``resident`` experts are on the GPU already (no copy).
+    experts get ``counts[e]`` tokens. ``resident`` experts are on the GPU already (cached: no copy); ``committed``
+    ones were copied for this pass already (a prefetch): their copies are charged whatever runs where, since
+    the copy engine spent that time on this layer, and they run on the GPU first. ``then``: the costs of a later
+    pass that runs the same split (backward after forward, copying its GPU experts again), whose seconds are
+    added to the score; the returned seconds are the first pass's.
 
-    O(E log E): experts sorted by tokens (resident ones first, they cost no copy), every prefix scored with
-    running sums.
+    O(E log E): experts sorted by tokens (resident and committed ones first, they cost no further copy), every
+    prefix scored with running sums.
     """
     resident = set(resident)
+    committed = set(committed) - resident
     routed = [e for e, n in enumerate(counts) if n > 0]
-    order = sorted(routed, key=lambda e: (e not in resident, -counts[e], e))
-    cpu_total = costs.cpu_s(counts[e] for e in routed)
-    best = Split((), cpu_total, cpu_total, 0.0, 0.0)
-    cpu_left, copy, gpu = cpu_total, 0.0, 0.0
+    order = sorted(routed, key=lambda e: (e not in resident, e not in committed, -counts[e], e))
+    routed_counts = [counts[e] for e in routed]
+    passes = [_Pass(costs, routed_counts, len(committed) * costs.copy_expert_s)]
+    if then is not None:
+        passes.append(_Pass(then, routed_counts, 0.0))
+
+    def scored(m: int) -> tuple[float, tuple]:  # (seconds of every pass, the first's parts) with order[:m] on the GPU
+        parts = [p.parts(m > 0, m == len(order)) for p in passes]
+        return sum(part[0] for part in parts), parts[0]
+
+    best_total, first = scored(0)
+    best = Split((), *first)
     for m, expert in enumerate(order, start=1):
-        n = counts[expert]
-        cpu_left -= costs.cpu_expert_s + n * costs.cpu_token_s
-        copy += 0.0 if expert in resident else costs.copy_expert_s
-        gpu += costs.gpu_expert_s + n * costs.gpu_token_s
-        cpu_part = max(cpu_left, costs.cpu_call_s) if m < len(order) else 0.0
-        total = max(cpu_part, copy, gpu) + (costs.both_sides_s if cpu_part > 0.0 else 0.0)
-        if total < best.predicted_s:
-            best = Split(tuple(sorted(order[:m])), total, cpu_part, copy, gpu)
+        for later, p in enumerate(passes):
+            p.add(counts[expert], copied=expert not in resident and (later or expert not in committed))
+        total, first = scored(m)
+        # On a tie (the link the busier side either way) the smaller CPU part: an expert copied already runs there
+        if total < best_total or (total == best_total and first[1] < best.cpu_s):
+            best_total, best = total, Split(tuple(sorted(order[:m])), *first)
     return best
 
 
-def forced_split(counts: Sequence[int], gpu: Iterable[int], costs: SideCosts, resident: Iterable[int] = ()) -> Split:
-    """The cost of a given placement (for forced splits and for reporting what ran)."""
+class _Pass:
+    """Running sums of one pass's sides while ``plan_split`` moves experts to the GPU one by one."""
+
+    def __init__(self, costs: SideCosts, routed_counts: list[int], copy: float) -> None:
+        self.costs, self.copy, self.gpu = costs, copy, 0.0
+        self.cpu_left = costs.cpu_s(routed_counts)
+
+    def add(self, tokens: int, copied: bool) -> None:
+        c = self.costs
+        self.cpu_left -= c.cpu_expert_s + tokens * c.cpu_token_s
+        self.copy += c.copy_expert_s if copied else 0.0
+        self.gpu += c.gpu_expert_s + tokens * c.gpu_token_s
+
+    def parts(self, any_on_gpu: bool, none_left: bool) -> tuple[float, float, float, float]:
+        """(seconds, CPU, copy, GPU seconds) of the pass with the experts added so far on the GPU."""
+        if not any_on_gpu:  # the pure CPU pass (and committed copies the engine made anyway)
+            return max(self.cpu_left, self.copy), self.cpu_left, self.copy, 0.0
+        cpu_part = 0.0 if none_left else max(self.cpu_left, self.costs.cpu_call_s)
+        both = self.costs.both_sides_s if cpu_part > 0.0 else 0.0
+        return max(cpu_part, self.copy, self.gpu) + both, cpu_part, self.copy, self.gpu
+
+
+def forced_split(counts: Sequence[int], gpu: Iterable[int], costs: SideCosts, resident: Iterable[int] = (),
+                 committed: Iterable[int] = ()) -> Split:
+    """The cost of a given placement (for forced splits and for reporting what ran); ``resident`` and
+    ``committed`` as in ``plan_split``."""
     gpu = tuple(sorted(set(gpu)))
     resident, on_gpu = set(resident), set(gpu)
+    committed = set(committed) - resident
     cpu = costs.cpu_s(n for e, n in enumerate(counts) if e not in on_gpu)
-    copy = sum(costs.copy_expert_s for e in gpu if e not in resident)
+    copy = costs.copy_expert_s * (len(committed) + sum(1 for e in gpu if e not in resident and e not in committed))
     gpu_s = costs.gpu_s(counts[e] for e in gpu if e < len(counts))
     both = costs.both_sides_s if cpu > 0.0 and gpu else 0.0
     return Split(gpu, max(cpu, copy, gpu_s) + both, cpu, copy, gpu_s)

@@ -107,3 +107,48 @@ def test_physical_costs_for_qwen3_shape_match_the_host_model():
     assert 128 * (costs.cpu_expert_s - 2e-5) == pytest.approx(9.7e-3, rel=0.03)
     backward = physical_costs(2048, 768, 8, 125, 4, 55.4, 680, backward=True)
     assert backward.cpu_token_s == pytest.approx(2 * costs.cpu_token_s)
+
+
+def _brute_force(counts, score) -> float:
+    routed = [e for e in range(len(counts)) if counts[e] > 0]
+    return min(score(subset) for m in range(len(routed) + 1) for subset in itertools.combinations(routed, m))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_committed_copies_are_charged_and_the_split_is_still_the_best(seed):
+    """Experts a prefetch already copied for this pass cost their copies whatever runs where (the copy engine
+    spent that time), so the planner weighs a missed expert's copy against the CPU beside them."""
+    rng = random.Random(seed)
+    counts = [rng.choice([0, 1, 3, 10, 40, 200]) for _ in range(9)]
+    committed = set(rng.sample(range(9), rng.randint(1, 5)))
+    costs = replace(COSTS, cpu_call_s=rng.choice([0.0, 3e-3]))
+    split = plan_split(counts, costs, committed=committed)
+    best = _brute_force(counts, lambda gpu: forced_split(counts, gpu, costs, committed=committed).predicted_s)
+    assert split.predicted_s == pytest.approx(best, rel=1e-12, abs=1e-15)
+    assert split.copy_s >= len(committed) * costs.copy_expert_s - 1e-15
+
+
+def test_committed_copies_tip_missed_experts_to_the_cpu():
+    counts = [50] * 6 + [2] * 6
+    cheap_cpu = replace(COSTS, cpu_expert_s=2e-4, cpu_token_s=1e-6)
+    # The six hot ones already on their way: they run on the GPU, and copying the cold six too would only
+    # lengthen the link's queue.
+    assert plan_split(counts, cheap_cpu, committed=range(6)).gpu == (0, 1, 2, 3, 4, 5)
+    # Were the six copies not charged (the old rule), copying the cold ones now would look free of cost.
+    uncharged = plan_split(counts, cheap_cpu, resident=range(6))
+    assert len(uncharged.gpu) > 6
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_split_for_both_passes_minimises_their_sum(seed):
+    """One split serves forward and backward; with ``then`` it minimises both passes' seconds together."""
+    rng = random.Random(seed)
+    counts = [rng.choice([0, 1, 3, 10, 40, 200]) for _ in range(9)]
+    forward = replace(COSTS, cpu_call_s=rng.choice([0.0, 3e-3]))
+    backward = replace(forward, cpu_expert_s=2 * forward.cpu_expert_s, cpu_token_s=2.5 * forward.cpu_token_s)
+    split = plan_split(counts, forward, then=backward)
+    best = _brute_force(counts, lambda gpu: forced_split(counts, gpu, forward).predicted_s
+                        + forced_split(counts, gpu, backward).predicted_s)
+    got = forced_split(counts, split.gpu, forward).predicted_s + forced_split(counts, split.gpu, backward).predicted_s
+    assert got == pytest.approx(best, rel=1e-12, abs=1e-15)
+    assert split.predicted_s == pytest.approx(forced_split(counts, split.gpu, forward).predicted_s)
