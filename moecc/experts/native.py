@@ -233,15 +233,18 @@ class NativeExperts:
         torch.index_select(hidden.to(torch.bfloat16), 0, tokens, out=rows)
         routing = top_k_weights.reshape(-1)[pair_ids].view(-1, 1)  # [P, 1]
         local = Grouping(grouping.offsets, torch.arange(pair_ids.numel(), dtype=torch.int64))
-        out_rows, saved = self._forward(weights, rows, routing, loras, local, torch.float32, copy_hidden=False)
+        out_rows, saved = self._forward(weights, rows, routing, loras, local, None, copy_hidden=False)
         out = torch.zeros(hidden.shape, dtype=torch.float32).index_add_(0, tokens, out_rows)  # [T, H]
+        self._scratch.give(out_rows)
         saved = _SubsetState(**vars(saved), pair_ids=pair_ids, routing_shape=tuple(top_k_weights.shape))
         return out.to(hidden.dtype), saved
 
     def _forward(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_weights: torch.Tensor, loras: tuple,
-                 grouping: Grouping, out_dtype: torch.dtype, copy_hidden: bool) -> tuple[torch.Tensor, SavedState]:
+                 grouping: Grouping, out_dtype: torch.dtype | None,
+                 copy_hidden: bool) -> tuple[torch.Tensor, SavedState]:
         """The kernels on ``grouping`` (every pair of ``top_k_weights [T, k]``); ``copy_hidden``: ``hidden`` is the
-        caller's buffer, so what backward keeps is a copy."""
+        caller's buffer, so what backward keeps is a copy. ``out_dtype`` None: the float32 scratch buffer itself,
+        which the caller gives back."""
         gate_up_lora, down_lora = loras
         matrices = self._matrices(weights)
         shape = (weights.num_experts, weights.hidden_size, weights.intermediate_size)
@@ -268,10 +271,12 @@ class NativeExperts:
                                     gate_up_out=gate_up_out, hidden_copy=hidden_copy,
                                     packed=self._packed(weights, matrices), lora_inner=lora_inner,
                                     tuning=self.tuning)
-            result = out if direct else out.to(out_dtype, copy=True)
-        finally:
-            if not direct:
-                self._scratch.give(out)
+            result = out if direct or out_dtype is None else out.to(out_dtype, copy=True)
+        except BaseException:
+            self._scratch.give(out)
+            raise
+        if not direct and out_dtype is not None:
+            self._scratch.give(out)
         if hidden_copy is not None:
             hidden_bf16 = hidden_copy
         saved = SavedState(hidden_bf16, top_k_weights.float().clone(), offsets, order, gate_up_out,
@@ -316,38 +321,49 @@ class NativeExperts:
         num_tokens, top_k = saved.routing_shape
         pair_ids = saved.pair_ids
         tokens = pair_ids // top_k
-        grad_rows, grad_routing, grads = self._backward(weights, saved, grad_out[tokens].float(), gate_up_lora,
-                                                        down_lora)  # [P, H] float32, [P, 1]
+        # The rows go in as they come (bf16 or float32) and their gradients come out float32, for the sum
+        grad_rows, grad_routing, grads = self._backward(weights, saved, grad_out[tokens], gate_up_lora, down_lora,
+                                                        rows=True)  # [P, H] float32 (scratch), [P, 1]
         grad_hidden = torch.zeros(num_tokens, grad_out.shape[1], dtype=torch.float32).index_add_(0, tokens, grad_rows)
+        self._scratch.give(grad_rows)
         grad_weights = torch.zeros(num_tokens * top_k, dtype=torch.float32)
         grad_weights.index_copy_(0, pair_ids, grad_routing.view(-1))
         return grad_hidden, grad_weights.view(num_tokens, top_k), grads
 
     def _backward(self, weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor,
-                  gate_up_lora: ExpertLora | None,
-                  down_lora: ExpertLora | None) -> tuple[torch.Tensor, torch.Tensor, LoraGrads]:
+                  gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None,
+                  rows: bool = False) -> tuple[torch.Tensor, torch.Tensor, LoraGrads]:
+        """``rows``: the input gradient is the float32 scratch buffer itself, which the caller gives back."""
         if saved.gate_up_out is None:
             raise RuntimeError("moecc: this forward's saved state was already used by a backward (its buffers are "
                                "reused); run the forward again to differentiate it again")
         matrices = self._matrices(weights)
         shape = (weights.num_experts, weights.hidden_size, weights.intermediate_size)
         routing = saved.top_k_weights.reshape(-1).contiguous()
-        # bf16 gradients go in and out of the kernel as they are; others through float32 buffers, pooled (fresh
-        # pages would fault on every call)
-        direct = grad_out.dtype == torch.bfloat16
-        pooled = [] if direct else [self._scratch.take(tuple(saved.hidden.shape), torch.float32),
-                                    self._scratch.take(tuple(grad_out.shape), torch.float32).copy_(grad_out)]
+        # bf16 (and float32) gradients go into the kernel as they are, others through a float32 copy; the input
+        # gradient comes out bf16 for a bf16 caller, else into a float32 buffer. Buffers pooled: fresh pages would
+        # fault on every call.
+        kernel_in = (grad_out.contiguous() if grad_out.dtype in (torch.bfloat16, torch.float32)
+                     else self._scratch.take(tuple(grad_out.shape), torch.float32).copy_(grad_out))
+        copied_in = kernel_in is not grad_out and kernel_in.dtype != grad_out.dtype
+        direct = grad_out.dtype == torch.bfloat16 and not rows
+        grad_in = (self._results.take(tuple(saved.hidden.shape), torch.bfloat16) if direct
+                   else self._scratch.take(tuple(saved.hidden.shape), torch.float32))
         try:
             grad_in, grad_routing, gu, down = _ops.expert_ffn_backward(
                 self.isa, matrices, shape, saved.top_k_weights.shape[1], saved.hidden, saved.offsets, saved.order,
-                routing, _kernel_lora(gate_up_lora), _kernel_lora(down_lora), saved.gate_up_out,
-                grad_out.contiguous() if direct else pooled[1],
-                grad_hidden=self._results.take(tuple(saved.hidden.shape), torch.bfloat16) if direct else pooled[0],
-                lora_inner=_inner_for(saved, gate_up_lora, down_lora), tuning=self.tuning)
-            grad_hidden = grad_in if direct else grad_in.to(grad_out.dtype, copy=True)
+                routing, _kernel_lora(gate_up_lora), _kernel_lora(down_lora), saved.gate_up_out, kernel_in,
+                grad_hidden=grad_in, lora_inner=_inner_for(saved, gate_up_lora, down_lora), tuning=self.tuning)
+            grad_hidden = grad_in if direct or rows else grad_in.to(grad_out.dtype, copy=True)
+        except BaseException:
+            if not direct:
+                self._scratch.give(grad_in)
+            raise
         finally:
-            for buffer in pooled:
-                self._scratch.give(buffer)
+            if copied_in:
+                self._scratch.give(kernel_in)
+        if not direct and not rows:
+            self._scratch.give(grad_in)
         self._give_back(saved)  # SavedState is single-use: backward drops it after this
         grads = LoraGrads(*_peft_grads(gu, gate_up_lora), *_peft_grads(down, down_lora))
         return grad_hidden, grad_routing.view(saved.top_k_weights.shape), grads
