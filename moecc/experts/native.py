@@ -234,10 +234,21 @@ class NativeExperts:
         routing = top_k_weights.reshape(-1)[pair_ids].view(-1, 1)  # [P, 1]
         local = Grouping(grouping.offsets, torch.arange(pair_ids.numel(), dtype=torch.int64))
         out_rows, saved = self._forward(weights, rows, routing, loras, local, None, copy_hidden=False)
-        out = torch.zeros(hidden.shape, dtype=torch.float32).index_add_(0, tokens, out_rows)  # [T, H]
-        self._scratch.give(out_rows)
+        out = self._summed_rows(out_rows, tokens, tuple(hidden.shape), hidden.dtype)
         saved = _SubsetState(**vars(saved), pair_ids=pair_ids, routing_shape=tuple(top_k_weights.shape))
-        return out.to(hidden.dtype), saved
+        return out, saved
+
+    def _summed_rows(self, rows: torch.Tensor, tokens: torch.Tensor, shape: tuple[int, int],
+                     dtype: torch.dtype) -> torch.Tensor:
+        """A subset's float32 ``rows`` (a scratch buffer, given back) summed into their ``tokens``: ``[T, H]`` in
+        ``dtype``, from the results pool for bf16. Pooled buffers: fresh ones page-fault on every call (on the
+        host the zero-fills of fresh pages were a subset call's largest fixed cost)."""
+        acc = self._scratch.take(shape, torch.float32).zero_().index_add_(0, tokens, rows)
+        self._scratch.give(rows)
+        out = (self._results.take(shape, torch.bfloat16).copy_(acc) if dtype == torch.bfloat16
+               else acc.to(dtype, copy=True))
+        self._scratch.give(acc)
+        return out
 
     def _forward(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_weights: torch.Tensor, loras: tuple,
                  grouping: Grouping, out_dtype: torch.dtype | None,
@@ -324,8 +335,7 @@ class NativeExperts:
         # The rows go in as they come (bf16 or float32) and their gradients come out float32, for the sum
         grad_rows, grad_routing, grads = self._backward(weights, saved, grad_out[tokens], gate_up_lora, down_lora,
                                                         rows=True)  # [P, H] float32 (scratch), [P, 1]
-        grad_hidden = torch.zeros(num_tokens, grad_out.shape[1], dtype=torch.float32).index_add_(0, tokens, grad_rows)
-        self._scratch.give(grad_rows)
+        grad_hidden = self._summed_rows(grad_rows, tokens, (num_tokens, grad_out.shape[1]), grad_out.dtype)
         grad_weights = torch.zeros(num_tokens * top_k, dtype=torch.float32)
         grad_weights.index_copy_(0, pair_ids, grad_routing.view(-1))
         return grad_hidden, grad_weights.view(num_tokens, top_k), grads

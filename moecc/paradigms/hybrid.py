@@ -71,6 +71,7 @@ class HybridEngine(OffloadEngine):
         self.split_rule: SplitRule | None = None  # tests and experiments: force the GPU set per layer pass
         self.planned: dict[int, tuple[int, ...]] = {}  # layer -> GPU experts its forward prefetch planned
         self.sides = SideMetrics()
+        self._cpu_seen: set[tuple[str, int]] = set()  # (pass, layer) with a CPU part measured
         self.cpu_spans: list | None = None  # timelines set a list: (pass, start, end) of each CPU part, Unix ns
         self._bytes_mark_staging = (0, 0)
         self.measure_lock = threading.Lock()  # the worker's CPU timings against the caller's reads and resets
@@ -143,13 +144,17 @@ class HybridEngine(OffloadEngine):
         with self.measure_lock:
             return self.trackers[phase].costs()
 
-    def record_cpu(self, phase: str, counts: list[int], seconds: float, began_ns: int) -> None:
-        """One CPU part's seconds, from the worker: the metrics, the cost fit and a timeline's span."""
+    def record_cpu(self, phase: str, index: int, counts: list[int], seconds: float, began_ns: int) -> None:
+        """One CPU part's seconds, from the worker: the metrics, the cost fit and a timeline's span. A layer's
+        first CPU part of each pass kind is not fitted: it fills the backend's buffer pools (page faults), and a
+        fit that learnt it kept the CPU out of every later split, where no sample could correct it."""
         with self.measure_lock:
             if self.cpu_spans is not None:
                 self.cpu_spans.append((phase, began_ns, began_ns + int(seconds * 1e9)))
             self.sides.cpu_s += seconds
-            if self.trackers is not None:
+            first = (phase, index) not in self._cpu_seen
+            self._cpu_seen.add((phase, index))
+            if self.trackers is not None and not first:
                 self.trackers[phase].observe(counts, seconds, 0, 0.0)
 
     def reset_metrics(self) -> None:
@@ -329,16 +334,16 @@ def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora
     with record_function("moecc.hybrid.cpu_forward"):
         out, saved = engine.cpu.forward(weights, views["hidden"], views["top_k_index"], views["top_k_weights"],
                                         *lora, expert_mask=_mask(cpu, weights.num_experts, torch.device("cpu")))
-    engine.record_cpu("forward", [counts[e] for e in cpu], time.perf_counter() - start, began_ns)
+    engine.record_cpu("forward", layer.index, [counts[e] for e in cpu], time.perf_counter() - start, began_ns)
     return out, saved
 
 
-def _cpu_backward(engine: HybridEngine, parts: _Parts, staged, counts: list[int]):
+def _cpu_backward(engine: HybridEngine, index: int, parts: _Parts, staged, counts: list[int]):
     views = staged.wait()
     began_ns, start = time.time_ns(), time.perf_counter()
     with record_function("moecc.hybrid.cpu_backward"):
         result = engine.cpu.backward(parts.weights_host, parts.cpu_saved, views["grad_out"], *parts.cpu_lora)
-    engine.record_cpu("backward", counts, time.perf_counter() - start, began_ns)
+    engine.record_cpu("backward", index, counts, time.perf_counter() - start, began_ns)
     return result
 
 
@@ -392,7 +397,8 @@ class HybridExpertsFunction(torch.autograd.Function):
         cpu_future = None
         if parts.cpu:
             staged = engine.staging.to_host({"grad_out": grad_out.contiguous()})
-            cpu_future = engine.run_cpu(_cpu_backward, engine, parts, staged, [ctx.counts[e] for e in parts.cpu])
+            cpu_future = engine.run_cpu(_cpu_backward, engine, layer.index, parts, staged,
+                                        [ctx.counts[e] for e in parts.cpu])
         slot = engine._timed_fetch("backward", layer, list(parts.gpu), parts.lora) if parts.gpu else None
         if isinstance(parts.gpu_state, ParkedState):
             engine.parking.restore(parts.gpu_state)  # queued now unless the layer after prefetched it
