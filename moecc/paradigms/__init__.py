@@ -26,17 +26,18 @@ def engine_class(paradigm: str) -> type[Engine]:
 def choose_paradigm(paradigm: str, device: torch.device) -> str:
     """``paradigm`` itself, or for ``"auto"`` the one to run, logged with the reason on logger ``moecc``.
 
-    Without a CUDA device only co-compute applies (the experts' math on the CPU either way). With one, hybrid: it
-    plans each layer pass from the rates it measures while running, and where a split does not pay the pass runs
-    wholly on the better side, so it is never meant to lose to either pure paradigm (``moecc plan`` predicts all
-    three on this machine)."""
+    Without a CUDA device only co-compute applies (the experts' math on the CPU either way). With one, offload:
+    on the accelerator host it beat co-compute at every batch and hybrid too, so far
+    (``benchmarks/results/hybrid_2026-12-02``); hybrid is there to be chosen by name, and ``moecc bench`` /
+    ``moecc plan`` compare all three on this machine."""
     if paradigm != "auto":
         return paradigm
     if device.type != "cuda":
         choice, why = "cocompute", "no CUDA device, so the experts run on the CPU"
     else:
-        choice, why = "hybrid", ("a CUDA device: each layer's experts are split between the GPU and the CPU from "
-                                 "rates measured as it runs, wholly on one side where a split does not pay")
+        choice, why = "offload", ("a CUDA device: copying the experts to the GPU beat computing them on the CPU, "
+                                  "and splitting them (paradigm='hybrid'), in every measured batch so far; "
+                                  "`moecc bench` compares the three on this machine")
     logging.getLogger("moecc").info("paradigm='auto' chose %r: %s", choice, why)
     return choice
 

@@ -76,6 +76,10 @@ class HybridEngine(OffloadEngine):
         self._bytes_mark_staging = (0, 0)
         self.measure_lock = threading.Lock()  # the worker's CPU timings against the caller's reads and resets
         self._copy_samples: list[tuple[str, int, object]] = []  # (pass, experts copied, (begin, end) | seconds)
+        # The GPU's work between one layer's experts and the next's (SideCosts.serial_s): pass -> (layer, mark) of
+        # the gap open now, and (pass, begin, end) of the gaps measured, read at the next pass.
+        self._gap_open: dict[str, tuple[int, object]] = {}
+        self._gap_samples: list[tuple[str, object, object]] = []
         # Device-resident LoRA factors: the CPU part reads host mirrors, copied once per pass on their own stream.
         self.mirror_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._mirrors: dict[int, tuple[list, list[torch.Tensor]]] = {}  # layer -> (factors, pinned host copies)
@@ -220,11 +224,39 @@ class HybridEngine(OffloadEngine):
             self._copy_samples.append((phase, copied, timing))
         return slot
 
+    def _stream_mark(self):
+        """A point in the compute stream's time: a CUDA event, or the clock where work is synchronous."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            return event
+        return time.perf_counter()
+
+    def gap_begins(self, phase: str, index: int) -> None:
+        """Layer ``index``'s experts are done in this ``phase`` pass (their output summed)."""
+        self._gap_open[phase] = (index, self._stream_mark())
+
+    def gap_ends(self, phase: str, index: int) -> None:
+        """Layer ``index``'s experts' inputs are ready; the gap since the layer before in this pass is a sample."""
+        opened = self._gap_open.pop(phase, None)
+        if opened is not None and opened[0] + (1 if phase == "forward" else -1) == index:
+            self._gap_samples.append((phase, opened[1], self._stream_mark()))
+
     def _learn_copy_rates(self) -> None:
-        """Feeds the last pass's copy timings (complete by now) to the cost trackers."""
+        """Feeds the last pass's copy timings and gaps (complete by now) to the cost trackers."""
         samples, self._copy_samples = self._copy_samples, []
+        gaps, self._gap_samples = self._gap_samples, []
+        self._gap_open.clear()
         if self.trackers is None:
             return
+        for phase, begin, end in gaps:
+            if isinstance(end, float):
+                seconds = end - begin
+            else:
+                end.synchronize()
+                seconds = begin.elapsed_time(end) / 1e3
+            with self.measure_lock:
+                self.trackers[phase].observe_serial(seconds)
         for phase, experts, timing in samples:
             if not isinstance(timing, float):
                 timing[1].synchronize()  # long done: the layer's compute waited for it
@@ -276,7 +308,7 @@ class HybridLayer(OffloadLayer):
         parts = _Parts()
         out = HybridExpertsFunction.apply(hidden, top_k_weights, top_k_index, self, lora, call, counts, parts,
                                           *factors)
-        return HybridPending(out, parts, self.engine)
+        return HybridPending(out, parts, self.engine, None if recompute else self.index)
 
 
 @dataclass
@@ -298,8 +330,9 @@ class _Parts:
 class HybridPending:
     """``result()`` waits for the CPU part, brings it to the device and adds it to the GPU part."""
 
-    def __init__(self, output: torch.Tensor, parts: _Parts, engine: HybridEngine) -> None:
+    def __init__(self, output: torch.Tensor, parts: _Parts, engine: HybridEngine, index: int | None) -> None:
         self._output, self._parts, self._engine = output, parts, engine
+        self._index = index  # the layer, for the gap to the next one (None: a recomputation)
 
     def result(self) -> torch.Tensor:
         parts, engine = self._parts, self._engine
@@ -314,6 +347,8 @@ class HybridPending:
                 else:
                     engine.staging.copy_to_device("out", host, self._output)
             engine.cpu.release_result(host)
+        if not parts.done and self._index is not None:
+            engine.gap_begins("forward", self._index)
         parts.done = True
         return self._output
 
@@ -359,6 +394,8 @@ class HybridExpertsFunction(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, hidden, top_k_weights, top_k_index, layer, lora, call, counts, parts):
         engine = layer.engine
+        if not call.recompute:
+            engine.gap_ends("forward", layer.index)
         gpu = engine.forward_split(layer, counts)
         on_gpu = set(gpu)
         cpu = tuple(e for e, n in enumerate(counts) if n > 0 and e not in on_gpu)
@@ -394,6 +431,7 @@ class HybridExpertsFunction(torch.autograd.Function):
         layer, parts, engine = ctx.layer, ctx.parts, ctx.layer.engine
         if not parts.done or (parts.cpu and parts.cpu_saved is None) or (parts.gpu and parts.gpu_state is None):
             raise saved_state_gone("hybrid")
+        engine.gap_ends("backward", layer.index)
         cpu_future = None
         if parts.cpu:
             staged = engine.staging.to_host({"grad_out": grad_out.contiguous()})
@@ -412,10 +450,11 @@ class HybridExpertsFunction(torch.autograd.Function):
             cpu_hidden_device = engine.staging.to_device("grad_hidden", cpu_hidden.to(ctx.dtypes[0]))
             engine.cpu.release_result(cpu_hidden)
             cpu_weights = engine.staging.to_device("grad_weights", cpu_weights.to(ctx.dtypes[1]))
-            grads = _add(grads, (cpu_hidden_device, cpu_weights, cpu_lora), parts.lora)
+            grads = _add(grads, (cpu_hidden_device, cpu_weights, cpu_lora), parts.lora, parts.cpu)
         if grads is None:  # no routed pair on either side (no tokens): every gradient is zero
             grads = _zero_grads(grad_out, ctx.weights_shape, parts.lora)
         grad_hidden, grad_weights, lora_grads = grads
+        engine.gap_begins("backward", layer.index)
         return node_gradients(grad_hidden.to(ctx.dtypes[0]), grad_weights.to(ctx.dtypes[1]), 6, parts.lora,
                               lora_grads)
 
@@ -480,18 +519,39 @@ def _zero_grads(grad_out: torch.Tensor, weights_shape: torch.Size, lora: tuple) 
     return torch.zeros_like(grad_out), grad_out.new_zeros(weights_shape), LoraGrads.zeros(*lora)
 
 
-def _add(gpu: tuple | None, cpu: tuple, lora: tuple) -> tuple:
+def _add(gpu: tuple | None, cpu: tuple, lora: tuple, cpu_experts: tuple[int, ...]) -> tuple:
     """Both parts' (grad_hidden, grad_top_k_weights, LoraGrads) summed on the GPU part's device, the LoRA
-    gradients where their factors live (host gradients reach the GPU without a sync)."""
+    gradients where their factors live. The CPU part's LoRA gradients are zero outside ``cpu_experts``: only those
+    experts' blocks cross to a device (the whole tensors were ~25 MB of pageable copies per layer for
+    Qwen3-30B-A3B, on the backward's critical path)."""
     factors = lora_tensors(lora)
     cpu_grads = (cpu[2].gate_up_A, cpu[2].gate_up_B, cpu[2].down_A, cpu[2].down_B)
+    gpu_grads = (None,) * 4 if gpu is None else (gpu[2].gate_up_A, gpu[2].gate_up_B, gpu[2].down_A, gpu[2].down_B)
+    parts = [None if part is None else part.num_experts for part in lora for _ in range(2)]
+    summed = [None if c is None else _lora_grad_sum(g, c, f, experts, i % 2 == 1, cpu_experts)
+              for i, (g, c, f, experts) in enumerate(zip(gpu_grads, cpu_grads, factors, parts))]
     if gpu is None:
-        moved = [None if c is None else c.to(f.device, non_blocking=True) for c, f in zip(cpu_grads, factors)]
-        return cpu[0], cpu[1], LoraGrads(*moved)
-    g = gpu[2]
-    summed = [None if a is None else a.to(f.device) + c.to(f.device, non_blocking=True)
-              for a, c, f in zip((g.gate_up_A, g.gate_up_B, g.down_A, g.down_B), cpu_grads, factors)]
+        return cpu[0], cpu[1], LoraGrads(*summed)
     return gpu[0].float() + cpu[0].float(), gpu[1].float() + cpu[1].float(), LoraGrads(*summed)
+
+
+def _lora_grad_sum(gpu: torch.Tensor | None, cpu: torch.Tensor, factor: torch.Tensor, experts: int, is_b: bool,
+                   cpu_experts: tuple[int, ...]) -> torch.Tensor:
+    """One LoRA factor's gradient, the GPU part's (or zeros) plus the CPU part's blocks of ``cpu_experts``: rows
+    ``[e*r, (e+1)*r)`` of an A gradient ``[r*E, in]``, columns ``j*E + e`` of a B gradient ``[out, r*E]``."""
+    if not cpu_experts:
+        moved = cpu.to(factor.device, non_blocking=True)
+        return moved if gpu is None else gpu.to(factor.device) + moved
+    total = torch.zeros(cpu.shape, dtype=cpu.dtype, device=factor.device) if gpu is None else gpu.to(factor.device)
+    index = torch.tensor(cpu_experts, dtype=torch.int64)
+    index_device = index.to(factor.device, non_blocking=True)
+    if is_b:  # [out, r*E] seen as [out, r, E]
+        blocks = cpu.view(cpu.shape[0], -1, experts).index_select(2, index)
+        total.view(cpu.shape[0], -1, experts).index_add_(2, index_device, blocks.to(factor.device, non_blocking=True))
+    else:  # [r*E, in] seen as [E, r, in]
+        blocks = cpu.view(experts, -1, cpu.shape[1]).index_select(0, index)
+        total.view(experts, -1, cpu.shape[1]).index_add_(0, index_device, blocks.to(factor.device, non_blocking=True))
+    return total
 
 
 HybridEngine.layer_class = HybridLayer

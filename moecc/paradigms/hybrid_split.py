@@ -2,7 +2,9 @@
 
 Three resources work on one layer pass at once — the CPU (cold experts, in place), the copy engine (hot experts'
 weights to the GPU) and the GPU (the hot experts' math) — so a pass costs about the busiest of the three, plus a
-fixed cost for running both sides (submit, sync, merge). With experts sorted by tokens, most first, the GPU takes
+fixed cost for running both sides (submit, sync, merge). The GPU's own work between two layers' experts
+(attention, router) overlaps the copies but not a CPU part, whose result the next layer needs first, so it counts
+on the CPU's side (``serial_s``, measured). With experts sorted by tokens, most first, the GPU takes
 a prefix: the split is the prefix length that minimises that cost. Experts already on the GPU (cached) cost no
 copy and come first in that order; experts a prefetch copied for this pass come next, their copies charged
 (the copy engine is the pipeline's shared resource: a copy made for this layer delays the next layer's). A prefix of zero or of every routed expert is a pure paradigm, taken where
@@ -17,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class SideCosts:
@@ -29,6 +33,9 @@ class SideCosts:
     gpu_token_s: float  # each routed pair on the GPU
     both_sides_s: float = 3e-4  # a pass that runs on both sides: staging, the CPU's result back, the sum
     cpu_call_s: float = 0.0  # a CPU part at all: its staging, gathers and scatters, the pool's start
+    # The GPU's own work between one layer's CPU result and the next layer's CPU part (attention, router,
+    # staging): copies overlap it, a CPU part cannot (the next one needs its output), so it counts on the CPU's side
+    serial_s: float = 0.0
 
     def cpu_s(self, counts: Iterable[int]) -> float:
         """CPU seconds for experts with these token counts (experts with none cost nothing, nor a CPU part
@@ -71,53 +78,40 @@ def plan_split(counts: Sequence[int], costs: SideCosts, resident: Iterable[int] 
     added to the score; the returned seconds are the first pass's.
 
     O(E log E): experts sorted by tokens (resident and committed ones first, they cost no further copy), every
-    prefix scored with running sums.
+    prefix scored at once from cumulative sums (numpy: this runs on every layer call's critical path).
     """
     resident = set(resident)
     committed = set(committed) - resident
-    routed = [e for e, n in enumerate(counts) if n > 0]
-    order = sorted(routed, key=lambda e: (e not in resident, e not in committed, -counts[e], e))
-    routed_counts = [counts[e] for e in routed]
-    passes = [_Pass(costs, routed_counts, len(committed) * costs.copy_expert_s)]
-    if then is not None:
-        passes.append(_Pass(then, routed_counts, 0.0))
-
-    def scored(m: int) -> tuple[float, tuple]:  # (seconds of every pass, the first's parts) with order[:m] on the GPU
-        parts = [p.parts(m > 0, m == len(order)) for p in passes]
-        return sum(part[0] for part in parts), parts[0]
-
-    best_total, first = scored(0)
-    best = Split((), *first)
-    for m, expert in enumerate(order, start=1):
-        for later, p in enumerate(passes):
-            p.add(counts[expert], copied=expert not in resident and (later or expert not in committed))
-        total, first = scored(m)
-        # On a tie (the link the busier side either way) the smaller CPU part: an expert copied already runs there
-        if total < best_total or (total == best_total and first[1] < best.cpu_s):
-            best_total, best = total, Split(tuple(sorted(order[:m])), *first)
-    return best
+    order = sorted((e for e, n in enumerate(counts) if n > 0),
+                   key=lambda e: (e not in resident, e not in committed, -counts[e], e))
+    tokens = np.array([counts[e] for e in order], dtype=np.float64)
+    in_resident = np.array([e in resident for e in order], dtype=bool)
+    in_committed = np.array([e in committed for e in order], dtype=bool)
+    total = np.zeros(len(order) + 1)
+    first = None
+    for later, c in enumerate([costs] if then is None else [costs, then]):
+        copied = ~in_resident if later else ~(in_resident | in_committed)
+        parts = _prefix_parts(c, tokens, copied, 0.0 if later else len(committed) * c.copy_expert_s)
+        total += parts[0]
+        first = parts if first is None else first
+    m = int(np.lexsort((np.arange(total.size), first[1], total))[0])  # ties: the smaller CPU part, then fewer
+    return Split(tuple(sorted(order[:m])), *(float(part[m]) for part in first))
 
 
-class _Pass:
-    """Running sums of one pass's sides while ``plan_split`` moves experts to the GPU one by one."""
-
-    def __init__(self, costs: SideCosts, routed_counts: list[int], copy: float) -> None:
-        self.costs, self.copy, self.gpu = costs, copy, 0.0
-        self.cpu_left = costs.cpu_s(routed_counts)
-
-    def add(self, tokens: int, copied: bool) -> None:
-        c = self.costs
-        self.cpu_left -= c.cpu_expert_s + tokens * c.cpu_token_s
-        self.copy += c.copy_expert_s if copied else 0.0
-        self.gpu += c.gpu_expert_s + tokens * c.gpu_token_s
-
-    def parts(self, any_on_gpu: bool, none_left: bool) -> tuple[float, float, float, float]:
-        """(seconds, CPU, copy, GPU seconds) of the pass with the experts added so far on the GPU."""
-        if not any_on_gpu:  # the pure CPU pass (and committed copies the engine made anyway)
-            return max(self.cpu_left, self.copy), self.cpu_left, self.copy, 0.0
-        cpu_part = 0.0 if none_left else max(self.cpu_left, self.costs.cpu_call_s)
-        both = self.costs.both_sides_s if cpu_part > 0.0 else 0.0
-        return max(cpu_part, self.copy, self.gpu) + both, cpu_part, self.copy, self.gpu
+def _prefix_parts(c: SideCosts, tokens: np.ndarray, copied: np.ndarray, committed_s: float) -> tuple:
+    """(seconds, CPU, copy, GPU seconds) of a pass with the first m experts of ``tokens`` on the GPU, for every
+    m from 0 to all of them."""
+    m = np.arange(tokens.size + 1)
+    cpu_total = c.cpu_s(tokens.tolist())
+    cpu_left = cpu_total - np.concatenate(([0.0], np.cumsum(c.cpu_expert_s + tokens * c.cpu_token_s)))
+    copy = committed_s + np.concatenate(([0.0], np.cumsum(np.where(copied, c.copy_expert_s, 0.0))))
+    gpu = np.concatenate(([0.0], np.cumsum(c.gpu_expert_s + tokens * c.gpu_token_s)))
+    # The pure CPU pass (m = 0) has no CPU-call floor beyond its own cost; a pass with every expert on the GPU none.
+    cpu_part = np.where(m == tokens.size, 0.0, np.where(m == 0, cpu_left, np.maximum(cpu_left, c.cpu_call_s)))
+    busy = cpu_part > 0.0
+    cpu_side = np.where(busy, cpu_part + c.serial_s, 0.0)
+    seconds = np.maximum(np.maximum(cpu_side, copy), gpu) + np.where(busy & (m > 0), c.both_sides_s, 0.0)
+    return seconds, cpu_part, copy, gpu
 
 
 def forced_split(counts: Sequence[int], gpu: Iterable[int], costs: SideCosts, resident: Iterable[int] = (),
@@ -131,7 +125,8 @@ def forced_split(counts: Sequence[int], gpu: Iterable[int], costs: SideCosts, re
     copy = costs.copy_expert_s * (len(committed) + sum(1 for e in gpu if e not in resident and e not in committed))
     gpu_s = costs.gpu_s(counts[e] for e in gpu if e < len(counts))
     both = costs.both_sides_s if cpu > 0.0 and gpu else 0.0
-    return Split(gpu, max(cpu, copy, gpu_s) + both, cpu, copy, gpu_s)
+    cpu_side = cpu + costs.serial_s if cpu > 0.0 else 0.0
+    return Split(gpu, max(cpu_side, copy, gpu_s) + both, cpu, copy, gpu_s)
 
 
 @dataclass
@@ -175,13 +170,20 @@ class CostTracker:
     cpu_scale: float = 1.0
     cpu_fixed_s: float = 0.0
     copy_scale: float = 1.0
+    serial_s: float | None = None  # measured SideCosts.serial_s; None until a pass measured it
     samples: int = 0
     _sums: list = field(default_factory=lambda: [0.0] * 5)  # weight, x, y, x*x, x*y of the CPU fit
 
     def costs(self) -> SideCosts:
         b = self.base
         return replace(b, cpu_expert_s=b.cpu_expert_s * self.cpu_scale, cpu_token_s=b.cpu_token_s * self.cpu_scale,
-                       cpu_call_s=b.cpu_call_s + self.cpu_fixed_s, copy_expert_s=b.copy_expert_s * self.copy_scale)
+                       cpu_call_s=b.cpu_call_s + self.cpu_fixed_s, copy_expert_s=b.copy_expert_s * self.copy_scale,
+                       serial_s=b.serial_s if self.serial_s is None else self.serial_s)
+
+    def observe_serial(self, seconds: float) -> None:
+        """One measured gap between a layer's expert result and the next layer's expert inputs on the GPU."""
+        if seconds >= 0:
+            self.serial_s = seconds if self.serial_s is None else (1 - self.decay) * self.serial_s + self.decay * seconds
 
     def observe(self, cpu_counts: Sequence[int], cpu_s: float, copied_experts: int, copy_s: float) -> None:
         """One pass's CPU part (its experts' token counts, measured seconds) and copies (experts, seconds)."""

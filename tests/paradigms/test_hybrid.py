@@ -88,6 +88,26 @@ def test_split_follows_the_forecast_and_prefetches_the_next_layer():
     assert 0.0 <= metrics["prefetch_hit_rate"] <= 1.0
 
 
+def test_gaps_between_layers_are_measured_per_pass_and_weigh_on_the_cpu_side():
+    """The work between one layer's experts and the next's (attention, router) is measured in both passes once a
+    later pass begins; a gap longer than any copy keeps every layer's experts on the GPU, since a CPU part would
+    wait for it while copies overlap it."""
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid")
+    hybrid = engine.moecc.engine
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        engine(input_ids=ids, labels=ids).loss.backward()
+    engine(input_ids=ids)  # the third pass begins: the second's gaps are read
+    for phase in ("forward", "backward"):
+        assert hybrid.trackers[phase].serial_s is not None and hybrid.trackers[phase].serial_s > 0, phase
+    for tracker in hybrid.trackers.values():
+        tracker.serial_s = 10.0
+    hybrid.reset_metrics()
+    engine(input_ids=ids, labels=ids).loss.backward()
+    metrics = hybrid.metrics_since_reset()
+    assert metrics["cpu_pairs"] == 0 and metrics["gpu_pairs"] > 0
+
+
 def test_bad_expert_ids_are_refused_before_any_state_changes():
     reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid")
     layer = engine.moecc.layers[0]
@@ -177,5 +197,5 @@ def test_auto_paradigm_says_what_it_picked(caplog):
         model = moecc.prepare(tiny_model("qwen3_moe"), paradigm="auto", device="cpu")
     assert model.moecc.paradigm == "cocompute"
     assert "paradigm='auto' chose 'cocompute': no CUDA device" in caplog.text
-    assert moecc.paradigms.choose_paradigm("auto", torch.device("cuda", 0)) == "hybrid"
+    assert moecc.paradigms.choose_paradigm("auto", torch.device("cuda", 0)) == "offload"
     assert moecc.paradigms.choose_paradigm("offload", torch.device("cpu")) == "offload"

@@ -144,7 +144,7 @@ def test_split_for_both_passes_minimises_their_sum(seed):
     """One split serves forward and backward; with ``then`` it minimises both passes' seconds together."""
     rng = random.Random(seed)
     counts = [rng.choice([0, 1, 3, 10, 40, 200]) for _ in range(9)]
-    forward = replace(COSTS, cpu_call_s=rng.choice([0.0, 3e-3]))
+    forward = replace(COSTS, cpu_call_s=rng.choice([0.0, 3e-3]), serial_s=rng.choice([0.0, 1e-3, 4e-3]))
     backward = replace(forward, cpu_expert_s=2 * forward.cpu_expert_s, cpu_token_s=2.5 * forward.cpu_token_s)
     split = plan_split(counts, forward, then=backward)
     best = _brute_force(counts, lambda gpu: forced_split(counts, gpu, forward).predicted_s
@@ -152,3 +152,24 @@ def test_split_for_both_passes_minimises_their_sum(seed):
     got = forced_split(counts, split.gpu, forward).predicted_s + forced_split(counts, split.gpu, backward).predicted_s
     assert got == pytest.approx(best, rel=1e-12, abs=1e-15)
     assert split.predicted_s == pytest.approx(forced_split(counts, split.gpu, forward).predicted_s)
+
+
+def test_serial_gpu_work_counts_on_the_cpu_side_only():
+    """A CPU part waits for the GPU's work between layers, copies do not: a long enough gap moves every expert to
+    the GPU, and the pure GPU pass does not pay it."""
+    counts = [400, 300, 200, 100] + [4] * 60
+    assert plan_split(counts, COSTS).side == "both"
+    slow = replace(COSTS, serial_s=1.0)
+    split = plan_split(counts, slow)
+    assert split.side == "gpu"
+    assert split.predicted_s == pytest.approx(max(split.copy_s, split.gpu_s))
+    assert forced_split(counts, [], slow).predicted_s == pytest.approx(forced_split(counts, [], COSTS).cpu_s + 1.0)
+
+
+def test_tracker_follows_measured_gaps():
+    tracker = CostTracker(COSTS, decay=0.5)
+    assert tracker.costs().serial_s == COSTS.serial_s
+    tracker.observe_serial(4e-3)
+    assert tracker.costs().serial_s == pytest.approx(4e-3)
+    tracker.observe_serial(2e-3)
+    assert tracker.costs().serial_s == pytest.approx(3e-3)
