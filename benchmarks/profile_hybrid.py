@@ -51,7 +51,7 @@ def time_case(model, optimizer, ids, device, steps: int) -> tuple[list[float], d
         optimizer.zero_grad(set_to_none=True)
         timing.synchronize(device)
         marks.append(time.perf_counter())
-        metrics = engine.metrics_since_reset()
+        metrics = engine.counters_since_reset()  # CUDA's names on any device, as the columns say
         if step:
             parts.append([b - a for a, b in zip(marks, marks[1:])])
     return [statistics.median(p[i] for p in parts) for i in range(3)], metrics

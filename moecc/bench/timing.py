@@ -130,7 +130,7 @@ def _timed_steps(train_step, model: torch.nn.Module, device: torch.device, warmu
         train_step()
         synchronize(device)
         step_s = time.perf_counter() - start
-        metrics = engine.metrics_since_reset() if engine is not None else {}
+        metrics = engine.counters_since_reset() if engine is not None else {}  # one set of names on any device
         if step >= warmup:
             records.append((step_s, metrics))
     # cudaMalloc calls that failed and were retried after freeing the allocator's cache (each synchronises the

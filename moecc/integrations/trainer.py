@@ -199,7 +199,7 @@ class MoeccCallback(TrainerCallback):
             metrics[METRIC_PREFIX + "d2h_gb"] = self._totals["d2h_gb"] / steps
             metrics[METRIC_PREFIX + "gpu_wait_s"] = self._totals["gpu_wait_s"] / steps
         else:  # no device: nothing crosses a link; the wait is the training thread's, for the expert results
-            metrics[METRIC_PREFIX + "expert_wait_s"] = self._totals["gpu_wait_s"] / steps
+            metrics[METRIC_PREFIX + "expert_wait_s"] = self._totals["expert_wait_s"] / steps
         metrics = {key: round(value, 6) for key, value in metrics.items()}
         logs.update(metrics)
         if state.log_history and state.log_history[-1].get("step") == state.global_step:

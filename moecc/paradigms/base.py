@@ -25,6 +25,8 @@ from ..experts import ExpertLora, ExpertWeights, LoraGrads
 from ..lora import factor_gradients, layer_lora, merge_revision
 from ..store import expert_weights
 
+# Metric names without a CUDA device (Engine.metrics_since_reset): no link to cross, no GPU to wait.
+HOST_NAMES = {"h2d_gb": "host_copy_in_gb", "d2h_gb": "host_copy_out_gb", "gpu_wait_s": "expert_wait_s"}
 # The GPU budget estimate's margin for the activations of a small batch and allocator slack.
 BUDGET_SLACK = 1.1
 
@@ -286,7 +288,18 @@ class Engine(ABC):
     def reset_metrics(self) -> None:
         """Starts a new measurement window for :meth:`metrics_since_reset`."""
 
-    @abstractmethod
     def metrics_since_reset(self) -> dict[str, float]:
-        """Totals since the last reset; every paradigm reports ``cpu_experts_s``, ``h2d_gb``, ``d2h_gb``,
-        ``gpu_wait_s``, ``tokens`` and ``routing_skew``."""
+        """Totals since the last reset, named for the machine at hand. Every paradigm reports ``cpu_experts_s``,
+        ``tokens`` and ``routing_skew``; with a CUDA device ``h2d_gb`` / ``d2h_gb`` (copied over the link each
+        way) and ``gpu_wait_s`` (the GPU's waits for the experts); without one nothing crosses a link, so the
+        same counters are ``host_copy_in_gb`` / ``host_copy_out_gb`` (copies between host buffers) and
+        ``expert_wait_s`` (the training thread's wait for expert results)."""
+        counters = self.counters_since_reset()
+        if self.device.type == "cuda":
+            return counters
+        return {HOST_NAMES.get(key, key): value for key, value in counters.items()}
+
+    @abstractmethod
+    def counters_since_reset(self) -> dict[str, float]:
+        """The totals of :meth:`metrics_since_reset` under their CUDA names (``h2d_gb``, ``d2h_gb``,
+        ``gpu_wait_s``) whatever the device: what an engine implements."""

@@ -54,7 +54,7 @@ class CoComputeEngine(Engine):
         self.metrics.reset()
         self._bytes_mark = (self.staging.bytes_to_device, self.staging.bytes_to_host)
 
-    def metrics_since_reset(self) -> dict[str, float]:
+    def counters_since_reset(self) -> dict[str, float]:
         """Totals since the last :meth:`reset_metrics`: seconds of CPU expert work, GB copied each way, seconds
         the device waited on the CPU (forward blocking plus the synchronous backward), tokens, routing skew."""
         m = self.metrics

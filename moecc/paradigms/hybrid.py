@@ -167,12 +167,12 @@ class HybridEngine(OffloadEngine):
             self.sides = SideMetrics()
         self._bytes_mark_staging = (self.staging.bytes_to_device, self.staging.bytes_to_host)
 
-    def metrics_since_reset(self) -> dict[str, float]:
+    def counters_since_reset(self) -> dict[str, float]:
         """Offload's keys (``copy_s``, ``gpu_wait_s``, ...) plus each side's work: ``cpu_experts_s`` (CPU seconds),
         ``cpu_experts`` / ``gpu_experts`` and ``cpu_pairs`` / ``gpu_pairs`` (summed over layer passes),
         ``cpu_wait_s``, ``both_sides_share`` (layer passes split between both sides), ``prefetch_hit_rate`` and the
         cost model's measured ``cpu_slowdown`` / ``copy_slowdown`` (measured over predicted seconds)."""
-        out = super().metrics_since_reset()
+        out = super().counters_since_reset()
         s = self.sides
         mark = self._bytes_mark_staging
         out.update({

@@ -350,7 +350,7 @@ class OffloadEngine(Engine):
             total += start.elapsed_time(end) / 1e3
         return total
 
-    def metrics_since_reset(self) -> dict[str, float]:
+    def counters_since_reset(self) -> dict[str, float]:
         """Same keys as the co-compute engine's; ``cpu_experts_s`` is 0. ``h2d_gb`` counts expert weights, their
         LoRA factors and restored activations, ``d2h_gb`` parked activations. ``copy_s`` is the time
         host-to-device copies took, ``d2h_s`` the time parking copies took (a stream of their own, overlapping

@@ -39,7 +39,7 @@ def test_cache_serves_hot_experts_instead_of_copies_and_training_matches():
         state.reset_metrics()
         out = engine(input_ids=ids, attention_mask=mask, labels=labels)
         out.loss.backward()
-        metrics = state.metrics_since_reset()
+        metrics = state.counters_since_reset()
         h2d.append(metrics["h2d_gb"])
     assert metrics["cache_hits"] > 0 and metrics["cache_gb"] > 0
     assert h2d[-1] < h2d[0]  # after the first pass the routed experts come from the cache

@@ -159,7 +159,7 @@ def test_hybrid_is_registered_and_reports_its_sides():
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
     engine(input_ids=ids, labels=ids).loss.backward()
     metrics = engine.moecc.engine.metrics_since_reset()
-    for key in ("cpu_experts_s", "cpu_experts", "gpu_experts", "cpu_pairs", "gpu_pairs", "copy_s", "h2d_gb",
+    for key in ("cpu_experts_s", "cpu_experts", "gpu_experts", "cpu_pairs", "gpu_pairs", "copy_s", "host_copy_in_gb",
                 "cpu_wait_s", "both_sides_share", "tokens"):
         assert key in metrics, key
     assert metrics["tokens"] == 8 and metrics["cpu_experts_s"] > 0

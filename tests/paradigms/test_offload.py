@@ -44,12 +44,12 @@ def test_copies_only_routed_experts_and_reuses_slots(lora_place):
     # host factors are staged once per forward pass; device factors are used in place
     lora_bytes = sum(t.nbytes for layer in state.layers for t in lora_tensors(layer.lora()) if t is not None)
     lora_bytes *= lora_place == "host"
-    assert state.engine.metrics_since_reset()["h2d_gb"] * 1e9 == pytest.approx(_expert_bytes(engine, routed)
+    assert state.engine.counters_since_reset()["h2d_gb"] * 1e9 == pytest.approx(_expert_bytes(engine, routed)
                                                                                + lora_bytes)
     state.engine.reset_metrics()
     with torch.no_grad():
         engine(input_ids=ids)  # both layers' slots are still resident (2 slots, 2 layers): only LoRA is sent again
-    assert state.engine.metrics_since_reset()["h2d_gb"] * 1e9 == pytest.approx(lora_bytes)
+    assert state.engine.counters_since_reset()["h2d_gb"] * 1e9 == pytest.approx(lora_bytes)
 
 
 def _fake_offload_model(lora_bytes: int, layer_bytes: int, rest_bytes: int):
@@ -256,7 +256,7 @@ def test_offload_on_cuda_bf16_defaults_to_grouped_math(monkeypatch):
     assert engine.moecc.engine.compute == "grouped" and engine.moecc.engine.park_activations
     _assert_bf16_as_accurate_as_hf_peft(reference, engine, device="cuda")
     assert calls
-    assert engine.moecc.engine.metrics_since_reset()["d2h_gb"] > 0  # the saved states went through host memory
+    assert engine.moecc.engine.counters_since_reset()["d2h_gb"] > 0  # the saved states went through host memory
 
 
 def _copied_bytes(engine, model, data) -> tuple[int, int]:
@@ -309,7 +309,7 @@ def test_gradient_checkpointing_on_cuda_matches_hf_peft():
         reference(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
         engine(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=labels.cuda()).loss.backward()
     assert_grads_match(reference, engine, 1e-4)
-    assert engine.moecc.engine.metrics_since_reset()["d2h_gb"] > 0
+    assert engine.moecc.engine.counters_since_reset()["d2h_gb"] > 0
 
 
 def test_large_batches_prefetch_whole_layers_and_read_routing_once_a_layer(monkeypatch):

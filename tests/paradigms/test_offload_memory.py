@@ -98,7 +98,7 @@ def test_parked_training_matches_hf_peft_and_unparked(compute):
     for batch in data:  # two micro-batches accumulate
         _train_step(reference, *batch)
         _train_step(engine, *batch)
-    assert engine.moecc.engine.metrics_since_reset()["d2h_gb"] > 0
+    assert engine.moecc.engine.counters_since_reset()["d2h_gb"] > 0
     assert_grads_match(reference, engine, TOLERANCE[torch.float32])
     parked = {n: p.grad.clone() for n, p in engine.named_parameters() if p.requires_grad}
     engine.zero_grad()
@@ -123,7 +123,7 @@ def test_metrics_count_parked_and_restored_bytes():
         engine.slots.clear()  # the same weight copies in both runs
         engine.reset_metrics()
         _train_step(model, ids, mask, labels)
-        runs[park] = engine.metrics_since_reset()
+        runs[park] = engine.counters_since_reset()
     layers = len(model.moecc.layers)
     assert runs[True]["d2h_gb"] * 1e9 == pytest.approx(layers * per_layer, rel=1e-12)
     assert runs[False]["d2h_gb"] == 0
