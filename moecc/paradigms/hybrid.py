@@ -79,6 +79,7 @@ class HybridEngine(OffloadEngine):
         # The GPU's work between one layer's experts and the next's (SideCosts.serial_s): pass -> (layer, mark) of
         # the gap open now, and (pass, begin, end) of the gaps measured, read at the next pass.
         self._gap_open: dict[str, tuple[int, object]] = {}
+        self._copied_this_pass: dict[int, set[int]] = {}  # layer -> experts its slot got in this forward pass
         self._gap_samples: list[tuple[str, object, object]] = []
         # Device-resident LoRA factors: the CPU part reads host mirrors, copied once per pass on their own stream.
         self.mirror_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -142,6 +143,7 @@ class HybridEngine(OffloadEngine):
 
     def pass_begins(self) -> None:
         super().pass_begins()
+        self._copied_this_pass = {}
         self._learn_copy_rates()
 
     def costs(self, phase: str) -> SideCosts:
@@ -194,11 +196,16 @@ class HybridEngine(OffloadEngine):
         beats running it on the CPU beside them (cached experts cost no copy)."""
         if self.split_rule is not None:
             return tuple(sorted({int(e) for e in self.split_rule(layer.index, counts, "forward")}))
-        slot = self.slots.get(layer.index)
-        present = slot.present if slot is not None and slot.revision == layer.revision() else set()
+        present = self._present(layer)
+        copied = self._copied_this_pass.get(layer.index, set()) & present
         cached = {e for e in present if self.cache is not None and self.cache.holds(layer.index, e, layer.revision())}
-        return plan_split(counts, self.costs("forward"), resident=cached, committed=present,
+        # What the slot still holds from an earlier pass (the last backward's copies) cost this pass nothing.
+        return plan_split(counts, self.costs("forward"), resident=cached | (present - copied), committed=copied,
                           then=self.costs("backward")).gpu
+
+    def _present(self, layer: HybridLayer) -> set[int]:
+        slot = self.slots.get(layer.index)
+        return set(slot.present) if slot is not None and slot.revision == layer.revision() else set()
 
     def prefetch_forward(self, index: int) -> None:
         """Queues layer ``index``'s forecast GPU experts (after this layer's own copies)."""
@@ -217,6 +224,9 @@ class HybridEngine(OffloadEngine):
     def _timed_fetch(self, phase: str, layer: HybridLayer, experts: list[int], lora: tuple | None = None):
         """``fetch``, remembering how many experts crossed PCIe and how long that took, for the cost tracker."""
         before_experts, before_events, before_s = self.experts_copied, len(self._copy_events), self.copy_s
+        if phase == "forward":
+            held = self._present(layer)
+            self._copied_this_pass.setdefault(layer.index, set()).update(e for e in experts if e not in held)
         slot = self.fetch(layer, experts, lora)
         copied = self.experts_copied - before_experts
         if copied:
@@ -241,6 +251,11 @@ class HybridEngine(OffloadEngine):
         opened = self._gap_open.pop(phase, None)
         if opened is not None and opened[0] + (1 if phase == "forward" else -1) == index:
             self._gap_samples.append((phase, opened[1], self._stream_mark()))
+
+    def gap_interrupted(self, phase: str) -> None:
+        """Drops the ``phase`` gap open now: other layer work ran inside it (a checkpointed layer's recomputed
+        forward, CPU part and all, within the backward's gap), which the split's cost does not depend on."""
+        self._gap_open.pop(phase, None)
 
     def _learn_copy_rates(self) -> None:
         """Feeds the last pass's copy timings and gaps (complete by now) to the cost trackers."""
@@ -394,7 +409,9 @@ class HybridExpertsFunction(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, hidden, top_k_weights, top_k_index, layer, lora, call, counts, parts):
         engine = layer.engine
-        if not call.recompute:
+        if call.recompute:
+            engine.gap_interrupted("backward")
+        else:
             engine.gap_ends("forward", layer.index)
         gpu = engine.forward_split(layer, counts)
         on_gpu = set(gpu)

@@ -3,8 +3,8 @@
 Three resources work on one layer pass at once — the CPU (cold experts, in place), the copy engine (hot experts'
 weights to the GPU) and the GPU (the hot experts' math) — so a pass costs about the busiest of the three, plus a
 fixed cost for running both sides (submit, sync, merge). The GPU's own work between two layers' experts
-(attention, router) overlaps the copies but not a CPU part, whose result the next layer needs first, so it counts
-on the CPU's side (``serial_s``, measured). With experts sorted by tokens, most first, the GPU takes
+(attention, router) comes before either side's expert work and overlaps only the copies: a pass costs
+max(serial + max(CPU, GPU), copy) (``serial_s``, measured). With experts sorted by tokens, most first, the GPU takes
 a prefix: the split is the prefix length that minimises that cost. Experts already on the GPU (cached) cost no
 copy and come first in that order; experts a prefetch copied for this pass come next, their copies charged
 (the copy engine is the pipeline's shared resource: a copy made for this layer delays the next layer's). A prefix of zero or of every routed expert is a pure paradigm, taken where
@@ -33,8 +33,8 @@ class SideCosts:
     gpu_token_s: float  # each routed pair on the GPU
     both_sides_s: float = 3e-4  # a pass that runs on both sides: staging, the CPU's result back, the sum
     cpu_call_s: float = 0.0  # a CPU part at all: its staging, gathers and scatters, the pool's start
-    # The GPU's own work between one layer's CPU result and the next layer's CPU part (attention, router,
-    # staging): copies overlap it, a CPU part cannot (the next one needs its output), so it counts on the CPU's side
+    # The GPU's own work between one layer's experts and the next's (attention, router, staging): both sides'
+    # expert work waits for it (the next layer needs its output), only the copies overlap it
     serial_s: float = 0.0
 
     def cpu_s(self, counts: Iterable[int]) -> float:
@@ -109,8 +109,7 @@ def _prefix_parts(c: SideCosts, tokens: np.ndarray, copied: np.ndarray, committe
     # The pure CPU pass (m = 0) has no CPU-call floor beyond its own cost; a pass with every expert on the GPU none.
     cpu_part = np.where(m == tokens.size, 0.0, np.where(m == 0, cpu_left, np.maximum(cpu_left, c.cpu_call_s)))
     busy = cpu_part > 0.0
-    cpu_side = np.where(busy, cpu_part + c.serial_s, 0.0)
-    seconds = np.maximum(np.maximum(cpu_side, copy), gpu) + np.where(busy & (m > 0), c.both_sides_s, 0.0)
+    seconds = np.maximum(c.serial_s + np.maximum(cpu_part, gpu), copy) + np.where(busy & (m > 0), c.both_sides_s, 0.0)
     return seconds, cpu_part, copy, gpu
 
 
@@ -125,8 +124,7 @@ def forced_split(counts: Sequence[int], gpu: Iterable[int], costs: SideCosts, re
     copy = costs.copy_expert_s * (len(committed) + sum(1 for e in gpu if e not in resident and e not in committed))
     gpu_s = costs.gpu_s(counts[e] for e in gpu if e < len(counts))
     both = costs.both_sides_s if cpu > 0.0 and gpu else 0.0
-    cpu_side = cpu + costs.serial_s if cpu > 0.0 else 0.0
-    return Split(gpu, max(cpu_side, copy, gpu_s) + both, cpu, copy, gpu_s)
+    return Split(gpu, max(costs.serial_s + max(cpu, gpu_s), copy) + both, cpu, copy, gpu_s)
 
 
 @dataclass

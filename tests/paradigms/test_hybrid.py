@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import moecc
+import moecc.paradigms.hybrid as hybrid_module
 from moecc.errors import MoeccError
 
 from ..parity import TOLERANCE, assert_grads_match, batches, build_pair, forward_backward_both, lora_config
@@ -88,10 +89,10 @@ def test_split_follows_the_forecast_and_prefetches_the_next_layer():
     assert 0.0 <= metrics["prefetch_hit_rate"] <= 1.0
 
 
-def test_gaps_between_layers_are_measured_per_pass_and_weigh_on_the_cpu_side():
+def test_gaps_between_layers_are_measured_per_pass():
     """The work between one layer's experts and the next's (attention, router) is measured in both passes once a
-    later pass begins; a gap longer than any copy keeps every layer's experts on the GPU, since a CPU part would
-    wait for it while copies overlap it."""
+    later pass begins; with reentrant checkpointing the backward's gaps hold recomputed layers (CPU parts and all),
+    which no split changes, so they are not taken."""
     _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid")
     hybrid = engine.moecc.engine
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -100,12 +101,42 @@ def test_gaps_between_layers_are_measured_per_pass_and_weigh_on_the_cpu_side():
     engine(input_ids=ids)  # the third pass begins: the second's gaps are read
     for phase in ("forward", "backward"):
         assert hybrid.trackers[phase].serial_s is not None and hybrid.trackers[phase].serial_s > 0, phase
-    for tracker in hybrid.trackers.values():
-        tracker.serial_s = 10.0
-    hybrid.reset_metrics()
+
+    reference, checkpointed = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid")
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    checkpointed.train()
+    inner = checkpointed.moecc.engine
+    inner.split_rule = _alternating
+    for _ in range(2):
+        checkpointed(input_ids=ids, labels=ids).loss.backward()
+    checkpointed(input_ids=ids)
+    assert inner.trackers["forward"].serial_s is not None and inner.trackers["backward"].serial_s is None
+
+
+def test_slot_leftovers_of_an_earlier_pass_cost_no_copy():
+    """What a layer's slot still holds from the last backward was copied in an earlier pass: the forward split
+    takes it as resident, and only this pass's copies are charged."""
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid")
+    hybrid = engine.moecc.engine
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     engine(input_ids=ids, labels=ids).loss.backward()
-    metrics = hybrid.metrics_since_reset()
-    assert metrics["cpu_pairs"] == 0 and metrics["gpu_pairs"] > 0
+    hybrid.pass_begins()  # a new pass: nothing copied in it yet
+    layer = hybrid.layers[0]
+    held = hybrid._present(layer)
+    assert held  # the backward left layer 0's experts in its slot
+    seen = {}
+    original = hybrid_module.plan_split
+
+    def spy(counts, costs, resident=(), committed=(), then=None):
+        seen.update(resident=set(resident), committed=set(committed))
+        return original(counts, costs, resident, committed, then)
+
+    hybrid_module.plan_split = spy
+    try:
+        hybrid.forward_split(layer, [1] * layer.weights.num_experts)
+    finally:
+        hybrid_module.plan_split = original
+    assert seen["committed"] == set() and seen["resident"] == held
 
 
 def test_bad_expert_ids_are_refused_before_any_state_changes():

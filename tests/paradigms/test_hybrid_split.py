@@ -154,16 +154,17 @@ def test_split_for_both_passes_minimises_their_sum(seed):
     assert split.predicted_s == pytest.approx(forced_split(counts, split.gpu, forward).predicted_s)
 
 
-def test_serial_gpu_work_counts_on_the_cpu_side_only():
-    """A CPU part waits for the GPU's work between layers, copies do not: a long enough gap moves every expert to
-    the GPU, and the pure GPU pass does not pay it."""
-    counts = [400, 300, 200, 100] + [4] * 60
-    assert plan_split(counts, COSTS).side == "both"
-    slow = replace(COSTS, serial_s=1.0)
-    split = plan_split(counts, slow)
-    assert split.side == "gpu"
-    assert split.predicted_s == pytest.approx(max(split.copy_s, split.gpu_s))
-    assert forced_split(counts, [], slow).predicted_s == pytest.approx(forced_split(counts, [], COSTS).cpu_s + 1.0)
+def test_serial_gpu_work_delays_both_sides_and_only_copies_overlap_it():
+    """The GPU's work between layers comes before either side's experts: a pass costs max(serial + max(CPU, GPU),
+    copy), so with the link idle the split still balances CPU against GPU, and long copies hide the gap."""
+    costs = SideCosts(cpu_expert_s=4e-3, cpu_token_s=0.0, copy_expert_s=0.0, gpu_expert_s=5e-3, gpu_token_s=0.0,
+                      both_sides_s=0.0, serial_s=10e-3)
+    split = plan_split([1, 1], costs, resident={0, 1})
+    assert len(split.gpu) == 1 and split.predicted_s == pytest.approx(15e-3)  # all on the GPU: 20 ms
+    assert forced_split([1, 1], [0, 1], costs, resident={0, 1}).predicted_s == pytest.approx(20e-3)
+    slow_link = replace(costs, copy_expert_s=30e-3)
+    assert forced_split([1, 1], [0, 1], slow_link).predicted_s == pytest.approx(60e-3)  # the copies hide the gap
+    assert forced_split([1, 1], [], slow_link).predicted_s == pytest.approx(18e-3)  # the CPU does not
 
 
 def test_tracker_follows_measured_gaps():
