@@ -559,7 +559,8 @@ def _lora_grad_sum(gpu: torch.Tensor | None, cpu: torch.Tensor, factor: torch.Te
     if not cpu_experts:
         moved = cpu.to(factor.device, non_blocking=True)
         return moved if gpu is None else gpu.to(factor.device) + moved
-    total = torch.zeros(cpu.shape, dtype=cpu.dtype, device=factor.device) if gpu is None else gpu.to(factor.device)
+    total = (torch.zeros(cpu.shape, dtype=cpu.dtype, device=factor.device) if gpu is None
+             else gpu.to(factor.device).contiguous())  # summed into in place through views
     index = torch.tensor(cpu_experts, dtype=torch.int64)
     index_device = index.to(factor.device, non_blocking=True)
     if is_b:  # [out, r*E] seen as [out, r, E]
