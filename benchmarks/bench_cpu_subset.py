@@ -1,0 +1,86 @@
+"""What hybrid's CPU part costs alone: the native backend's forward and backward on the coldest m experts of a
+random top-k routing (``expert_mask``), against the whole layer, with the pool hybrid uses on a GPU machine (all
+CPUs but two). Prints one line per (tokens, experts): the subset's routed pairs and median forward / backward ms.
+
+    python benchmarks/bench_cpu_subset.py --tokens 512,2048,8192 --experts 1,16,40,128
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import moecc  # noqa: F401  (before torch: its OpenMP threads sleep between ops, as moecc runs them)
+import torch
+
+from moecc import _ops
+from moecc.experts.native import NativeExperts
+from moecc.experts.types import ExpertLora, ExpertWeights
+
+
+def layer(experts: int, hidden: int, inter: int, rank: int, seed: int = 0):
+    """Random bf16 expert weights and float32 LoRA factors of one layer (Qwen3-30B-A3B's by default)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = ExpertWeights((torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02).bfloat16(),
+                            (torch.randn(experts, hidden, inter, generator=g) * 0.02).bfloat16())
+    gate_up = ExpertLora(torch.randn(rank * experts, hidden, generator=g) * 0.01,
+                         torch.randn(2 * inter, rank * experts, generator=g) * 0.01, 2.0, experts)
+    down = ExpertLora(torch.randn(rank * experts, inter, generator=g) * 0.01,
+                      torch.randn(hidden, rank * experts, generator=g) * 0.01, 2.0, experts)
+    return weights, gate_up, down
+
+
+def time_subset(backend: NativeExperts, weights, loras, tokens: int, top_k: int, coldest: int, reps: int,
+                seed: int = 0) -> tuple[int, float, float]:
+    """(routed pairs of the ``coldest`` experts, median forward s, median backward s) after two warm-up calls."""
+    g = torch.Generator().manual_seed(seed)
+    experts = weights.num_experts
+    top_w, top_i = torch.topk(torch.randn(tokens, experts, generator=g).softmax(-1), top_k, dim=-1)
+    counts = torch.bincount(top_i.reshape(-1), minlength=experts)
+    chosen = torch.argsort(counts, stable=True)[:coldest]
+    mask = None
+    if coldest < experts:
+        mask = torch.zeros(experts, dtype=torch.bool)
+        mask[chosen] = True
+    hidden = torch.randn(tokens, weights.hidden_size, generator=g).bfloat16()
+    grad_out = torch.randn(tokens, weights.hidden_size, generator=g).bfloat16()
+    forward, backward = [], []
+    for rep in range(reps + 2):
+        start = time.perf_counter()
+        out, saved = backend.forward(weights, hidden, top_i, top_w, *loras, expert_mask=mask)
+        middle = time.perf_counter()
+        grad_hidden = backend.backward(weights, saved, grad_out, *loras)[0]
+        end = time.perf_counter()
+        backend.release_result(out)
+        backend.release_result(grad_hidden)
+        if rep >= 2:
+            forward.append(middle - start)
+            backward.append(end - middle)
+    return int(counts[chosen].sum()), statistics.median(forward), statistics.median(backward)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="512,2048,8192")
+    parser.add_argument("--experts", default="1,16,40,128", help="coldest experts on the CPU; all of them: the "
+                                                                 "full path")
+    parser.add_argument("--shape", default="128,2048,768,8", help="experts,hidden,intermediate,top_k")
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    experts, hidden, inter, top_k = (int(v) for v in args.shape.split(","))
+    threads = max(1, _ops.available_cpus() - 2)
+    _ops.configure_pool(threads, True)
+    backend = NativeExperts(_ops.best_isa())
+    weights, gate_up, down = layer(experts, hidden, inter, args.rank)
+    print(f"isa {backend.isa}, {threads} pool threads, shape {args.shape}, rank {args.rank}", flush=True)
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        for coldest in (min(int(m), experts) for m in args.experts.split(",")):
+            pairs, forward, backward = time_subset(backend, weights, (gate_up, down), tokens, top_k, coldest,
+                                                   args.reps)
+            print(f"tokens {tokens} experts {coldest} pairs {pairs}: forward {1e3 * forward:.2f} ms, backward "
+                  f"{1e3 * backward:.2f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
