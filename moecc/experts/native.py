@@ -355,7 +355,7 @@ class NativeExperts:
         # fault on every call.
         kernel_in = (grad_out.contiguous() if grad_out.dtype in (torch.bfloat16, torch.float32)
                      else self._scratch.take(tuple(grad_out.shape), torch.float32).copy_(grad_out))
-        copied_in = kernel_in is not grad_out and kernel_in.dtype != grad_out.dtype
+        copied_in = kernel_in.dtype != grad_out.dtype
         direct = grad_out.dtype == torch.bfloat16 and not rows
         grad_in = (self._results.take(tuple(saved.hidden.shape), torch.bfloat16) if direct
                    else self._scratch.take(tuple(saved.hidden.shape), torch.float32))

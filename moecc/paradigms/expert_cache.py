@@ -70,9 +70,9 @@ class ExpertCache:
 
     def take(self, layer: int, expert: int, revision: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The cached (gate_up, down) of ``expert`` if they are current, counting the hit; else None."""
-        entry = self.entries.get((layer, expert))
-        if entry is None or entry[2] != revision:
+        if not self.holds(layer, expert, revision):
             return None
+        entry = self.entries[(layer, expert)]
         self.hits += 1
         self.hit_bytes += entry[0].nbytes + entry[1].nbytes
         return entry[0], entry[1]

@@ -556,9 +556,6 @@ def _lora_grad_sum(gpu: torch.Tensor | None, cpu: torch.Tensor, factor: torch.Te
                    cpu_experts: tuple[int, ...]) -> torch.Tensor:
     """One LoRA factor's gradient, the GPU part's (or zeros) plus the CPU part's blocks of ``cpu_experts``: rows
     ``[e*r, (e+1)*r)`` of an A gradient ``[r*E, in]``, columns ``j*E + e`` of a B gradient ``[out, r*E]``."""
-    if not cpu_experts:
-        moved = cpu.to(factor.device, non_blocking=True)
-        return moved if gpu is None else gpu.to(factor.device) + moved
     total = (torch.zeros(cpu.shape, dtype=cpu.dtype, device=factor.device) if gpu is None
              else gpu.to(factor.device).contiguous())  # summed into in place through views
     index = torch.tensor(cpu_experts, dtype=torch.int64)

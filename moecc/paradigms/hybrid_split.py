@@ -7,8 +7,8 @@ fixed cost for running both sides (submit, sync, merge). The GPU's own work betw
 max(serial + max(CPU, GPU), copy) (``serial_s``, measured). With experts sorted by tokens, most first, the GPU takes
 a prefix: the split is the prefix length that minimises that cost. Experts already on the GPU (cached) cost no
 copy and come first in that order; experts a prefetch copied for this pass come next, their copies charged
-(the copy engine is the pipeline's shared resource: a copy made for this layer delays the next layer's). A prefix of zero or of every routed expert is a pure paradigm, taken where
-a split does not pay.
+(the copy engine is the pipeline's shared resource: a copy made for this layer delays the next layer's). A prefix
+of zero or of every routed expert is a pure paradigm, taken where a split does not pay.
 
 The per-expert costs come from rates measured while both sides run (``SideCosts``), and are corrected online by
 ``CostTracker`` from each pass's measured CPU and copy seconds, so a split planned from rates measured apart (which
@@ -70,12 +70,12 @@ class Split:
 
 def plan_split(counts: Sequence[int], costs: SideCosts, resident: Iterable[int] = (),
                committed: Iterable[int] = (), then: SideCosts | None = None) -> Split:
-    """The GPU set minimising max(CPU, copy, GPU) seconds (+ ``both_sides_s`` when both work) for a pass whose
-    experts get ``counts[e]`` tokens. ``resident`` experts are on the GPU already (cached: no copy); ``committed``
-    ones were copied for this pass already (a prefetch): their copies are charged whatever runs where, since
-    the copy engine spent that time on this layer, and they run on the GPU first. ``then``: the costs of a later
-    pass that runs the same split (backward after forward, copying its GPU experts again), whose seconds are
-    added to the score; the returned seconds are the first pass's.
+    """The GPU set minimising max(serial + max(CPU, GPU), copy) seconds (+ ``both_sides_s`` when both work) for a
+    pass whose experts get ``counts[e]`` tokens. ``resident`` experts are on the GPU already (cached: no copy);
+    ``committed`` ones were copied for this pass already (a prefetch): their copies are charged whatever runs
+    where, since the copy engine spent that time on this layer, and they run on the GPU first. ``then``: the
+    costs of a later pass that runs the same split (backward after forward, copying its GPU experts again), whose
+    seconds are added to the score; the returned seconds are the first pass's.
 
     O(E log E): experts sorted by tokens (resident and committed ones first, they cost no further copy), every
     prefix scored at once from cumulative sums (numpy: this runs on every layer call's critical path).
@@ -181,7 +181,8 @@ class CostTracker:
     def observe_serial(self, seconds: float) -> None:
         """One measured gap between a layer's expert result and the next layer's expert inputs on the GPU."""
         if seconds >= 0:
-            self.serial_s = seconds if self.serial_s is None else (1 - self.decay) * self.serial_s + self.decay * seconds
+            previous = self.serial_s
+            self.serial_s = seconds if previous is None else (1 - self.decay) * previous + self.decay * seconds
 
     def observe(self, cpu_counts: Sequence[int], cpu_s: float, copied_experts: int, copy_s: float) -> None:
         """One pass's CPU part (its experts' token counts, measured seconds) and copies (experts, seconds)."""
