@@ -13,8 +13,11 @@ until its backward), each given back with the event after which it may be overwr
 from __future__ import annotations
 
 import threading
+from typing import Callable, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class StagingBuffers:
@@ -28,6 +31,7 @@ class StagingBuffers:
         self._count_lock = threading.Lock()
         self.bytes_to_host = 0
         self.bytes_to_device = 0
+        self.mapped = self.pinned  # device kernels read pinned buffers in place (False once that failed here)
 
     def _mine(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.cuda.Event]]:
         """The calling thread's (buffers, pending copies out of them), by role."""
@@ -97,6 +101,59 @@ class StagingBuffers:
         buffer.copy_(host)
         out.copy_(buffer, non_blocking=True)
         self._mine()[1][role] = torch.cuda.current_stream(self.device).record_event()
+
+
+    def read_on_device(self, tensors: dict[str, torch.Tensor], consume: Callable[..., T]) -> T:
+        """``consume(**views)``: each host tensor copied into its role's pinned buffer and seen by device kernels
+        as a device tensor over that buffer, which they read across PCIe themselves.
+
+        A copy to the device would queue on the copy engine behind the expert weights already queued for the next
+        layer, and the GPU would wait for it (benchmarks/results/hybrid_2026-12-02). ``consume`` must queue
+        kernels that read the views (an elementwise op, a gather; not ``copy_``, which would use the copy engine
+        again) and must not keep them: the buffers are reused once its work is done. Without CUDA it is given
+        the host tensors themselves.
+        """
+        self._count(to_device=sum(t.numel() * t.element_size() for t in tensors.values()))
+        if not self.pinned:
+            return consume(**tensors)
+        views = {}
+        for role, host in tensors.items():
+            buffer = self.view(role, tuple(host.shape), host.dtype)
+            buffer.copy_(host)
+            views[role] = self._device_view(buffer)
+        result = consume(**views)
+        done = torch.cuda.current_stream(self.device).record_event()
+        pending = self._mine()[1]
+        for role in tensors:
+            pending[role] = done
+        return result
+
+    def _device_view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """``buffer`` (pinned) as a device tensor (CUDA's unified addressing), or a copy where it cannot be."""
+        if self.mapped and buffer.numel():
+            try:
+                return device_alias(buffer, self.device)
+            except (RuntimeError, TypeError, ValueError):
+                self.mapped = False  # e.g. memory pinned without mapping: copies from now on
+        return buffer.to(self.device, non_blocking=True)
+
+
+class _DeviceArray:
+    """A pinned host buffer described by ``__cuda_array_interface__``; holds the buffer while torch holds this."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self.__cuda_array_interface__ = {"data": (buffer.data_ptr(), False), "shape": (buffer.nbytes,),
+                                         "typestr": "|u1", "version": 2}
+
+
+def device_alias(buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor over the pinned host tensor ``buffer``'s memory (same shape and dtype), no copy: device
+    kernels that read it fetch the bytes over PCIe. Raises where the memory is not visible to the device."""
+    if not buffer.is_pinned() or not buffer.is_contiguous():
+        raise ValueError("device_alias needs a contiguous pinned host tensor")
+    raw = torch.as_tensor(_DeviceArray(buffer), device=device)
+    return raw.view(buffer.dtype).view(buffer.shape)
 
 
 class HostCopy:

@@ -1,7 +1,8 @@
 """Staging buffers are reused across calls and grow only when needed."""
+import pytest
 import torch
 
-from moecc.staging import StagingBuffers
+from moecc.staging import StagingBuffers, device_alias
 
 
 def test_buffers_are_reused_and_grow():
@@ -21,3 +22,30 @@ def test_to_host_copies_values():
         assert torch.equal(views[role], tensor)
         assert views[role].data_ptr() != tensor.data_ptr()
     assert staging.bytes_to_host == sum(t.nbytes for t in source.values())
+
+
+def test_read_on_device_without_cuda_hands_the_host_tensors():
+    staging = StagingBuffers(torch.device("cpu"))
+    a, b = torch.randn(3, 4), torch.arange(6)
+    seen = staging.read_on_device({"a": a, "b": b}, lambda a, b: (a.data_ptr(), b.sum().item()))
+    assert seen == (a.data_ptr(), 15)
+    assert staging.bytes_to_device == a.nbytes + b.nbytes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64, torch.uint8])
+def test_read_on_device_kernels_read_the_values_in_place(dtype):
+    device = torch.device("cuda", torch.cuda.current_device())
+    staging = StagingBuffers(device)
+    for step in range(3):  # the same role's buffer reused: each round reads its own values
+        host = (torch.randn(37, 5) * 10).to(dtype) + step
+        result = staging.read_on_device({"x": host}, lambda x: (x.device, x + 0))
+        assert result[0].type == "cuda"
+        assert torch.equal(result[1].cpu(), host + 0)
+    assert staging.mapped, "pinned buffers were not readable in place on this device"
+
+
+@pytest.mark.gpu
+def test_device_alias_refuses_pageable_memory():
+    with pytest.raises(ValueError, match="pinned"):
+        device_alias(torch.zeros(4), torch.device("cuda"))

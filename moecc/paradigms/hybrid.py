@@ -357,10 +357,8 @@ class HybridPending:
             engine.sides.cpu_wait_s += time.perf_counter() - start
             parts.cpu_saved = saved
             with torch.no_grad(), record_function("moecc.hybrid.cpu_to_device"):
-                if parts.gpu:
-                    self._output.add_(engine.staging.to_device("out", host))
-                else:
-                    engine.staging.copy_to_device("out", host, self._output)
+                # Read in place: the GPU part's output, or zeros, plus the CPU part's
+                engine.staging.read_on_device({"out": host}, lambda out: self._output.add_(out))
             engine.cpu.release_result(host)
         if not parts.done and self._index is not None:
             engine.gap_begins("forward", self._index)
@@ -368,11 +366,14 @@ class HybridPending:
         return self._output
 
 
-def _mask(experts: Iterable[int], num_experts: int, device: torch.device) -> torch.Tensor:
-    mask = torch.zeros(num_experts, dtype=torch.bool)
-    mask[list(experts)] = True
-    # non_blocking: a pageable source is staged at once, so the host does not wait for the stream to drain
-    return mask.to(device, non_blocking=True)
+def _mask(experts: Iterable[int], num_experts: int, staging: StagingBuffers | None = None) -> torch.Tensor:
+    """The bool ``[E]`` mask of ``experts``: in host memory, or on ``staging``'s device (read in place, so it
+    does not wait behind the weight copies queued on the copy engine)."""
+    mask = torch.zeros(num_experts, dtype=torch.uint8)
+    mask[list(experts)] = 1
+    if staging is None:
+        return mask.bool()
+    return staging.read_on_device({"gpu_mask": mask}, lambda gpu_mask: gpu_mask != 0)
 
 
 def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora: tuple, lora_ready,
@@ -383,7 +384,7 @@ def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora
     began_ns, start = time.time_ns(), time.perf_counter()
     with record_function("moecc.hybrid.cpu_forward"):
         out, saved = engine.cpu.forward(weights, views["hidden"], views["top_k_index"], views["top_k_weights"],
-                                        *lora, expert_mask=_mask(cpu, weights.num_experts, torch.device("cpu")))
+                                        *lora, expert_mask=_mask(cpu, weights.num_experts))
     engine.record_cpu("forward", layer.index, [counts[e] for e in cpu], time.perf_counter() - start, began_ns)
     return out, saved
 
@@ -464,10 +465,9 @@ class HybridExpertsFunction(torch.autograd.Function):
             cpu_hidden, cpu_weights, cpu_lora = cpu_future.result()
             engine.sides.cpu_wait_s += time.perf_counter() - start
             parts.cpu_saved = None
-            cpu_hidden_device = engine.staging.to_device("grad_hidden", cpu_hidden.to(ctx.dtypes[0]))
+            grads = _add(engine.staging, grads, (cpu_hidden, cpu_weights, cpu_lora), parts.lora, parts.cpu,
+                         grad_out)
             engine.cpu.release_result(cpu_hidden)
-            cpu_weights = engine.staging.to_device("grad_weights", cpu_weights.to(ctx.dtypes[1]))
-            grads = _add(grads, (cpu_hidden_device, cpu_weights, cpu_lora), parts.lora, parts.cpu)
         if grads is None:  # no routed pair on either side (no tokens): every gradient is zero
             grads = _zero_grads(grad_out, ctx.weights_shape, parts.lora)
         grad_hidden, grad_weights, lora_grads = grads
@@ -502,7 +502,7 @@ def _gpu_forward(engine: HybridEngine, layer: HybridLayer, slot, hidden, top_k_i
     math = device_backend(engine.compute)
     with record_function("moecc.hybrid.gpu_forward"):
         out, saved = math.forward(layer.device_weights(slot), hidden, top_k_index, top_k_weights, *device_lora,
-                                  expert_mask=_mask(gpu, layer.weights.num_experts, hidden.device))
+                                  expert_mask=_mask(gpu, layer.weights.num_experts, engine.staging))
     engine.done_with(slot)
     engine.compute_ends(begun, backward=False)
     return out, engine.keep_for_backward(call, saved), math
@@ -536,36 +536,44 @@ def _zero_grads(grad_out: torch.Tensor, weights_shape: torch.Size, lora: tuple) 
     return torch.zeros_like(grad_out), grad_out.new_zeros(weights_shape), LoraGrads.zeros(*lora)
 
 
-def _add(gpu: tuple | None, cpu: tuple, lora: tuple, cpu_experts: tuple[int, ...]) -> tuple:
-    """Both parts' (grad_hidden, grad_top_k_weights, LoraGrads) summed on the GPU part's device, the LoRA
-    gradients where their factors live. The CPU part's LoRA gradients are zero outside ``cpu_experts``: only those
-    experts' blocks cross to a device (the whole tensors were ~25 MB of pageable copies per layer for
-    Qwen3-30B-A3B, on the backward's critical path)."""
+def _add(staging: StagingBuffers, gpu: tuple | None, cpu: tuple, lora: tuple, cpu_experts: tuple[int, ...],
+         like: torch.Tensor) -> tuple:
+    """Both parts' (grad_hidden, grad_top_k_weights, LoraGrads) summed on the GPU part's device (float32), the
+    LoRA gradients where their factors live; the CPU part's host tensors are read in place
+    (``StagingBuffers.read_on_device``). Its LoRA gradients are zero outside ``cpu_experts``: only those experts'
+    blocks cross (the whole tensors were ~25 MB of pageable copies per layer for Qwen3-30B-A3B, on the
+    backward's critical path)."""
     factors = lora_tensors(lora)
     cpu_grads = (cpu[2].gate_up_A, cpu[2].gate_up_B, cpu[2].down_A, cpu[2].down_B)
     gpu_grads = (None,) * 4 if gpu is None else (gpu[2].gate_up_A, gpu[2].gate_up_B, gpu[2].down_A, gpu[2].down_B)
     parts = [None if part is None else part.num_experts for part in lora for _ in range(2)]
-    summed = [None if c is None else _lora_grad_sum(g, c, f, experts, i % 2 == 1, cpu_experts)
+    summed = [None if c is None else _lora_grad_sum(staging, g, c, f, experts, i % 2 == 1, cpu_experts)
               for i, (g, c, f, experts) in enumerate(zip(gpu_grads, cpu_grads, factors, parts))]
-    if gpu is None:
-        return cpu[0], cpu[1], LoraGrads(*summed)
-    return gpu[0].float() + cpu[0].float(), gpu[1].float() + cpu[1].float(), LoraGrads(*summed)
+    bases = ((torch.zeros(cpu[0].shape, dtype=torch.float32, device=like.device),
+              torch.zeros(cpu[1].shape, dtype=torch.float32, device=like.device)) if gpu is None
+             else (gpu[0].float(), gpu[1].float()))
+    hidden, weights = staging.read_on_device(
+        {"grad_hidden": cpu[0], "grad_weights": cpu[1]},
+        lambda grad_hidden, grad_weights: (torch.add(bases[0], grad_hidden), torch.add(bases[1], grad_weights)))
+    return hidden, weights, LoraGrads(*summed)
 
 
-def _lora_grad_sum(gpu: torch.Tensor | None, cpu: torch.Tensor, factor: torch.Tensor, experts: int, is_b: bool,
-                   cpu_experts: tuple[int, ...]) -> torch.Tensor:
+def _lora_grad_sum(staging: StagingBuffers, gpu: torch.Tensor | None, cpu: torch.Tensor, factor: torch.Tensor,
+                   experts: int, is_b: bool, cpu_experts: tuple[int, ...]) -> torch.Tensor:
     """One LoRA factor's gradient, the GPU part's (or zeros) plus the CPU part's blocks of ``cpu_experts``: rows
     ``[e*r, (e+1)*r)`` of an A gradient ``[r*E, in]``, columns ``j*E + e`` of a B gradient ``[out, r*E]``."""
     total = (torch.zeros(cpu.shape, dtype=cpu.dtype, device=factor.device) if gpu is None
              else gpu.to(factor.device).contiguous())  # summed into in place through views
     index = torch.tensor(cpu_experts, dtype=torch.int64)
-    index_device = index.to(factor.device, non_blocking=True)
-    if is_b:  # [out, r*E] seen as [out, r, E]
-        blocks = cpu.view(cpu.shape[0], -1, experts).index_select(2, index)
-        total.view(cpu.shape[0], -1, experts).index_add_(2, index_device, blocks.to(factor.device, non_blocking=True))
-    else:  # [r*E, in] seen as [E, r, in]
-        blocks = cpu.view(experts, -1, cpu.shape[1]).index_select(0, index)
-        total.view(experts, -1, cpu.shape[1]).index_add_(0, index_device, blocks.to(factor.device, non_blocking=True))
+    dim = 2 if is_b else 0
+    grouped = cpu.view(cpu.shape[0], -1, experts) if is_b else cpu.view(experts, -1, cpu.shape[1])
+    target = total.view(grouped.shape)  # B [out, r*E] as [out, r, E]; A [r*E, in] as [E, r, in]
+    blocks = grouped.index_select(dim, index)
+    if factor.device.type == "cpu":
+        target.index_add_(dim, index, blocks)
+    else:
+        staging.read_on_device({"lora_index": index, "lora_blocks": blocks},
+                               lambda lora_index, lora_blocks: target.index_add_(dim, lora_index, lora_blocks))
     return total
 
 
