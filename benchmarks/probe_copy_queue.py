@@ -27,9 +27,9 @@ def run_once(mode: str, staging: StagingBuffers, host: torch.Tensor, out: torch.
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     if mode == "copy":
-        out.add_(staging.to_device("out", host))
+        out.add_(staging.to_device("out_copy", host))
     else:
-        staging.read_on_device({"out": host}, lambda view: out.add_(view))
+        staging.read_on_device({"cpu_out": host}, lambda cpu_out: out.add_(cpu_out))
     end.record()
     torch.cuda.synchronize()
     return begin.elapsed_time(end)

@@ -346,6 +346,35 @@ def _output(given: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dty
     return given
 
 
+def _lora_grad_outputs(given: tuple | None, gate_up_lora: tuple | None, down_lora: tuple | None,
+                       grad_hidden: torch.Tensor) -> list:
+    """Per projection ``(dA [E, r, in], dB [out, r*E])`` float32 (None without LoRA): the caller's tensors where
+    given, else new ones. A's gradient is accumulated into by the kernel, so it is zeroed here; B's is written
+    whole."""
+    given = (None, None) if given is None else tuple(given)
+    if len(given) != 2:
+        raise ValueError(f"lora_grads must be ((dA_gu, dB_gu), (dA_down, dB_down)), got {len(given)} entries")
+    outputs = []
+    for name, lora, pair in zip(("gate_up", "down"), (gate_up_lora, down_lora), given):
+        pair = (None, None) if pair is None else tuple(pair)
+        if lora is None:
+            if any(grad is not None for grad in pair):
+                raise ValueError(f"a {name} LoRA gradient was given for a projection without LoRA; pass None")
+            outputs.append(None)
+            continue
+        outputs.append((_output(pair[0], tuple(lora[0].shape), torch.float32, f"{name} LoRA A gradient"),
+                        _output(pair[1], tuple(lora[1].shape), torch.float32, f"{name} LoRA B gradient")))
+    grads = [grad for pair in outputs if pair is not None for grad in pair]
+    others = [grad_hidden] + [factor for lora in (gate_up_lora, down_lora) if lora is not None for factor in lora[:2]]
+    if any(_overlap(a, b) for i, a in enumerate(grads) for b in grads[i + 1:] + others):
+        raise ValueError("the LoRA gradient outputs must not share memory with each other, grad_hidden or the LoRA "
+                         "factors; pass separate tensors")
+    for pair in outputs:
+        if pair is not None:
+            pair[0].zero_()
+    return outputs
+
+
 def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int], top_k: int,
                        hidden: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor, routing: torch.Tensor,
                        gate_up_lora: tuple | None, down_lora: tuple | None, out: torch.Tensor | None = None,
@@ -396,11 +425,14 @@ def expert_ffn_backward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sh
                         hidden: torch.Tensor, offsets: torch.Tensor, order: torch.Tensor, routing: torch.Tensor,
                         gate_up_lora: tuple | None, down_lora: tuple | None, gate_up_out: torch.Tensor,
                         grad_out: torch.Tensor, grad_hidden: torch.Tensor | None = None,
-                        lora_inner: tuple | None = None, tuning: KernelTuning | None = None) -> tuple:
+                        lora_inner: tuple | None = None, tuning: KernelTuning | None = None,
+                        lora_grads: tuple | None = None) -> tuple:
     """Backward of :func:`expert_ffn_forward` with ``grad_out [T, H]`` float32 or bf16 (``grad_hidden``
     written into the given tensor when passed: float32, or bf16 rounded once in the kernel). ``lora_inner``: what
     the forward wrote there, reused instead of recomputed (the same LoRA factors, or the gradients are wrong).
-    ``tuning`` as for the forward.
+    ``tuning`` as for the forward. ``lora_grads`` (optional, ``((dA_gu, dB_gu), (dA_down, dB_down))``, any entry
+    None): tensors to write the LoRA gradients into, float32 in the layouts below; the A gradients are zeroed
+    here first (the kernel accumulates into them), so any reused buffer will do.
 
     Returns ``(grad_hidden [T, H], grad_routing [T*k], (dA_gu, dB_gu) or None, (dA_down, dB_down) or None)``,
     float32 but for a bf16 ``grad_hidden``, LoRA gradients as ``A [E, r, in]``, ``B [out, r*E]`` (PEFT's
@@ -413,9 +445,7 @@ def expert_ffn_backward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sh
     grad_hidden = _output(grad_hidden, (tokens, hidden_size), _io_dtype(grad_hidden, "grad_hidden"), "grad_hidden")
     grad_out_dtype = _io_dtype(grad_out, "grad_out")
     grad_routing = torch.empty(pairs, dtype=torch.float32)
-    # A's gradient accumulates in place; B's is written whole.
-    lora_grads = [None if lora is None else (torch.zeros_like(lora[0]), torch.empty_like(lora[1]))
-                  for lora in (gate_up_lora, down_lora)]
+    lora_grads = _lora_grad_outputs(lora_grads, gate_up_lora, down_lora, grad_hidden)
     io = _C.BackwardIo()
     io.hidden = _address(hidden, "hidden", torch.bfloat16, tokens * hidden_size)
     io.gate_up_out = _address(gate_up_out, "gate_up_out", torch.bfloat16, pairs * 2 * inter)

@@ -519,7 +519,8 @@ def test_amx_matches_reference_with_and_without_the_next_block_prefetch(prefetch
 
 def test_released_results_are_reused_and_never_handed_out_twice():
     """bf16 outputs and input gradients given back through release_result come back from later calls (same pages)
-    with correct values; one released twice still goes to one caller at a time; other dtypes are not pooled."""
+    with correct values; one released twice still goes to one caller at a time; tensors it did not hand out are
+    not pooled."""
     weights, x, index, w, gate_up, down = _problem(40, 5, 64, 32, 2, 4, seed=3)
     native = NativeExperts(_ops.best_isa())
     want, saved = native.forward(weights, x, index, w, gate_up, down)
@@ -557,6 +558,96 @@ def test_a_result_released_again_after_it_was_lent_again_is_ignored():
     native.release_result(a)  # stale: b holds these pages now
     c, _ = native.forward(weights, x, index, w, gate_up, down)
     assert c.data_ptr() != b.data_ptr()
+
+
+def _lora_grads(native, problem, mask=None, seed=1):
+    """One forward and backward on ``native``: its LoraGrads' four tensors, as it returned them."""
+    weights, x, index, w, gate_up, down = problem
+    out, saved = native.forward(weights, x, index, w, gate_up, down, expert_mask=mask)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    return list(vars(native.backward(weights, saved, grad_out, gate_up, down)[2]).values())
+
+
+def _subset_mask(experts, chosen):
+    mask = torch.zeros(experts, dtype=torch.bool)
+    mask[list(chosen)] = True
+    return mask
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("subset", [None, (1, 3)], ids=["all-experts", "subset"])
+def test_released_lora_grads_are_reused_zeroed_and_bit_exact(isa, subset):
+    """LoRA gradients given back through release_result (the LoraGrads fields themselves) come back from the next
+    backward (same pages), with the values a fresh backend gives: a first call routed to every expert leaves
+    stale A and B rows in them, which a subset's call must not show."""
+    problem = _problem(40, 6, 64, 32, 2, 4, seed=3)
+    mask = None if subset is None else _subset_mask(6, subset)
+    native = NativeExperts(isa)
+    first = _lora_grads(native, _problem(40, 6, 64, 32, 2, 4, seed=4), seed=2)  # other routing and gradients
+    for grad in first:
+        native.release_result(grad)
+    again = _lora_grads(native, problem, mask)
+    assert [g.data_ptr() for g in again] == [g.data_ptr() for g in first]
+    expected = _lora_grads(NativeExperts(isa), problem, mask)
+    for got, want in zip(again, expected):
+        assert torch.equal(got, want)
+    if subset is not None:  # every other expert's blocks are zero: A rows [e*r, (e+1)*r), B columns j*E + e
+        others = [e for e in range(6) if e not in subset]
+        assert not again[0].view(6, 4, -1)[others].any() and not again[1].view(-1, 4, 6)[:, :, others].any()
+
+
+def test_lora_grads_not_released_are_never_reused():
+    """A backward's LoRA gradients the caller keeps (co-compute hands them to autograd) keep their values through
+    later calls; once dropped, the pool does not hold them (it never had them back)."""
+    native = NativeExperts(_ops.best_isa())
+    kept = _lora_grads(native, _problem(40, 6, 64, 32, 2, 4, seed=3))
+    values = [g.clone() for g in kept]
+    later = _lora_grads(native, _problem(40, 6, 64, 32, 2, 4, seed=4), _subset_mask(6, (0, 5)), seed=2)
+    assert not {g.data_ptr() for g in kept} & {g.data_ptr() for g in later}
+    assert all(torch.equal(grad, value) for grad, value in zip(kept, values))
+    for _ in range(3):
+        _lora_grads(native, _problem(40, 6, 64, 32, 2, 4, seed=4))
+    del kept, later
+    assert len(native._results._lent) == 0 and native._results._free == []
+
+
+def test_kernel_lora_grad_outputs_are_checked_and_a_is_zeroed():
+    """lora_grads passed to the kernels: written in place, A zeroed first (NaN-filled buffers give the values of
+    fresh ones), and refused with the tensor's name when they cannot take the result."""
+    weights, x, index, w, gate_up, down = _problem(20, 4, 32, 16, 2, 2, seed=0)
+    matrices, shape = (weights.gate_up, weights.down), (4, 32, 16)
+    offsets, order = _ops.group_tokens_by_expert(index, 4)
+    routing = w.reshape(-1).contiguous()
+    factors = [(lora.A.reshape(4, 2, -1).contiguous(), lora.B, lora.scaling) for lora in (gate_up, down)]
+    _, gate_up_out = _ops.expert_ffn_forward("portable", matrices, shape, 2, x, offsets, order, routing, *factors)
+    grad_out = torch.randn(20, 32, generator=torch.Generator().manual_seed(1))
+
+    def backward(lora_grads, lora=factors):
+        return _ops.expert_ffn_backward("portable", matrices, shape, 2, x, offsets, order, routing, *lora,
+                                        gate_up_out, grad_out, lora_grads=lora_grads)[2:]
+
+    fresh = backward(None)
+    given = [tuple(torch.full_like(g, float("nan")) for g in pair) for pair in fresh]
+    written = backward(given)
+    for got, buffer, want in zip(sum(written, ()), sum(given, ()), sum(fresh, ())):
+        assert got is buffer and torch.equal(got, want)
+    partly = backward([(None, given[0][1]), None])  # the others are made here
+    assert partly[0][1] is given[0][1] and torch.equal(partly[1][0], fresh[1][0])
+    a_gu, b_gu = fresh[0]
+    bad = [((a_gu.double(), b_gu), "gate_up LoRA A gradient must be a contiguous CPU torch.float32"),
+           ((a_gu, b_gu[:, :4]), r"gate_up LoRA B gradient .* shape \[32, 8\], got torch.float32 \[32, 4\]"),
+           ((a_gu.transpose(0, 1).contiguous().transpose(0, 1), b_gu), "gate_up LoRA A gradient must be a contiguous")]
+    for pair, message in bad:
+        with pytest.raises(ValueError, match=message):
+            backward([pair, None])
+    with pytest.raises(ValueError, match="must not share memory"):
+        backward([(a_gu, b_gu), (fresh[1][0], b_gu)])
+    factor = factors[0][0].clone()
+    with pytest.raises(ValueError, match="must not share memory"):  # refused before A's gradient is zeroed
+        backward([(factors[0][0], b_gu), None])
+    assert torch.equal(factors[0][0], factor)
+    with pytest.raises(ValueError, match="down LoRA gradient was given for a projection without LoRA"):
+        backward([None, fresh[1]], [factors[0], None])
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -37,6 +37,14 @@ def _kernel_lora(lora: ExpertLora | None) -> tuple | None:
     return a, lora.B.detach().float().contiguous(), lora.scaling
 
 
+def _kernel_grads(grads: tuple | None, lora: ExpertLora | None) -> tuple | None:
+    """LoRA gradient buffers ``(dA [r*E, in], dB [out, r*E])`` as the kernels write them: ``dA`` viewed
+    ``[E, r, in]``."""
+    if grads is None:
+        return None
+    return grads[0].view(lora.num_experts, lora.rank, -1), grads[1]
+
+
 def _inner_for(saved: SavedState, gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None) -> tuple | None:
     """The forward's LoRA inner products where they fit the factors backward is given (same ranks; otherwise the
     kernel recomputes them), else None."""
@@ -44,13 +52,6 @@ def _inner_for(saved: SavedState, gate_up_lora: ExpertLora | None, down_lora: Ex
         return None
     return tuple(inner if inner is not None and lora is not None and inner.shape[1] == lora.rank else None
                  for inner, lora in zip(saved.lora_inner, (gate_up_lora, down_lora)))
-
-
-def _peft_grads(grads: tuple | None, lora: ExpertLora | None) -> tuple:
-    if grads is None:
-        return None, None
-    grad_a, grad_b = grads
-    return grad_a.view(-1, grad_a.shape[-1]), grad_b
 
 
 @dataclass
@@ -162,7 +163,8 @@ class NativeExperts:
         self.tuning = tuning
         self._saved_buffers = _BufferPool()  # saved state's buffers, forward to backward
         self._scratch = _BufferPool()  # float32 results, converted before they leave this object
-        self._results = _BufferPool()  # bf16 outputs / input gradients handed back through release_result
+        # bf16 outputs, input gradients and float32 LoRA gradients, handed back through release_result
+        self._results = _BufferPool()
 
     @staticmethod
     def supports(weights: ExpertWeights) -> bool:
@@ -295,11 +297,12 @@ class NativeExperts:
         return result, saved
 
     def release_result(self, tensor: torch.Tensor) -> None:
-        """Hands back a bf16 output of :meth:`forward` or input gradient of :meth:`backward` once the caller is done
-        with it (co-compute: once it is copied to the device), so a later call writes into the same pages instead
-        of page-faulting fresh ones (a [T, H] bf16 tensor: 33.5 MB at 8192 tokens for Qwen3-30B-A3B). The tensor
-        must not be used afterwards: a later call overwrites it. Tensors this object did not hand out, and a second
-        release of one, are ignored.
+        """Hands back a bf16 output of :meth:`forward`, or an input gradient or LoRA gradient (a ``LoraGrads``
+        field itself, not a view of it) of :meth:`backward`, once the caller is done with it (co-compute: once it
+        is copied to the device), so a later call writes into the same pages instead of page-faulting fresh ones
+        (a [T, H] bf16 tensor: 33.5 MB at 8192 tokens for Qwen3-30B-A3B; a layer's LoRA gradients: 26 MB at r = 8).
+        The tensor must not be used afterwards: a later call overwrites it. Tensors this object did not hand out,
+        and a second release of one, are ignored.
         """
         self._results.give(tensor)
 
@@ -359,11 +362,13 @@ class NativeExperts:
         direct = grad_out.dtype == torch.bfloat16 and not rows
         grad_in = (self._results.take(tuple(saved.hidden.shape), torch.bfloat16) if direct
                    else self._scratch.take(tuple(saved.hidden.shape), torch.float32))
+        lora_grads = [self._lora_grad_buffers(lora) for lora in (gate_up_lora, down_lora)]
         try:
-            grad_in, grad_routing, gu, down = _ops.expert_ffn_backward(
+            grad_in, grad_routing, _, _ = _ops.expert_ffn_backward(
                 self.isa, matrices, shape, saved.top_k_weights.shape[1], saved.hidden, saved.offsets, saved.order,
                 routing, _kernel_lora(gate_up_lora), _kernel_lora(down_lora), saved.gate_up_out, kernel_in,
-                grad_hidden=grad_in, lora_inner=_inner_for(saved, gate_up_lora, down_lora), tuning=self.tuning)
+                grad_hidden=grad_in, lora_inner=_inner_for(saved, gate_up_lora, down_lora), tuning=self.tuning,
+                lora_grads=[_kernel_grads(g, lora) for g, lora in zip(lora_grads, (gate_up_lora, down_lora))])
             grad_hidden = grad_in if direct or rows else grad_in.to(grad_out.dtype, copy=True)
         except BaseException:
             if not direct:
@@ -375,5 +380,13 @@ class NativeExperts:
         if not direct and not rows:
             self._scratch.give(grad_in)
         self._give_back(saved)  # SavedState is single-use: backward drops it after this
-        grads = LoraGrads(*_peft_grads(gu, gate_up_lora), *_peft_grads(down, down_lora))
+        grads = LoraGrads(*(lora_grads[0] or (None, None)), *(lora_grads[1] or (None, None)))
         return grad_hidden, grad_routing.view(saved.top_k_weights.shape), grads
+
+    def _lora_grad_buffers(self, lora: ExpertLora | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Pooled ``(dA [r*E, in], dB [out, r*E])`` float32 for one projection's LoRA gradients: the very tensors
+        the caller gets, so it can hand them back through ``release_result`` (the kernel writes A through a view)."""
+        if lora is None:
+            return None
+        return (self._results.take((lora.num_experts * lora.rank, lora.A.shape[-1]), torch.float32),
+                self._results.take(tuple(lora.B.shape), torch.float32))

@@ -305,6 +305,7 @@ class HybridLayer(OffloadLayer):
                  index: int) -> None:
         super().__init__(name, experts, wrappers, engine, index)
         self.last_gpu: tuple[int, ...] | None = None  # the GPU experts of the latest forward; backward prefetches
+        self.last_cpu = False  # whether the latest forward had a CPU part (its inputs are then staged early)
 
     def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Pending:
         self.check_inputs(hidden, top_k_index, top_k_weights)
@@ -414,15 +415,16 @@ class HybridExpertsFunction(torch.autograd.Function):
             engine.gap_interrupted("backward")
         else:
             engine.gap_ends("forward", layer.index)
+        # The CPU part's inputs start for the host before the split where the layer's last forward had one
+        staged = _stage_cpu_inputs(engine, layer.index, hidden, top_k_index, top_k_weights, lora) \
+            if layer.last_cpu else None
         gpu = engine.forward_split(layer, counts)
         on_gpu = set(gpu)
         cpu = tuple(e for e, n in enumerate(counts) if n > 0 and e not in on_gpu)
         parts.gpu, parts.cpu, parts.lora, parts.weights_host = gpu, cpu, lora, layer.weights
         if cpu:  # first: the CPU starts as soon as the activations reach the host
-            staged = engine.staging.to_host({"hidden": hidden.detach().contiguous(),
-                                             "top_k_index": top_k_index.contiguous(),
-                                             "top_k_weights": top_k_weights.detach().contiguous()})
-            parts.cpu_lora, ready = engine.host_lora(layer.index, lora)
+            staged, parts.cpu_lora, ready = staged or _stage_cpu_inputs(engine, layer.index, hidden, top_k_index,
+                                                                        top_k_weights, lora)
             parts.cpu_future = engine.run_cpu(_cpu_forward, engine, layer, staged, parts.weights_host,
                                               parts.cpu_lora, ready, cpu, counts)
         slot = engine._timed_fetch("forward", layer, list(gpu)) if gpu else None
@@ -467,13 +469,25 @@ class HybridExpertsFunction(torch.autograd.Function):
             parts.cpu_saved = None
             grads = _add(engine.staging, grads, (cpu_hidden, cpu_weights, cpu_lora), parts.lora, parts.cpu,
                          grad_out)
-            engine.cpu.release_result(cpu_hidden)
+            # Read: _add took copies of what it sums (index_select of the LoRA gradients' CPU expert blocks)
+            for result in (cpu_hidden, *vars(cpu_lora).values()):
+                if result is not None:
+                    engine.cpu.release_result(result)
         if grads is None:  # no routed pair on either side (no tokens): every gradient is zero
             grads = _zero_grads(grad_out, ctx.weights_shape, parts.lora)
         grad_hidden, grad_weights, lora_grads = grads
         engine.gap_begins("backward", layer.index)
         return node_gradients(grad_hidden.to(ctx.dtypes[0]), grad_weights.to(ctx.dtypes[1]), 6, parts.lora,
                               lora_grads)
+
+
+def _stage_cpu_inputs(engine: HybridEngine, index: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor, lora: tuple) -> tuple:
+    """(the activations and routing on their way to the host, the LoRA factors as the CPU reads them, the event
+    those are ready at)."""
+    staged = engine.staging.to_host({"hidden": hidden.detach().contiguous(), "top_k_index": top_k_index.contiguous(),
+                                     "top_k_weights": top_k_weights.detach().contiguous()})
+    return (staged, *engine.host_lora(index, lora))
 
 
 def _record_forward(engine: HybridEngine, layer: HybridLayer, counts: list[int], gpu: tuple, cpu: tuple) -> None:
@@ -491,7 +505,7 @@ def _record_forward(engine: HybridEngine, layer: HybridLayer, counts: list[int],
     engine.metrics.expert_token_counts.append(counts)
     engine.metrics.tokens_routed += sum(counts)
     engine.forecast.observe(layer.index, counts)
-    layer.last_gpu = gpu
+    layer.last_gpu, layer.last_cpu = gpu, bool(cpu)
 
 
 def _gpu_forward(engine: HybridEngine, layer: HybridLayer, slot, hidden, top_k_index, top_k_weights, lora, gpu,

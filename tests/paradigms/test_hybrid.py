@@ -74,6 +74,34 @@ def test_hybrid_own_split_matches_hf_peft_in_bf16_with_native_kernels():
     _assert_bf16_as_accurate_as_hf_peft(reference, engine)
 
 
+def test_cpu_lora_gradients_given_back_to_the_native_pool_change_no_gradient():
+    """Hybrid gives the CPU part's LoRA gradients back to the native backend once summed, so each layer's CPU
+    backward writes into the pages of the layer before's; every gradient equals, bit for bit, an engine's whose
+    backend keeps them (never reusing one)."""
+    engines = [build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
+                          backend="auto")[1] for _ in range(2)]
+    natives = [getattr(engine.moecc.engine.cpu, "native", engine.moecc.engine.cpu) for engine in engines]
+    lent, take = set(), natives[0]._results.take
+    natives[0]._results.take = lambda shape, dtype: _noted(take(shape, dtype), lent)
+    release = natives[1].release_result
+    natives[1].release_result = lambda tensor: tensor.dtype == torch.float32 or release(tensor)
+    for engine in engines:
+        engine.moecc.engine.split_rule = _alternating
+        for ids, mask, labels in batches(256, 2, batch=3, seq=16, seed=4, pad=True):
+            engine(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    given_back = [b for b in natives[0]._results._free if b.dtype == torch.float32]
+    assert len(given_back) == 4 and len(lent) == 4  # one set of LoRA gradient buffers, reused by every layer
+    for (name, p), (_, q) in zip(*(engine.named_parameters() for engine in engines)):
+        if p.requires_grad:
+            assert torch.equal(p.grad, q.grad), name
+
+
+def _noted(tensor: torch.Tensor, lent: set) -> torch.Tensor:
+    if tensor.dtype == torch.float32:  # the results pool's only float32 tensors: LoRA gradients
+        lent.add(tensor.data_ptr())
+    return tensor
+
+
 def test_split_follows_the_forecast_and_prefetches_the_next_layer():
     """After a first pass the forward prefetch plans each later layer from the forecast; a second forward finds
     the planned experts in the slots and the metrics count both sides."""
@@ -208,15 +236,15 @@ def test_hybrid_on_cuda_matches_hf_peft(rule):
     reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
                                    device="cuda")
     engine.moecc.engine.split_rule = None if rule == "own" else RULES[rule]
+    expert_lora = [p for n, p in engine.named_parameters() if ".experts." in n and "lora_" in n]
     for batch in batches(256, 2, batch=3, seq=10, seed=5, pad=True):
         forward_backward_both(reference, engine, batch, 1e-4, device="cuda")
         assert_grads_match(reference, engine, 1e-3)
+        assert all(p.is_cuda and p.grad is not None and p.grad.is_cuda for p in expert_lora)
         for model in (reference, engine):
             model.zero_grad()
     assert all(p.is_pinned() for layer in engine.moecc.layers for p in layer.experts.parameters(recurse=False))
-    expert_lora = [p for n, p in engine.named_parameters() if ".experts." in n and "lora_" in n]
     assert expert_lora and engine.moecc.engine.lora_on_device  # tiny factors fit: stepped on the GPU
-    assert all(p.is_cuda and p.grad is not None and p.grad.is_cuda for p in expert_lora)
 
 
 def test_auto_paradigm_says_what_it_picked(caplog):
