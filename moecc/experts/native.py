@@ -225,9 +225,31 @@ class NativeExperts:
             return self._forward_subset(weights, hidden, top_k_weights, loras, grouping)
         return self._forward(weights, hidden, top_k_weights, loras, grouping, hidden.dtype, copy_hidden=True)
 
+    def forward_pairs(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor, gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None,
+                      *, expert_mask: torch.Tensor | None = None,
+                      grouping: Grouping | None = None) -> tuple[torch.Tensor, torch.Tensor | None, SavedState]:
+        """:meth:`forward` with a subset's output left as one float32 row per routed pair: ``(rows [P, H], tokens
+        [P], saved)``, the output being ``zeros [T, H]`` with ``rows`` added at ``tokens``. Summing on the CPU
+        zeroes and rewrites all T rows however few pairs the subset has; the caller can sum on its own device.
+        All the pairs (no subset): ``(out [T, H], None, saved)`` as :meth:`forward`. Give ``rows`` back with
+        :meth:`release_result`."""
+        loras = (gate_up_lora, down_lora)
+        grouping = resolve(top_k_index, weights.num_experts, expert_mask, grouping)
+        if is_full(grouping, top_k_index):
+            out, saved = self._forward(weights, hidden, top_k_weights, loras, grouping, hidden.dtype, copy_hidden=True)
+            return out, None, saved
+        return self._subset_rows(weights, hidden, top_k_weights, loras, grouping)
+
     def _forward_subset(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_weights: torch.Tensor,
                         loras: tuple, grouping: Grouping) -> tuple[torch.Tensor, SavedState]:
-        """The subset's pairs as tokens of one slot each, in grouped order (so the order is the identity)."""
+        out_rows, tokens, saved = self._subset_rows(weights, hidden, top_k_weights, loras, grouping)
+        return self._summed_rows(out_rows, tokens, tuple(hidden.shape), hidden.dtype), saved
+
+    def _subset_rows(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_weights: torch.Tensor,
+                     loras: tuple, grouping: Grouping) -> tuple[torch.Tensor, torch.Tensor, SavedState]:
+        """The subset's pairs as tokens of one slot each, in grouped order (so the order is the identity):
+        (float32 rows [P, H] from the scratch pool, their tokens [P], saved)."""
         top_k = top_k_weights.shape[1]
         pair_ids = grouping.order  # [P]
         tokens = pair_ids // top_k
@@ -236,9 +258,8 @@ class NativeExperts:
         routing = top_k_weights.reshape(-1)[pair_ids].view(-1, 1)  # [P, 1]
         local = Grouping(grouping.offsets, torch.arange(pair_ids.numel(), dtype=torch.int64))
         out_rows, saved = self._forward(weights, rows, routing, loras, local, None, copy_hidden=False)
-        out = self._summed_rows(out_rows, tokens, tuple(hidden.shape), hidden.dtype)
         saved = _SubsetState(**vars(saved), pair_ids=pair_ids, routing_shape=tuple(top_k_weights.shape))
-        return out, saved
+        return out_rows, tokens, saved
 
     def _summed_rows(self, rows: torch.Tensor, tokens: torch.Tensor, shape: tuple[int, int],
                      dtype: torch.dtype) -> torch.Tensor:
@@ -305,6 +326,7 @@ class NativeExperts:
         and a second release of one, are ignored.
         """
         self._results.give(tensor)
+        self._scratch.give(tensor)  # a float32 row block of forward_pairs / backward_pairs
 
     def release(self, saved: SavedState) -> None:
         """Hands a forward's saved buffers back for reuse when no backward will consume them."""
@@ -328,20 +350,39 @@ class NativeExperts:
             return self._backward_subset(weights, saved, grad_out, gate_up_lora, down_lora)
         return self._backward(weights, saved, grad_out, gate_up_lora, down_lora)
 
+    def backward_pairs(self, weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor,
+                       gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, LoraGrads]:
+        """:meth:`backward` of a :meth:`forward_pairs` subset with its input gradient as rows: ``(grad_rows [P, H]
+        float32, tokens [P], grad_top_k_weights [T, k], LoraGrads)``, the input gradient being ``grad_rows`` added
+        at ``tokens`` into zeros. A state of all the pairs: ``(grad_hidden [T, H], None, ...)`` as :meth:`backward`."""
+        if not isinstance(saved, _SubsetState):
+            grad_hidden, grad_weights, grads = self._backward(weights, saved, grad_out, gate_up_lora, down_lora)
+            return grad_hidden, None, grad_weights, grads
+        return self._subset_grad_rows(weights, saved, grad_out, gate_up_lora, down_lora)
+
     def _backward_subset(self, weights: ExpertWeights, saved: _SubsetState, grad_out: torch.Tensor,
                          gate_up_lora: ExpertLora | None,
                          down_lora: ExpertLora | None) -> tuple[torch.Tensor, torch.Tensor, LoraGrads]:
         """The subset's problem differentiated, its float32 rows summed into their tokens."""
+        grad_rows, tokens, grad_weights, grads = self._subset_grad_rows(weights, saved, grad_out, gate_up_lora,
+                                                                        down_lora)
+        num_tokens = saved.routing_shape[0]
+        grad_hidden = self._summed_rows(grad_rows, tokens, (num_tokens, grad_out.shape[1]), grad_out.dtype)
+        return grad_hidden, grad_weights, grads
+
+    def _subset_grad_rows(self, weights: ExpertWeights, saved: _SubsetState, grad_out: torch.Tensor,
+                          gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None) -> tuple:
+        """(grad rows [P, H] float32 from the scratch pool, their tokens, grad_top_k_weights [T, k], LoraGrads)."""
         num_tokens, top_k = saved.routing_shape
         pair_ids = saved.pair_ids
         tokens = pair_ids // top_k
         # The rows go in as they come (bf16 or float32) and their gradients come out float32, for the sum
         grad_rows, grad_routing, grads = self._backward(weights, saved, grad_out[tokens], gate_up_lora, down_lora,
                                                         rows=True)  # [P, H] float32 (scratch), [P, 1]
-        grad_hidden = self._summed_rows(grad_rows, tokens, (num_tokens, grad_out.shape[1]), grad_out.dtype)
         grad_weights = torch.zeros(num_tokens * top_k, dtype=torch.float32)
         grad_weights.index_copy_(0, pair_ids, grad_routing.view(-1))
-        return grad_hidden, grad_weights.view(num_tokens, top_k), grads
+        return grad_rows, tokens, grad_weights.view(num_tokens, top_k), grads
 
     def _backward(self, weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor,
                   gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None,

@@ -32,6 +32,20 @@ class PerLayerExperts:
     def backward(self, weights: ExpertWeights, *args) -> tuple[torch.Tensor, torch.Tensor, LoraGrads]:
         return self._backend(weights).backward(weights, *args)
 
+    def forward_pairs(self, weights: ExpertWeights, *args, **kwargs) -> tuple:
+        """``NativeExperts.forward_pairs`` on the layers it runs; the reference's dense output (no rows) else."""
+        if self.native.supports(weights):
+            return self.native.forward_pairs(weights, *args, **kwargs)
+        out, saved = reference.forward(weights, *args, **kwargs)
+        return out, None, saved
+
+    def backward_pairs(self, weights: ExpertWeights, *args) -> tuple:
+        """The backward of :meth:`forward_pairs` (``(grad_hidden or rows, tokens or None, grad_weights, grads)``)."""
+        if self.native.supports(weights):
+            return self.native.backward_pairs(weights, *args)
+        grad_hidden, grad_weights, grads = reference.backward(weights, *args)
+        return grad_hidden, None, grad_weights, grads
+
     def release_result(self, tensor: torch.Tensor) -> None:
         self.native.release_result(tensor)
 

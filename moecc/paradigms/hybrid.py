@@ -354,17 +354,27 @@ class HybridPending:
         parts, engine = self._parts, self._engine
         if parts.cpu_future is not None and not parts.done:
             start = time.perf_counter()
-            host, saved = parts.cpu_future.result()
+            host, tokens, saved = parts.cpu_future.result()
             engine.sides.cpu_wait_s += time.perf_counter() - start
             parts.cpu_saved = saved
             with torch.no_grad(), record_function("moecc.hybrid.cpu_to_device"):
-                # Read in place: the GPU part's output, or zeros, plus the CPU part's
-                engine.staging.read_on_device({"out": host}, lambda out: self._output.add_(out))
+                # Read in place: the GPU part's output, or zeros, plus the CPU part's (dense, or rows per pair)
+                if tokens is None:
+                    engine.staging.read_on_device({"out": host}, lambda out: self._output.add_(out))
+                else:
+                    engine.staging.read_on_device({"out_rows": host, "out_tokens": tokens},
+                                                  lambda out_rows, out_tokens: _add_rows(self._output, out_tokens,
+                                                                                         out_rows))
             engine.cpu.release_result(host)
         if not parts.done and self._index is not None:
             engine.gap_begins("forward", self._index)
         parts.done = True
         return self._output
+
+
+def _add_rows(out: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> None:
+    """``out[tokens[p]] += rows[p]`` for every row, summed in float32 and rounded once into ``out``."""
+    out.copy_(out.float().index_add_(0, tokens, rows))
 
 
 def _mask(experts: Iterable[int], num_experts: int, staging: StagingBuffers | None = None) -> torch.Tensor:
@@ -383,18 +393,26 @@ def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora
     if lora_ready is not None:
         lora_ready.synchronize()
     began_ns, start = time.time_ns(), time.perf_counter()
+    args = (weights, views["hidden"], views["top_k_index"], views["top_k_weights"], *lora)
     with record_function("moecc.hybrid.cpu_forward"):
-        out, saved = engine.cpu.forward(weights, views["hidden"], views["top_k_index"], views["top_k_weights"],
-                                        *lora, expert_mask=_mask(cpu, weights.num_experts))
+        if hasattr(engine.cpu, "forward_pairs"):  # rows per pair, summed on the device
+            out, tokens, saved = engine.cpu.forward_pairs(*args, expert_mask=_mask(cpu, weights.num_experts))
+        else:
+            (out, saved), tokens = engine.cpu.forward(*args, expert_mask=_mask(cpu, weights.num_experts)), None
     engine.record_cpu("forward", layer.index, [counts[e] for e in cpu], time.perf_counter() - start, began_ns)
-    return out, saved
+    return out, tokens, saved
 
 
 def _cpu_backward(engine: HybridEngine, index: int, parts: _Parts, staged, counts: list[int]):
     views = staged.wait()
     began_ns, start = time.time_ns(), time.perf_counter()
+    args = (parts.weights_host, parts.cpu_saved, views["grad_out"], *parts.cpu_lora)
     with record_function("moecc.hybrid.cpu_backward"):
-        result = engine.cpu.backward(parts.weights_host, parts.cpu_saved, views["grad_out"], *parts.cpu_lora)
+        if hasattr(engine.cpu, "backward_pairs"):  # (grad rows, their tokens, ...), summed on the device
+            result = engine.cpu.backward_pairs(*args)
+        else:
+            grad_hidden, grad_weights, grads = engine.cpu.backward(*args)
+            result = grad_hidden, None, grad_weights, grads
     engine.record_cpu("backward", index, counts, time.perf_counter() - start, began_ns)
     return result
 
@@ -464,11 +482,11 @@ class HybridExpertsFunction(torch.autograd.Function):
         grads = _gpu_backward(engine, layer, parts, slot, grad_out) if parts.gpu else None
         if cpu_future is not None:
             start = time.perf_counter()
-            cpu_hidden, cpu_weights, cpu_lora = cpu_future.result()
+            cpu_hidden, cpu_tokens, cpu_weights, cpu_lora = cpu_future.result()
             engine.sides.cpu_wait_s += time.perf_counter() - start
             parts.cpu_saved = None
             grads = _add(engine.staging, grads, (cpu_hidden, cpu_weights, cpu_lora), parts.lora, parts.cpu,
-                         grad_out)
+                         grad_out, cpu_tokens)
             # Read: _add took copies of what it sums (index_select of the LoRA gradients' CPU expert blocks)
             for result in (cpu_hidden, *vars(cpu_lora).values()):
                 if result is not None:
@@ -551,7 +569,7 @@ def _zero_grads(grad_out: torch.Tensor, weights_shape: torch.Size, lora: tuple) 
 
 
 def _add(staging: StagingBuffers, gpu: tuple | None, cpu: tuple, lora: tuple, cpu_experts: tuple[int, ...],
-         like: torch.Tensor) -> tuple:
+         like: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple:
     """Both parts' (grad_hidden, grad_top_k_weights, LoraGrads) summed on the GPU part's device (float32), the
     LoRA gradients where their factors live; the CPU part's host tensors are read in place
     (``StagingBuffers.read_on_device``). Its LoRA gradients are zero outside ``cpu_experts``: only those experts'
@@ -563,12 +581,18 @@ def _add(staging: StagingBuffers, gpu: tuple | None, cpu: tuple, lora: tuple, cp
     parts = [None if part is None else part.num_experts for part in lora for _ in range(2)]
     summed = [None if c is None else _lora_grad_sum(staging, g, c, f, experts, i % 2 == 1, cpu_experts)
               for i, (g, c, f, experts) in enumerate(zip(gpu_grads, cpu_grads, factors, parts))]
-    bases = ((torch.zeros(cpu[0].shape, dtype=torch.float32, device=like.device),
+    bases = ((torch.zeros(like.shape, dtype=torch.float32, device=like.device),
               torch.zeros(cpu[1].shape, dtype=torch.float32, device=like.device)) if gpu is None
              else (gpu[0].float(), gpu[1].float()))
-    hidden, weights = staging.read_on_device(
-        {"grad_hidden": cpu[0], "grad_weights": cpu[1]},
-        lambda grad_hidden, grad_weights: (torch.add(bases[0], grad_hidden), torch.add(bases[1], grad_weights)))
+    if tokens is None:  # a dense CPU input gradient
+        hidden, weights = staging.read_on_device(
+            {"grad_hidden": cpu[0], "grad_weights": cpu[1]},
+            lambda grad_hidden, grad_weights: (torch.add(bases[0], grad_hidden), torch.add(bases[1], grad_weights)))
+    else:  # rows per pair, added at their tokens
+        hidden, weights = staging.read_on_device(
+            {"grad_rows": cpu[0], "grad_tokens": tokens, "grad_weights": cpu[1]},
+            lambda grad_rows, grad_tokens, grad_weights: (torch.index_add(bases[0], 0, grad_tokens, grad_rows),
+                                                          torch.add(bases[1], grad_weights)))
     return hidden, weights, LoraGrads(*summed)
 
 

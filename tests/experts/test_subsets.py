@@ -11,6 +11,7 @@ import torch
 from moecc import _ops
 from moecc.experts import ExpertLora, ExpertWeights, group_by_expert, grouped, reference
 from moecc.experts.native import NativeExperts
+from moecc.experts.select import PerLayerExperts
 
 from ..parity import rel_err
 
@@ -143,3 +144,46 @@ def test_empty_subset_computes_nothing():
         results = _run(module, problem, expert_mask=torch.zeros(EXPERTS, dtype=torch.bool))
         assert all(not r.any() for r in results)
         assert results[0].shape == (5, HIDDEN) and results[2].shape == (5, TOP_K)
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 13])
+@pytest.mark.parametrize("backend", ["native", "per_layer"])
+def test_native_pairs_are_the_subset_rows_before_their_sum(backend, tokens):
+    """``forward_pairs`` / ``backward_pairs`` leave a subset's output and input gradient as float32 rows per
+    pair; summed at their tokens in float32 and rounded once, they are ``forward`` / ``backward``'s results bit
+    for bit (the same sum), and the other results are the same tensors' values. All the pairs: dense, no rows."""
+    native = _native()
+    module = native if backend == "native" else PerLayerExperts(native)
+    problem = _problem(tokens, torch.bfloat16, seed=3)
+    weights, x, index, w, loras, grad_out = problem
+    for partition in _partitions(5):
+        for mask in partition:
+            want = _run(module, problem, expert_mask=mask)
+            rows, at, saved = module.forward_pairs(weights, x, index, w, *loras, expert_mask=mask)
+            grad_rows, grad_at, grad_w, grads = module.backward_pairs(weights, saved, grad_out, *loras)
+            if mask[index].all():  # every routed pair (all experts, or no tokens)
+                assert at is None and grad_at is None and rows.shape == x.shape
+                got = [rows.float(), grad_rows.float()]
+            else:
+                pairs = int(mask[index].sum())
+                assert rows.dtype == torch.float32 and rows.shape == (pairs, HIDDEN) and at.shape == (pairs,)
+                got = [torch.zeros(x.shape).index_add_(0, t, r).to(x.dtype).float()
+                       for t, r in ((at, rows), (grad_at, grad_rows))]
+            got += [grad_w] + [getattr(grads, name) for name in GRAD_NAMES]
+            for a, b in zip(got, want):
+                assert torch.equal(a, b)
+            native.release_result(rows)
+            native.release_result(grad_rows)
+
+
+def test_per_layer_pairs_of_a_layer_the_kernels_do_not_run_are_dense():
+    module = PerLayerExperts(_native())
+    problem = _problem(5, torch.float32, seed=4)
+    weights, x, index, w, loras, grad_out = problem
+    mask = torch.arange(EXPERTS) % 2 == 0
+    out, at, saved = module.forward_pairs(weights, x, index, w, *loras, expert_mask=mask)
+    grad_hidden, grad_at, grad_w, grads = module.backward_pairs(weights, saved, grad_out, *loras)
+    want = _run(reference, problem, expert_mask=mask)
+    assert at is None and grad_at is None
+    for a, b in zip([out, grad_hidden, grad_w] + [getattr(grads, n) for n in GRAD_NAMES], want):
+        assert torch.equal(a.float(), b)
