@@ -1,6 +1,7 @@
 """What hybrid's CPU part costs alone: the native backend's forward and backward on the coldest m experts of a
-random top-k routing (``expert_mask``), against the whole layer, with the pool hybrid uses on a GPU machine (all
-CPUs but two). Prints one line per (tokens, experts): the subset's routed pairs and median forward / backward ms.
+random top-k routing (``expert_mask``), against the whole layer, as hybrid runs it on a GPU machine (rows per pair;
+the pool on all CPUs but two, torch's own ops on those two). Prints one line per (tokens, experts): the subset's
+routed pairs and median forward / backward ms.
 
     python benchmarks/bench_cpu_subset.py --tokens 512,2048,8192 --experts 1,16,40,128
 """
@@ -16,6 +17,7 @@ import torch
 from moecc import _ops
 from moecc.experts.native import NativeExperts
 from moecc.experts.types import ExpertLora, ExpertWeights
+from moecc.paradigms.hybrid import configure_cpu_threads
 
 
 def layer(experts: int, hidden: int, inter: int, rank: int, seed: int = 0):
@@ -45,14 +47,15 @@ def time_subset(backend: NativeExperts, weights, loras, tokens: int, top_k: int,
     hidden = torch.randn(tokens, weights.hidden_size, generator=g).bfloat16()
     grad_out = torch.randn(tokens, weights.hidden_size, generator=g).bfloat16()
     forward, backward = [], []
-    for rep in range(reps + 2):
+    for rep in range(reps + 2):  # as hybrid calls it: rows per pair, every result given back
         start = time.perf_counter()
-        out, saved = backend.forward(weights, hidden, top_i, top_w, *loras, expert_mask=mask)
+        out, _, saved = backend.forward_pairs(weights, hidden, top_i, top_w, *loras, expert_mask=mask)
         middle = time.perf_counter()
-        grad_hidden = backend.backward(weights, saved, grad_out, *loras)[0]
+        grad_hidden, _, _, grads = backend.backward_pairs(weights, saved, grad_out, *loras)
         end = time.perf_counter()
-        backend.release_result(out)
-        backend.release_result(grad_hidden)
+        for result in (out, grad_hidden, *vars(grads).values()):
+            if result is not None:
+                backend.release_result(result)
         if rep >= 2:
             forward.append(middle - start)
             backward.append(end - middle)
@@ -67,13 +70,17 @@ def main() -> None:
     parser.add_argument("--shape", default="128,2048,768,8", help="experts,hidden,intermediate,top_k")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="threads of torch's own CPU ops (default: what hybrid sets, the CPUs the pool leaves)")
     args = parser.parse_args()
     experts, hidden, inter, top_k = (int(v) for v in args.shape.split(","))
-    threads = max(1, _ops.available_cpus() - 2)
-    _ops.configure_pool(threads, True)
+    threads, torch_threads = configure_cpu_threads()
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
     backend = NativeExperts(_ops.best_isa())
     weights, gate_up, down = layer(experts, hidden, inter, args.rank)
-    print(f"isa {backend.isa}, {threads} pool threads, shape {args.shape}, rank {args.rank}", flush=True)
+    print(f"isa {backend.isa}, {threads} pool threads, {torch.get_num_threads()} torch threads, shape "
+          f"{args.shape}, rank {args.rank}", flush=True)
     for tokens in (int(t) for t in args.tokens.split(",")):
         for coldest in (min(int(m), experts) for m in args.experts.split(",")):
             pairs, forward, backward = time_subset(backend, weights, (gate_up, down), tokens, top_k, coldest,

@@ -40,6 +40,22 @@ def lane_of(event) -> str | None:
     return None
 
 
+def host_ops(events, window: tuple[float, float], origin_us: float, top: int = 12) -> list:
+    """The outermost host-side ops, and moecc's annotations, within ``window`` (ms after ``origin_us``), by name:
+    [name, ms, calls], longest first: where the threads that queue the GPU work spend a layer call."""
+    totals: dict[str, list] = {}
+    for event in events:
+        if event.device_type != DeviceType.CPU or (event.cpu_parent is not None
+                                                   and not event.name.startswith("moecc.")):
+            continue
+        start, end = (event.time_range.start - origin_us) / 1e3, (event.time_range.end - origin_us) / 1e3
+        if start >= window[0] and end <= window[1]:
+            entry = totals.setdefault(event.name, [event.name, 0.0, 0])
+            entry[1] += end - start
+            entry[2] += 1
+    return [[name, round(ms, 3), calls] for name, ms, calls in sorted(totals.values(), key=lambda e: -e[1])[:top]]
+
+
 def collect(events, cpu_spans: list, trace_start_ns: int) -> tuple[dict[str, list], dict[str, list]]:
     """(lane -> sorted [start, end] in ms, pass -> sorted [start, end] of each layer call) from profiler events
     and the engine's CPU parts (Unix ns: the profiler records the calling thread only, not the engine's worker),
@@ -59,7 +75,7 @@ def collect(events, cpu_spans: list, trace_start_ns: int) -> tuple[dict[str, lis
     origin = min((s[0] for s in spans), default=0.0)
     for group in (*lanes.values(), *layers.values()):
         group[:] = sorted([a - origin, b - origin] for a, b in group)
-    return lanes, layers
+    return lanes, layers, origin * 1e3
 
 
 def merged(spans: list) -> list:
@@ -157,7 +173,8 @@ def main() -> None:
     engine.cpu_spans = []
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         step()
-    lanes, layers = collect(prof.events(), engine.cpu_spans, prof.profiler.kineto_results.trace_start_ns())
+    events = prof.events()
+    lanes, layers, origin_us = collect(events, engine.cpu_spans, prof.profiler.kineto_results.trace_start_ns())
     engine.cpu_spans = None
     windows = {phase: w for phase in LAYER_MARKS if (w := layer_window(layers, phase)) is not None}
     out = Path(args.out)
@@ -165,11 +182,13 @@ def main() -> None:
     command = (f"python benchmarks/hybrid_timeline.py --preset {args.preset} --layers {args.layers} --tokens "
                f"{args.tokens} --warmup {args.warmup} --gpu-budget {args.gpu_budget}")
     report = {"command": command, "device": str(device), "lanes": lanes, "layer_calls": layers,
-              "zoomed": {phase: {"window": list(w), **summary(lanes, w)} for phase, w in windows.items()}}
+              "zoomed": {phase: {"window": list(w), **summary(lanes, w)} for phase, w in windows.items()},
+              "host_ops": {phase: host_ops(events, w, origin_us) for phase, w in windows.items()}}
     (out / "timeline.json").write_text(json.dumps(report))
     plot(lanes, windows, out / "timeline.png", f"hybrid, {args.preset}, {args.layers} layers, {args.tokens} tokens")
     for phase, numbers in report["zoomed"].items():
         print(json.dumps({"pass": phase, **numbers}), flush=True)
+        print(json.dumps({"pass": phase, "host_ops": report["host_ops"][phase]}), flush=True)
     print(f"wrote {out / 'timeline.json'} and {out / 'timeline.png'}")
 
 

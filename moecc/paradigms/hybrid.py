@@ -16,6 +16,7 @@ machine's rates and follow what each pass measures while both sides run (``CostT
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -34,6 +35,8 @@ from ..staging import StagingBuffers
 from .base import Pending, Worker, expert_lora_params, node_gradients, routed_counts, saved_state_gone
 from .hybrid_split import CostTracker, RoutingForecast, SideCosts, hit_rate, physical_costs, plan_split
 from .offload import OffloadEngine, OffloadLayer, ParkedState, _Call, lora_on_device, offload_gpu_bytes
+
+_log = logging.getLogger("moecc")
 
 # Split hook: (layer index, tokens per expert, "forward") -> the experts to run on the GPU.
 SplitRule = Callable[[int, list, str], Iterable[int]]
@@ -88,9 +91,7 @@ class HybridEngine(OffloadEngine):
     @classmethod
     def from_config(cls, device: torch.device, config: MoeccConfig) -> HybridEngine:
         if config.num_threads is None and device.type == "cuda":
-            # Leave two cores to the threads that queue the GPU work and drive the copies: with every core in the
-            # pool the CPU kernels ran 2.2x slower while PCIe streamed (benchmarks/results/README.md).
-            _ops.configure_pool(max(1, _ops.available_cpus() - 2), config.pin_threads)
+            configure_cpu_threads(config.pin_threads)
         compute = config.offload_compute
         return cls(device, cpu_backend(config.backend, config.isa, prepack=config.prepack_weights),
                    config.offload_slots, default_device_backend(device) if compute == "auto" else compute,
@@ -281,6 +282,23 @@ class HybridEngine(OffloadEngine):
 
     def run_cpu(self, fn, *args) -> Future:
         return self.worker.submit(fn, *args)
+
+
+def configure_cpu_threads(pin_threads: bool = True) -> tuple[int, int]:
+    """Hybrid's CPU split on a GPU machine: the native pool on all CPUs but two, which are left to the threads
+    that queue the GPU work and drive the copies (with every core in the pool the CPU kernels ran 2.2x slower
+    while PCIe streamed, benchmarks/results/README.md), and torch's own CPU ops (the CPU part's gathers, the
+    copies into pinned buffers) on those two: its OpenMP team, one thread per CPU, otherwise waits on cores
+    where the pool's workers spin between layers. Returns (pool threads, torch threads)."""
+    cpus = _ops.available_cpus()
+    pool = max(1, cpus - 2)
+    _ops.configure_pool(pool, pin_threads)
+    torch_threads = max(1, cpus - pool)
+    if torch.get_num_threads() != torch_threads:
+        _log.info("moecc hybrid: torch CPU ops use %d threads (was %d), the native pool %d", torch_threads,
+                  torch.get_num_threads(), pool)
+        torch.set_num_threads(torch_threads)
+    return pool, torch_threads
 
 
 def default_costs(engine: HybridEngine) -> tuple[SideCosts, SideCosts]:
