@@ -1,7 +1,7 @@
 """What hybrid's CPU part costs alone: the native backend's forward and backward on the coldest m experts of a
-random top-k routing (``expert_mask``), against the whole layer, as hybrid runs it on a GPU machine (rows per pair;
-the pool on all CPUs but two, torch's own ops on those two). Prints one line per (tokens, experts): the subset's
-routed pairs and median forward / backward ms.
+random top-k routing (``expert_mask``), against the whole layer, as hybrid runs it on a GPU machine (rows per pair,
+the pool on all CPUs but two). Prints one line per (tokens, experts): the subset's routed pairs and median forward
+/ backward ms.
 
     python benchmarks/bench_cpu_subset.py --tokens 512,2048,8192 --experts 1,16,40,128
 """
@@ -70,13 +70,9 @@ def main() -> None:
     parser.add_argument("--shape", default="128,2048,768,8", help="experts,hidden,intermediate,top_k")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--torch-threads", type=int, default=None,
-                        help="threads of torch's own CPU ops (default: what hybrid sets, the CPUs the pool leaves)")
     args = parser.parse_args()
     experts, hidden, inter, top_k = (int(v) for v in args.shape.split(","))
-    threads, torch_threads = configure_cpu_threads()
-    if args.torch_threads is not None:
-        torch.set_num_threads(args.torch_threads)
+    threads = configure_cpu_threads()
     backend = NativeExperts(_ops.best_isa())
     weights, gate_up, down = layer(experts, hidden, inter, args.rank)
     print(f"isa {backend.isa}, {threads} pool threads, {torch.get_num_threads()} torch threads, shape "

@@ -16,7 +16,6 @@ machine's rates and follow what each pass measures while both sides run (``CostT
 """
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -35,8 +34,6 @@ from ..staging import StagingBuffers
 from .base import Pending, Worker, expert_lora_params, node_gradients, routed_counts, saved_state_gone
 from .hybrid_split import CostTracker, RoutingForecast, SideCosts, hit_rate, physical_costs, plan_split
 from .offload import OffloadEngine, OffloadLayer, ParkedState, _Call, lora_on_device, offload_gpu_bytes
-
-_log = logging.getLogger("moecc")
 
 # Split hook: (layer index, tokens per expert, "forward") -> the experts to run on the GPU.
 SplitRule = Callable[[int, list, str], Iterable[int]]
@@ -284,21 +281,13 @@ class HybridEngine(OffloadEngine):
         return self.worker.submit(fn, *args)
 
 
-def configure_cpu_threads(pin_threads: bool = True) -> tuple[int, int]:
-    """Hybrid's CPU split on a GPU machine: the native pool on all CPUs but two, which are left to the threads
-    that queue the GPU work and drive the copies (with every core in the pool the CPU kernels ran 2.2x slower
-    while PCIe streamed, benchmarks/results/README.md), and torch's own CPU ops (the CPU part's gathers, the
-    copies into pinned buffers) on those two: its OpenMP team, one thread per CPU, otherwise waits on cores
-    where the pool's workers spin between layers. Returns (pool threads, torch threads)."""
-    cpus = _ops.available_cpus()
-    pool = max(1, cpus - 2)
+def configure_cpu_threads(pin_threads: bool = True) -> int:
+    """Hybrid's native pool on a GPU machine: all CPUs but two, which are left to the threads that queue the GPU
+    work and drive the copies (with every core in the pool the CPU kernels ran 2.2x slower while PCIe streamed,
+    benchmarks/results/README.md). Returns the pool's threads."""
+    pool = max(1, _ops.available_cpus() - 2)
     _ops.configure_pool(pool, pin_threads)
-    torch_threads = max(1, cpus - pool)
-    if torch.get_num_threads() != torch_threads:
-        _log.info("moecc hybrid: torch CPU ops use %d threads (was %d), the native pool %d", torch_threads,
-                  torch.get_num_threads(), pool)
-        torch.set_num_threads(torch_threads)
-    return pool, torch_threads
+    return pool
 
 
 def default_costs(engine: HybridEngine) -> tuple[SideCosts, SideCosts]:
@@ -597,7 +586,7 @@ def _add(staging: StagingBuffers, gpu: tuple | None, cpu: tuple, lora: tuple, cp
     cpu_grads = (cpu[2].gate_up_A, cpu[2].gate_up_B, cpu[2].down_A, cpu[2].down_B)
     gpu_grads = (None,) * 4 if gpu is None else (gpu[2].gate_up_A, gpu[2].gate_up_B, gpu[2].down_A, gpu[2].down_B)
     parts = [None if part is None else part.num_experts for part in lora for _ in range(2)]
-    summed = [None if c is None else _lora_grad_sum(staging, g, c, f, experts, i % 2 == 1, cpu_experts)
+    summed = [None if c is None else _lora_grad_sum(staging, g, c, f, experts, i, cpu_experts)
               for i, (g, c, f, experts) in enumerate(zip(gpu_grads, cpu_grads, factors, parts))]
     bases = ((torch.zeros(like.shape, dtype=torch.float32, device=like.device),
               torch.zeros(cpu[1].shape, dtype=torch.float32, device=like.device)) if gpu is None
@@ -615,9 +604,12 @@ def _add(staging: StagingBuffers, gpu: tuple | None, cpu: tuple, lora: tuple, cp
 
 
 def _lora_grad_sum(staging: StagingBuffers, gpu: torch.Tensor | None, cpu: torch.Tensor, factor: torch.Tensor,
-                   experts: int, is_b: bool, cpu_experts: tuple[int, ...]) -> torch.Tensor:
-    """One LoRA factor's gradient, the GPU part's (or zeros) plus the CPU part's blocks of ``cpu_experts``: rows
-    ``[e*r, (e+1)*r)`` of an A gradient ``[r*E, in]``, columns ``j*E + e`` of a B gradient ``[out, r*E]``."""
+                   experts: int, which: int, cpu_experts: tuple[int, ...]) -> torch.Tensor:
+    """LoRA factor ``which``'s gradient (gate_up A, B, down A, B), the GPU part's (or zeros) plus the CPU part's
+    blocks of ``cpu_experts``: rows ``[e*r, (e+1)*r)`` of an A gradient ``[r*E, in]``, columns ``j*E + e`` of a B
+    gradient ``[out, r*E]``. Each factor has its own staging roles: a role's buffer is reused only once the
+    device has read it, so one role for all four made the host wait for the device three times a layer."""
+    is_b = which % 2 == 1
     total = (torch.zeros(cpu.shape, dtype=cpu.dtype, device=factor.device) if gpu is None
              else gpu.to(factor.device).contiguous())  # summed into in place through views
     index = torch.tensor(cpu_experts, dtype=torch.int64)
@@ -628,8 +620,9 @@ def _lora_grad_sum(staging: StagingBuffers, gpu: torch.Tensor | None, cpu: torch
     if factor.device.type == "cpu":
         target.index_add_(dim, index, blocks)
     else:
-        staging.read_on_device({"lora_index": index, "lora_blocks": blocks},
-                               lambda lora_index, lora_blocks: target.index_add_(dim, lora_index, lora_blocks))
+        staging.read_on_device({f"lora_index{which}": index, f"lora_blocks{which}": blocks},
+                               lambda **views: target.index_add_(dim, views[f"lora_index{which}"],
+                                                                 views[f"lora_blocks{which}"]))
     return total
 
 

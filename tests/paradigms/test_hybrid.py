@@ -258,3 +258,38 @@ def test_auto_paradigm_says_what_it_picked(caplog):
     assert "paradigm='auto' chose 'cocompute': no CUDA device" in caplog.text
     assert moecc.paradigms.choose_paradigm("auto", torch.device("cuda", 0)) == "offload"
     assert moecc.paradigms.choose_paradigm("offload", torch.device("cpu")) == "offload"
+
+
+@pytest.mark.gpu
+def test_summing_the_cpu_part_never_waits_for_the_device(monkeypatch):
+    """The CPU part's gradients (dense or rows, and each LoRA factor's blocks) are read in place from staging
+    buffers of their own: summing them queues device work and never blocks the host on it (a buffer shared by
+    the four LoRA factors made the host wait for the device three times a layer)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from moecc.experts import ExpertLora, LoraGrads
+    from moecc.paradigms.hybrid import _add
+    from moecc.staging import StagingBuffers
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    experts, rank, hidden, inter, tokens, top_k = 8, 2, 16, 6, 5, 2
+    lora = tuple(ExpertLora(torch.randn(rank * experts, n_in, device=device),
+                            torch.randn(n_out, rank * experts, device=device), 0.5, experts)
+                 for n_in, n_out in ((hidden, 2 * inter), (inter, hidden)))
+    host = LoraGrads(*(torch.randn(t.shape) for part in lora for t in (part.A, part.B)))
+    cpu = (torch.randn(7, hidden), torch.randn(tokens, top_k), host)
+    rows_at = torch.tensor([0, 1, 1, 2, 3, 4, 4])
+    like = torch.zeros(tokens, hidden, device=device)
+    staging = StagingBuffers(device)
+    waits = []
+    synchronize = torch.cuda.Event.synchronize
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda event: (waits.append(event), synchronize(event)))
+    torch.cuda._sleep(200_000_000)  # the device busy for a while: a wait would be one on it
+    grad_hidden, grad_weights, grads = _add(staging, None, cpu, lora, (1, 5), like, rows_at)
+    assert waits == []
+    torch.cuda.synchronize()
+    assert torch.allclose(grad_hidden.cpu(), torch.zeros(tokens, hidden).index_add_(0, rows_at, cpu[0]))
+    assert torch.equal(grad_weights.cpu(), cpu[1])
+    want_a = torch.zeros_like(host.gate_up_A).view(experts, rank, -1)
+    want_a[[1, 5]] = host.gate_up_A.view(experts, rank, -1)[[1, 5]]
+    assert torch.equal(grads.gate_up_A.cpu(), want_a.view_as(host.gate_up_A))
