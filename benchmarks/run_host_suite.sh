@@ -66,7 +66,12 @@ if [[ "$part" == all || "$part" == profile ]]; then
   python benchmarks/profile_step.py --paradigm cocompute --layers 8 --tokens 512 2>&1 | grep -v "Warn\|warn"
 fi
 if [[ "$part" == all || "$part" == hybrid ]]; then
-  # Hybrid against the pure paradigms on 16 layers (all three in one run), then where its steps go by split.
+  # Hybrid against the pure paradigms on 16 layers (all three in one run), then where its steps go by split,
+  # after its CUDA tests, the copy-queue probe and a one-layer timeline.
+  python -m pytest -q -p no:warnings -m "gpu or not gpu" tests/test_staging.py tests/paradigms/test_hybrid.py \
+      tests/experts/test_subsets.py 2>&1 | tail -3
+  python benchmarks/probe_copy_queue.py --mb 2 --queued-mb 800 --reps 5 --out "$out/probe_copy_queue.md"
+  python benchmarks/hybrid_timeline.py --layers 16 --tokens 512 --out "$out/hybrid_timeline" 2>&1 | grep "^{\|wrote"
   python -m moecc.cli bench --layers 16 --paradigms hybrid,offload,cocompute --out "$out/bench_L16_hybrid" 2>&1 \
       | grep -v "it/s\|s/it"
   python benchmarks/profile_hybrid.py --layers 16 --tokens 512,2048,8192 2>&1 | grep -v "Warn\|warn"
