@@ -56,10 +56,10 @@ def host_ops(events, window: tuple[float, float], origin_us: float, top: int = 1
     return [[name, round(ms, 3), calls] for name, ms, calls in sorted(totals.values(), key=lambda e: -e[1])[:top]]
 
 
-def collect(events, cpu_spans: list, trace_start_ns: int) -> tuple[dict[str, list], dict[str, list]]:
-    """(lane -> sorted [start, end] in ms, pass -> sorted [start, end] of each layer call) from profiler events
-    and the engine's CPU parts (Unix ns: the profiler records the calling thread only, not the engine's worker),
-    all relative to the earliest interval."""
+def collect(events, cpu_spans: list, trace_start_ns: int) -> tuple[dict[str, list], dict[str, list], float]:
+    """(lane -> sorted [start, end] in ms, pass -> sorted [start, end] of each layer call, the origin in us) from
+    profiler events and the engine's CPU parts (Unix ns: the profiler records the calling thread only, not the
+    engine's worker), all relative to the earliest interval."""
     lanes: dict[str, list] = {lane: [] for lane in LANES}
     lanes["CPU experts"] = [[(a - trace_start_ns) / 1e6, (b - trace_start_ns) / 1e6] for _, a, b in cpu_spans]
     layers: dict[str, list] = {phase: [] for phase in LAYER_MARKS}

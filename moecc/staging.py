@@ -117,16 +117,17 @@ class StagingBuffers:
         if not self.pinned:
             return consume(**tensors)
         views = {}
-        for role, host in tensors.items():
-            buffer = self.view(role, tuple(host.shape), host.dtype)
-            buffer.copy_(host)
-            views[role] = self._device_view(buffer)
-        result = consume(**views)
-        done = torch.cuda.current_stream(self.device).record_event()
-        pending = self._mine()[1]
-        for role in tensors:
-            pending[role] = done
-        return result
+        try:
+            for role, host in tensors.items():
+                buffer = self.view(role, tuple(host.shape), host.dtype)
+                buffer.copy_(host)
+                views[role] = self._device_view(buffer)
+            return consume(**views)
+        finally:  # also when consume raised after queuing some of its reads
+            done = torch.cuda.current_stream(self.device).record_event()
+            pending = self._mine()[1]
+            for role in views:
+                pending[role] = done
 
     def _device_view(self, buffer: torch.Tensor) -> torch.Tensor:
         """``buffer`` (pinned) as a device tensor (CUDA's unified addressing), or a copy where it cannot be."""
@@ -153,6 +154,9 @@ def device_alias(buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not buffer.is_pinned() or not buffer.is_contiguous():
         raise ValueError("device_alias needs a contiguous pinned host tensor")
     raw = torch.as_tensor(_DeviceArray(buffer), device=device)
+    if raw.device != torch.device(device) or raw.data_ptr() != buffer.data_ptr():
+        # torch placed the memory on another device and copied it there: not a read in place
+        raise RuntimeError(f"pinned memory seen on {raw.device}, not {device}")
     return raw.view(buffer.dtype).view(buffer.shape)
 
 

@@ -37,11 +37,15 @@ def test_read_on_device_without_cuda_hands_the_host_tensors():
 def test_read_on_device_kernels_read_the_values_in_place(dtype):
     device = torch.device("cuda", torch.cuda.current_device())
     staging = StagingBuffers(device)
-    for step in range(3):  # the same role's buffer reused: each round reads its own values
-        host = (torch.randn(37, 5) * 10).to(dtype) + step
-        result = staging.read_on_device({"x": host}, lambda x: (x.device, x + 0))
-        assert result[0].type == "cuda"
-        assert torch.equal(result[1].cpu(), host + 0)
+    hosts, results = [], []
+    for step in range(3):  # the same role's buffer reused while the device is busy: each round reads its own
+        torch.cuda._sleep(50_000_000)
+        hosts.append((torch.randn(37, 5) * 10).to(dtype) + step)
+        results.append(staging.read_on_device(
+            {"x": hosts[-1]}, lambda x: (x.device, x.data_ptr() == staging._mine()[0]["x"].data_ptr(), x + 0)))
+    for host, (device_seen, in_place, values) in zip(hosts, results):
+        assert device_seen.type == "cuda" and in_place
+        assert torch.equal(values.cpu(), host + 0)
     assert staging.mapped, "pinned buffers were not readable in place on this device"
 
 

@@ -148,6 +148,12 @@ def _available_host_bytes() -> int | None:
     return available
 
 
+def rows_pay(pairs: int, tokens: int) -> bool:
+    """Whether a subset's results leave as float32 rows per pair rather than summed ``[T, H]``: up to two pairs a
+    token (at most 4x the dense bf16 bytes, to stage and for the device to read across PCIe)."""
+    return pairs <= 2 * tokens
+
+
 class NativeExperts:
     """Runs the kernels on each layer's weights as they are now (so PEFT merges are seen at once)."""
 
@@ -232,12 +238,15 @@ class NativeExperts:
         """:meth:`forward` with a subset's output left as one float32 row per routed pair: ``(rows [P, H], tokens
         [P], saved)``, the output being ``zeros [T, H]`` with ``rows`` added at ``tokens``. Summing on the CPU
         zeroes and rewrites all T rows however few pairs the subset has; the caller can sum on its own device.
-        All the pairs (no subset): ``(out [T, H], None, saved)`` as :meth:`forward`. Give ``rows`` back with
-        :meth:`release_result`."""
+        All the pairs, or more than ``rows_pay`` allows: ``(out [T, H], None, saved)`` as :meth:`forward`. Give
+        ``rows`` back with :meth:`release_result`."""
         loras = (gate_up_lora, down_lora)
         grouping = resolve(top_k_index, weights.num_experts, expert_mask, grouping)
         if is_full(grouping, top_k_index):
             out, saved = self._forward(weights, hidden, top_k_weights, loras, grouping, hidden.dtype, copy_hidden=True)
+            return out, None, saved
+        if not rows_pay(grouping.num_pairs, top_k_index.shape[0]):
+            out, saved = self._forward_subset(weights, hidden, top_k_weights, loras, grouping)
             return out, None, saved
         return self._subset_rows(weights, hidden, top_k_weights, loras, grouping)
 
@@ -355,9 +364,13 @@ class NativeExperts:
                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, LoraGrads]:
         """:meth:`backward` of a :meth:`forward_pairs` subset with its input gradient as rows: ``(grad_rows [P, H]
         float32, tokens [P], grad_top_k_weights [T, k], LoraGrads)``, the input gradient being ``grad_rows`` added
-        at ``tokens`` into zeros. A state of all the pairs: ``(grad_hidden [T, H], None, ...)`` as :meth:`backward`."""
+        at ``tokens`` into zeros. Where the forward was dense: ``(grad_hidden [T, H], None, ...)`` as :meth:`backward`."""
         if not isinstance(saved, _SubsetState):
             grad_hidden, grad_weights, grads = self._backward(weights, saved, grad_out, gate_up_lora, down_lora)
+            return grad_hidden, None, grad_weights, grads
+        if not rows_pay(saved.pair_ids.numel(), saved.routing_shape[0]):
+            grad_hidden, grad_weights, grads = self._backward_subset(weights, saved, grad_out, gate_up_lora,
+                                                                     down_lora)
             return grad_hidden, None, grad_weights, grads
         return self._subset_grad_rows(weights, saved, grad_out, gate_up_lora, down_lora)
 
