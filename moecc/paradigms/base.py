@@ -69,7 +69,15 @@ class Worker:
         if os.getpid() != self._pid:
             self._pid = os.getpid()
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
-        return self._executor.submit(fn, *args)
+        return self._executor.submit(_without_autograd, fn, *args)
+
+
+def _without_autograd(fn, *args):
+    """A worker job with autograd off (its thread's own mode): the CPU math records no graph, and a view of a
+    LoRA factor that requires grad taken here while the caller's thread passes the same factor to an autograd
+    Function deadlocked the two (torch's gradient accumulator takes the factor's lock, then the GIL)."""
+    with torch.no_grad():
+        return fn(*args)
 
 
 class Pending(Protocol):

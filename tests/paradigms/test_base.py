@@ -107,3 +107,15 @@ def test_a_forked_child_computes_the_same_logits(paradigm):
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail("the forked child hung (waited 60 s)")
+
+
+def test_worker_jobs_run_with_autograd_off():
+    """The CPU part's jobs record no graph: a view of a LoRA factor taken on the worker while the caller passes
+    the same factor to an autograd Function could deadlock the two threads in torch."""
+    from moecc.paradigms.base import Worker
+
+    worker = Worker("moecc-test")
+    factor = torch.zeros(4, 2, requires_grad=True)
+    assert worker.submit(torch.is_grad_enabled).result() is False
+    assert worker.submit(lambda: factor.view(8).requires_grad).result() is False
+    assert torch.is_grad_enabled()  # the caller's mode is its own
