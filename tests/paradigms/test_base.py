@@ -117,5 +117,5 @@ def test_worker_jobs_run_with_autograd_off():
     worker = Worker("moecc-test")
     factor = torch.zeros(4, 2, requires_grad=True)
     assert worker.submit(torch.is_grad_enabled).result() is False
-    assert worker.submit(lambda: factor.view(8).requires_grad).result() is False
+    assert worker.submit(lambda: (factor * 2).grad_fn).result() is None
     assert torch.is_grad_enabled()  # the caller's mode is its own
