@@ -102,13 +102,12 @@ class StagingBuffers:
         out.copy_(buffer, non_blocking=True)
         self._mine()[1][role] = torch.cuda.current_stream(self.device).record_event()
 
-
     def read_on_device(self, tensors: dict[str, torch.Tensor], consume: Callable[..., T]) -> T:
         """``consume(**views)``: each host tensor copied into its role's pinned buffer and seen by device kernels
         as a device tensor over that buffer, which they read across PCIe themselves.
 
         A copy to the device would queue on the copy engine behind the expert weights already queued for the next
-        layer, and the GPU would wait for it (benchmarks/results/hybrid_2026-12-02). ``consume`` must queue
+        layer, and the GPU would wait for it (benchmarks/results/hybrid_2026-12-02_s15). ``consume`` must queue
         kernels that read the views (an elementwise op, a gather; not ``copy_``, which would use the copy engine
         again) and must not keep them: the buffers are reused once its work is done. Without CUDA it is given
         the host tensors themselves.

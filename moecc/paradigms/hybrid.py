@@ -366,12 +366,9 @@ class HybridPending:
             parts.cpu_saved = saved
             with torch.no_grad(), record_function("moecc.hybrid.cpu_to_device"):
                 # Read in place: the GPU part's output, or zeros, plus the CPU part's (dense, or rows per pair)
-                if tokens is None:
-                    engine.staging.read_on_device({"out": host}, lambda out: self._output.add_(out))
-                else:
-                    engine.staging.read_on_device({"out_rows": host, "out_tokens": tokens},
-                                                  lambda out_rows, out_tokens: _add_rows(self._output, out_tokens,
-                                                                                         out_rows))
+                sources = {"out": host} if tokens is None else {"out": host, "out_tokens": tokens}
+                engine.staging.read_on_device(sources, lambda out, out_tokens=None: _add_part(self._output, out,
+                                                                                              out_tokens))
             engine.cpu.release_result(host)
         if not parts.done and self._index is not None:
             engine.gap_begins("forward", self._index)
@@ -379,9 +376,13 @@ class HybridPending:
         return self._output
 
 
-def _add_rows(out: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> None:
-    """``out[tokens[p]] += rows[p]`` for every row, summed in float32 and rounded once into ``out``."""
-    out.copy_(out.float().index_add_(0, tokens, rows))
+def _add_part(out: torch.Tensor, part: torch.Tensor, tokens: torch.Tensor | None) -> None:
+    """``out += part`` in place: a dense ``[T, H]`` part, or rows with their ``tokens`` (``out[tokens[p]] +=
+    part[p]``, summed in float32 and rounded once into ``out``)."""
+    if tokens is None:
+        out.add_(part)
+    else:
+        out.copy_(out.float().index_add_(0, tokens, part))
 
 
 def _mask(experts: Iterable[int], num_experts: int, staging: StagingBuffers | None = None) -> torch.Tensor:
@@ -591,15 +592,13 @@ def _add(staging: StagingBuffers, gpu: tuple | None, cpu: tuple, lora: tuple, cp
     bases = ((torch.zeros(like.shape, dtype=torch.float32, device=like.device),
               torch.zeros(cpu[1].shape, dtype=torch.float32, device=like.device)) if gpu is None
              else (gpu[0].float(), gpu[1].float()))
-    if tokens is None:  # a dense CPU input gradient
-        hidden, weights = staging.read_on_device(
-            {"grad_hidden": cpu[0], "grad_weights": cpu[1]},
-            lambda grad_hidden, grad_weights: (torch.add(bases[0], grad_hidden), torch.add(bases[1], grad_weights)))
-    else:  # rows per pair, added at their tokens
-        hidden, weights = staging.read_on_device(
-            {"grad_rows": cpu[0], "grad_tokens": tokens, "grad_weights": cpu[1]},
-            lambda grad_rows, grad_tokens, grad_weights: (torch.index_add(bases[0], 0, grad_tokens, grad_rows),
-                                                          torch.add(bases[1], grad_weights)))
+    sources = {"grad_hidden": cpu[0], "grad_weights": cpu[1]}  # the input gradient dense, or rows per pair
+    if tokens is not None:
+        sources["grad_tokens"] = tokens
+    hidden, weights = staging.read_on_device(
+        sources, lambda grad_hidden, grad_weights, grad_tokens=None: (
+            torch.add(bases[0], grad_hidden) if grad_tokens is None
+            else torch.index_add(bases[0], 0, grad_tokens, grad_hidden), torch.add(bases[1], grad_weights)))
     return hidden, weights, LoraGrads(*summed)
 
 
