@@ -23,11 +23,12 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import moecc  # noqa: E402  (before torch: it sets OMP_WAIT_POLICY, or torch's idle threads spin on its cores)
+import torch  # noqa: E402
 
 from moecc.bench.presets import random_model  # noqa: E402
 from moecc.bench.shapes import SEQUENCE  # noqa: E402
@@ -47,7 +48,7 @@ def pinned_mb() -> float | None:
     if stats is None or not torch.cuda.is_available():
         return None
     try:
-        return stats().get("reserved_bytes.current", 0) / 2**20
+        return stats().get("allocated_bytes.current", 0) / 2**20
     except RuntimeError:
         return None
 
@@ -93,7 +94,6 @@ def soak_one(args) -> dict:
     """Trains ``args.paradigm`` for ``args.steps`` steps (or until ``args.max_seconds``), sampling as it goes."""
     from tqdm import tqdm
 
-    import moecc
     from moecc.adapter_files import install_atomic_save
     from moecc.api import default_lora_config
     from moecc.bench.timing import adamw

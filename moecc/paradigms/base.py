@@ -24,6 +24,7 @@ from ..errors import MoeccError
 from ..experts import ExpertLora, ExpertWeights, LoraGrads
 from ..lora import factor_gradients, layer_lora, merge_revision
 from ..store import expert_weights
+from .event_spans import RoutingSkew
 
 # Metric names without a CUDA device (Engine.metrics_since_reset): no link to cross, no GPU to wait.
 HOST_NAMES = {"h2d_gb": "host_copy_in_gb", "d2h_gb": "host_copy_out_gb", "gpu_wait_s": "expert_wait_s"}
@@ -40,19 +41,21 @@ class StepMetrics:
     wait_s: float = 0.0  # time the caller blocked on CPU expert results in forward
     tokens: int = 0  # tokens entering the first MoE layer (forward passes, not checkpoint recomputation)
     tokens_routed: int = 0  # (token, expert) pairs over all layers
-    expert_token_counts: list = field(default_factory=list)  # one [E] list (or device tensor) per layer call
+    skew: RoutingSkew = field(default_factory=RoutingSkew)  # fed one [E] list (or device tensor) per layer call
 
     def reset(self) -> None:
         self.cpu_forward_s = self.cpu_backward_s = self.wait_s = 0.0
         self.tokens = self.tokens_routed = 0
-        self.expert_token_counts = []
+        self.skew = RoutingSkew()
+
+    def add_expert_counts(self, counts) -> None:
+        """One layer call's ``[E]`` pairs per expert (a list, or a tensor read later)."""
+        self.skew.add(counts)
 
     @property
     def routing_skew(self) -> float:
         """Mean over layer calls of (most tokens on one expert) / (mean tokens per expert); 1 is perfectly even."""
-        counts = [c.tolist() if isinstance(c, torch.Tensor) else c for c in self.expert_token_counts]
-        skews = [max(c) * len(c) / sum(c) for c in counts if sum(c) > 0]
-        return sum(skews) / len(skews) if skews else 0.0
+        return self.skew.mean()
 
 
 class Worker:

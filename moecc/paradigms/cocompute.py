@@ -91,7 +91,7 @@ class ExpertJob:
                                                 views["top_k_weights"], *self.lora)
         engine.metrics.cpu_forward_s += time.perf_counter() - start
         engine.metrics.tokens_routed += views["top_k_index"].numel()
-        engine.metrics.expert_token_counts.append((saved.offsets[1:] - saved.offsets[:-1]).tolist())
+        engine.metrics.add_expert_counts((saved.offsets[1:] - saved.offsets[:-1]).tolist())
         self.saved = saved
         return out
 

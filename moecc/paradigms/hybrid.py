@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 import torch
@@ -51,7 +51,8 @@ class SideMetrics:
     cpu_wait_s: float = 0.0  # the caller blocked on the CPU part (forward result, backward join)
     layer_passes: int = 0
     both_sides: int = 0  # layer passes that ran on both sides
-    prefetch_hits: list = field(default_factory=list)  # share of a forward's pairs the prefetch put on the GPU
+    prefetch_hits: float = 0.0  # summed over forwards: the share of their pairs the prefetch put on the GPU
+    prefetched_forwards: int = 0
 
 
 class HybridEngine(OffloadEngine):
@@ -179,7 +180,7 @@ class HybridEngine(OffloadEngine):
             "cpu_experts_s": s.cpu_s, "cpu_experts": float(s.cpu_experts), "gpu_experts": float(s.gpu_experts),
             "cpu_pairs": float(s.cpu_pairs), "gpu_pairs": float(s.gpu_pairs), "cpu_wait_s": s.cpu_wait_s,
             "both_sides_share": s.both_sides / s.layer_passes if s.layer_passes else 0.0,
-            "prefetch_hit_rate": sum(s.prefetch_hits) / len(s.prefetch_hits) if s.prefetch_hits else 0.0,
+            "prefetch_hit_rate": s.prefetch_hits / s.prefetched_forwards if s.prefetched_forwards else 0.0,
             "cpu_slowdown": self.trackers["forward"].cpu_scale if self.trackers else 1.0,
             "copy_slowdown": self.trackers["forward"].copy_scale if self.trackers else 1.0,
         })
@@ -221,14 +222,14 @@ class HybridEngine(OffloadEngine):
 
     def _timed_fetch(self, phase: str, layer: HybridLayer, experts: list[int], lora: tuple | None = None):
         """``fetch``, remembering how many experts crossed PCIe and how long that took, for the cost tracker."""
-        before_experts, before_events, before_s = self.experts_copied, len(self._copy_events), self.copy_s
+        before_experts, before_events, before_s = self.experts_copied, self._copy_events.added, self.copy_s
         if phase == "forward":
             held = self._present(layer)
             self._copied_this_pass.setdefault(layer.index, set()).update(e for e in experts if e not in held)
         slot = self.fetch(layer, experts, lora)
         copied = self.experts_copied - before_experts
         if copied:
-            timing = self._copy_events[-1] if len(self._copy_events) > before_events else self.copy_s - before_s
+            timing = self._copy_events.last() if self._copy_events.added > before_events else self.copy_s - before_s
             self._copy_samples.append((phase, copied, timing))
         return slot
 
@@ -527,8 +528,9 @@ def _record_forward(engine: HybridEngine, layer: HybridLayer, counts: list[int],
     s.gpu_pairs += sum(counts[e] for e in gpu)
     planned = engine.planned.get(layer.index)
     if planned is not None:
-        s.prefetch_hits.append(hit_rate(planned, counts))
-    engine.metrics.expert_token_counts.append(counts)
+        s.prefetch_hits += hit_rate(planned, counts)
+        s.prefetched_forwards += 1
+    engine.metrics.add_expert_counts(counts)
     engine.metrics.tokens_routed += sum(counts)
     engine.forecast.observe(layer.index, counts)
     layer.last_gpu, layer.last_cpu = gpu, bool(cpu)

@@ -42,6 +42,7 @@ from ..lora import lora_tensors
 from ..staging import HostBufferPool
 from .base import (BUDGET_SLACK, Engine, ExpertLayer, Pending, Ready, expert_lora_params, node_gradients,
                    resident_weight_bytes, routed_counts, saved_state_gone)
+from .event_spans import EventSpans
 from .expert_cache import ExpertCache
 
 SAVED_TENSORS = ("hidden", "top_k_weights", "offsets", "order", "gate_up_out")  # SavedState's tensor fields
@@ -107,13 +108,14 @@ class ActivationParking:
         self.pool = HostBufferPool(pinned=self.cuda)
         self.bytes_to_host = self.bytes_to_device = 0
         self.to_host_s = self.to_device_s = 0.0  # measured directly where copies are synchronous (no CUDA)
-        self.to_host_events: list[tuple] = []
-        self.to_device_events: list[tuple] = []
+        self.to_host_events = EventSpans()
+        self.to_device_events = EventSpans()
         self._waiting: dict[tuple[int, int], weakref.ref] = {}  # parked, not yet restored: (pass, layer) -> state
 
     def reset_metrics(self) -> None:
         self.to_host_s = self.to_device_s = 0.0
-        self.to_host_events, self.to_device_events = [], []
+        self.to_host_events.reset()
+        self.to_device_events.reset()
 
     def park(self, key: tuple[int, int], saved: SavedState) -> ParkedState:
         """Starts copying ``saved`` into a host buffer, after the work queued so far on the current stream."""
@@ -150,7 +152,7 @@ class ActivationParking:
                 if tensor.is_cuda and tensor.numel():
                     tensor.record_stream(self.stream)  # its memory is not reused before the copy ends
             parked = _timed_event(self.stream)
-        self.to_host_events.append((begin, parked))
+        self.to_host_events.add(begin, parked)
         return parked
 
     def restore(self, state: ParkedState) -> None:
@@ -180,7 +182,7 @@ class ActivationParking:
             for tensor, view in zip(tensors, views):
                 tensor.copy_(view, non_blocking=True)
             ready = _timed_event(stream)
-        self.to_device_events.append((begin, ready))
+        self.to_device_events.add(begin, ready)
         return tensors, ready
 
     def prefetch(self, key: tuple[int, int]) -> None:
@@ -277,9 +279,9 @@ class OffloadEngine(Engine):
         self._cache_mark = 0
         # CUDA event pairs: around each batch of copies on the copy stream, and around each wait of the compute
         # stream for a slot; read (and synchronised) only when metrics are asked for.
-        self._copy_events: list[tuple] = []
-        self._wait_events: list[tuple] = []
-        self._compute_events: list[tuple] = []  # around each expert computation on the compute stream
+        self._copy_events = EventSpans()
+        self._wait_events = EventSpans()
+        self._compute_events = EventSpans()  # around each expert computation on the compute stream
 
     @property
     def compute(self) -> str:
@@ -325,7 +327,8 @@ class OffloadEngine(Engine):
         self._mark = (self.h2d_bytes, self.parking.bytes_to_device, self.parking.bytes_to_host)
         self._cache_mark = self.cache.hits if self.cache is not None else 0
         self.copy_s = 0.0
-        self._copy_events, self._wait_events, self._compute_events = [], [], []
+        for spans in (self._copy_events, self._wait_events, self._compute_events):
+            spans.reset()
 
     def compute_begins(self) -> tuple:
         """Marks the start of expert math on the compute stream; pass the result to :meth:`compute_ends`."""
@@ -336,19 +339,11 @@ class OffloadEngine(Engine):
         """Adds the expert math's time: GPU time between events on CUDA, wall time elsewhere."""
         start, event = begun
         if event is not None:
-            self._compute_events.append((event, _timed_event(torch.cuda.current_stream(self.device))))
+            self._compute_events.add(event, _timed_event(torch.cuda.current_stream(self.device)))
         elif backward:
             self.metrics.cpu_backward_s += time.perf_counter() - start
         else:
             self.metrics.cpu_forward_s += time.perf_counter() - start
-
-    @staticmethod
-    def _elapsed_s(pairs: list[tuple]) -> float:
-        total = 0.0
-        for start, end in pairs:
-            end.synchronize()
-            total += start.elapsed_time(end) / 1e3
-        return total
 
     def counters_since_reset(self) -> dict[str, float]:
         """Same keys as the co-compute engine's; ``cpu_experts_s`` is 0. ``h2d_gb`` counts expert weights, their
@@ -359,13 +354,13 @@ class OffloadEngine(Engine):
         m, parking = self.metrics, self.parking
         weights_mark, restored_mark, parked_mark = self._mark
         h2d = self.h2d_bytes - weights_mark + parking.bytes_to_device - restored_mark
-        copy_s = (self.copy_s + parking.to_device_s + self._elapsed_s(self._copy_events)
-                  + self._elapsed_s(parking.to_device_events))
+        copy_s = (self.copy_s + parking.to_device_s + self._copy_events.seconds()
+                  + parking.to_device_events.seconds())
         return {"cpu_experts_s": 0.0, "h2d_gb": h2d / 1e9, "d2h_gb": (parking.bytes_to_host - parked_mark) / 1e9,
-                "gpu_wait_s": m.wait_s + self._elapsed_s(self._wait_events), "tokens": float(m.tokens),
+                "gpu_wait_s": m.wait_s + self._wait_events.seconds(), "tokens": float(m.tokens),
                 "routing_skew": m.routing_skew, "copy_s": copy_s,
-                "d2h_s": parking.to_host_s + self._elapsed_s(parking.to_host_events),
-                "expert_compute_s": m.cpu_forward_s + m.cpu_backward_s + self._elapsed_s(self._compute_events),
+                "d2h_s": parking.to_host_s + parking.to_host_events.seconds(),
+                "expert_compute_s": m.cpu_forward_s + m.cpu_backward_s + self._compute_events.seconds(),
                 "cache_hits": float(self.cache.hits - self._cache_mark) if self.cache is not None else 0.0,
                 "cache_gb": self.cache.bytes / 1e9 if self.cache is not None else 0.0}
 
@@ -426,7 +421,7 @@ class OffloadEngine(Engine):
                         self._stage_lora(slot, factors)
                     _copy_runs(slot, host, runs, self.copy_stream)
                     slot.ready = _timed_event(self.copy_stream)
-                    self._copy_events.append((begin, slot.ready))
+                    self._copy_events.add(begin, slot.ready)
         self.h2d_bytes += copied * (host.gate_up[0].nbytes + host.down[0].nbytes)
         self.experts_copied += copied
         slot.present.update(missing)
@@ -501,7 +496,7 @@ class OffloadEngine(Engine):
             stream = torch.cuda.current_stream(self.device)
             before = _timed_event(stream)
             stream.wait_event(ready)
-            self._wait_events.append((before, _timed_event(stream)))
+            self._wait_events.add(before, _timed_event(stream))
 
     def done_with(self, slot: _Slot) -> None:
         if self.device.type == "cuda":
@@ -610,7 +605,7 @@ class OffloadExpertsFunction(torch.autograd.Function):
         engine.done_with(slot)
         engine.compute_ends(begun, backward=False)
         if not call.recompute:
-            engine.metrics.expert_token_counts.append(token_counts)
+            engine.metrics.add_expert_counts(token_counts)
             if engine.cache is not None:
                 engine.cache.observe(layer.index, token_counts)
         ctx.state = engine.keep_for_backward(call, saved)  # nothing else holds the saved tensors
