@@ -7,6 +7,8 @@ hold their entries up to a bound, then fold the finished ones into a running tot
 """
 from __future__ import annotations
 
+import torch
+
 FOLD_AT = 512  # entries held before the finished ones are folded
 
 
@@ -71,8 +73,13 @@ class RoutingSkew:
             self._fold()
 
     def _fold(self) -> None:
-        for counts in self._held:
-            counts = counts.tolist() if hasattr(counts, "tolist") else counts
+        tensors = [c for c in self._held if isinstance(c, torch.Tensor)]
+        lists = [c for c in self._held if not isinstance(c, torch.Tensor)]
+        if tensors and len({(t.numel(), t.device) for t in tensors}) == 1:  # one read, one sync, for them all
+            lists += torch.stack([t.reshape(-1) for t in tensors]).tolist()
+        else:
+            lists += [t.tolist() for t in tensors]
+        for counts in lists:
             total = sum(counts)
             self._pairs += total
             if total > 0:
