@@ -5,13 +5,14 @@
 # budget (where the whole model fits, so the `gpu` paradigm has rows). Results land in OUT_DIR (default
 # benchmarks/results); each markdown file starts with the command that made it.
 #
-#   bash benchmarks/run_host_suite.sh [OUT_DIR] [all|tests|kernels|sweeps|bench|bench8|profile|hybrid]
+#   bash benchmarks/run_host_suite.sh [OUT_DIR] [all|tests|kernels|sweeps|bench|bench8|profile|hybrid|soak]
 set -uo pipefail
 out="${1:-benchmarks/results}"
 part="${2:-all}"
 case "$part" in
-  all|tests|kernels|sweeps|bench|bench8|profile|hybrid) ;;
-  *) echo "run_host_suite.sh: unknown part '$part' (all|tests|kernels|sweeps|bench|bench8|profile|hybrid)" >&2; exit 2 ;;
+  all|tests|kernels|sweeps|bench|bench8|profile|hybrid|soak) ;;
+  *) echo "run_host_suite.sh: unknown part '$part' (all|tests|kernels|sweeps|bench|bench8|profile|hybrid|soak)" >&2
+     exit 2 ;;
 esac
 mkdir -p "$out"
 scratch="$(mktemp -d)"  # the sweeps' own tables, printed only
@@ -75,4 +76,9 @@ if [[ "$part" == all || "$part" == hybrid ]]; then
   python -m moecc.cli bench --layers 16 --paradigms hybrid,offload,cocompute --out "$out/bench_L16_hybrid" 2>&1 \
       | grep -v "it/s\|s/it"
   python benchmarks/profile_hybrid.py --layers 16 --tokens 512,2048,8192 2>&1 | grep -v "Warn\|warn"
+fi
+if [[ "$part" == all || "$part" == soak ]]; then
+  # 1,000 steps per paradigm with host RSS, pinned and GPU memory, threads and open files sampled (#24).
+  python benchmarks/soak.py --preset qwen3-30b-a3b --layers 2 --tokens 512 --steps 1000 --warm-up 100 --gpu-budget 24 \
+      --paradigms cocompute,offload,hybrid --out "$out/soak" 2>&1 | grep "^|\|^\`"
 fi

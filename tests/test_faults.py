@@ -296,9 +296,8 @@ def routing_faults(paradigm: str) -> list[Fault]:
                                                                             nan_gradient_into_layer1_experts),
               MoeccError, ("step 1", "incoming gradient", "non-finite", "model.layers.1")),
     ]
-    if paradigm != "hybrid":  # hybrid.py's own routed_counts says the same without these words (see the report)
-        rows[0].words += ("invalid routing",)
-        rows[1].words += ("invalid routing",)
+    rows[0].words += ("invalid routing",)
+    rows[1].words += ("invalid routing",)
     return rows
 
 
