@@ -20,17 +20,19 @@ class EventSpans:
     def __init__(self) -> None:
         self._pairs: list[tuple] = []
         self._folded_s = 0.0
+        self._last: tuple | None = None
         self.added = 0  # pairs ever added (a position that folding does not move)
 
     def add(self, begin, end) -> None:
         self._pairs.append((begin, end))
+        self._last = (begin, end)
         self.added += 1
         if len(self._pairs) > FOLD_AT:
             self._fold(wait=False)
 
     def last(self) -> tuple | None:
-        """The pair added last, or None if none was ever added (or it has been folded)."""
-        return self._pairs[-1] if self._pairs else None
+        """The pair added last (folded or not), or None if none was added since the last :meth:`reset`."""
+        return self._last
 
     def _fold(self, wait: bool) -> None:
         kept = []
@@ -53,7 +55,7 @@ class EventSpans:
         return len(self._pairs)
 
     def reset(self) -> None:
-        self._pairs, self._folded_s = [], 0.0
+        self._pairs, self._folded_s, self._last = [], 0.0, None
 
 
 class RoutingSkew:

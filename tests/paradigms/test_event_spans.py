@@ -34,13 +34,15 @@ def test_event_spans_fold_finished_pairs_and_keep_unfinished_ones(monkeypatch):
     pending = FakeEvent(10.0, done=False)
     spans.add(FakeEvent(0.0), pending)  # 10 ms, not finished
     for i in range(10):
-        spans.add(FakeEvent(0.0), FakeEvent(2.0))  # 2 ms each
+        pair = (FakeEvent(0.0), FakeEvent(2.0))  # 2 ms each, finished
+        spans.add(*pair)
         assert spans.held() <= 5
+        assert spans.last() == pair  # even once folded, while an older unfinished pair is still held
     assert spans.added == 11 and spans.last()[1].at == 2.0
     assert not pending.waited
     assert abs(spans.seconds() - 0.03) < 1e-12 and pending.waited  # 10 x 2 ms + 10 ms: nothing lost in the folds
     spans.reset()
-    assert spans.seconds() == 0.0 and spans.added == 11
+    assert spans.seconds() == 0.0 and spans.added == 11 and spans.last() is None
 
 
 def test_routing_skew_folds_lists_and_tensors_into_the_same_mean(monkeypatch):
