@@ -42,6 +42,16 @@ def rss_mb() -> float:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def threads() -> int:
+    """This process's threads."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def open_files() -> int:
+    """This process's open file descriptors."""
+    return len(os.listdir("/proc/self/fd"))
+
+
 def pinned_mb() -> float | None:
     """Pinned host memory torch's caching host allocator holds, MB (None where torch does not report it)."""
     stats = getattr(torch.cuda.memory, "host_memory_stats", None)
@@ -61,7 +71,7 @@ def sample(step: int, device: torch.device) -> dict:
         "step": step, "rss_mb": rss_mb(), "pinned_mb": pinned_mb(),
         "gpu_allocated_mb": torch.cuda.memory_allocated(device) / 2**20 if cuda else None,
         "gpu_reserved_mb": torch.cuda.memory_reserved(device) / 2**20 if cuda else None,
-        "threads": len(os.listdir("/proc/self/task")), "open_files": len(os.listdir("/proc/self/fd")),
+        "threads": threads(), "open_files": open_files(),
     }
 
 

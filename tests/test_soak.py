@@ -10,7 +10,6 @@ and 8 KB per step of fitted slope.
 from __future__ import annotations
 
 import gc
-import os
 import threading
 import time
 
@@ -21,7 +20,12 @@ import moecc
 from moecc.adapter_files import install_atomic_save
 from moecc.tiny_models import tiny_model
 
+from .bench.scripts import load_benchmark
 from .parity import batches, lora_config
+
+# The samplers of benchmarks/soak.py, the long version of this run
+rss_mb, threads, open_files, slope = (getattr(load_benchmark("soak"), name)
+                                      for name in ("rss_mb", "threads", "open_files", "slope"))
 
 # Offload's and hybrid's host RSS settle later (about 70 MB over their first 250 steps here: allocator caches for
 # the per-call device-side copies, which are host memory on the CPU), then stay flat (to 0.1 MB over 550 more steps
@@ -30,29 +34,6 @@ WARM_UP = {"cocompute": 50, "offload": 250, "hybrid": 250}
 STEPS = {"cocompute": 200, "offload": 150, "hybrid": 150}
 SAMPLE_EVERY = 10
 RSS_GROWTH_LIMIT_MB, SLOPE_LIMIT_KB = 4.0, 8.0
-
-
-def rss_mb() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
-def open_files() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def slope(samples: list[tuple[int, float]]) -> float:
-    """Least-squares slope of ``(step, value)`` samples, value per step."""
-    n = len(samples)
-    mean_x = sum(x for x, _ in samples) / n
-    mean_y = sum(y for _, y in samples) / n
-    num = sum((x - mean_x) * (y - mean_y) for x, y in samples)
-    den = sum((x - mean_x) ** 2 for x, _ in samples)
-    return num / den
 
 
 def soak(paradigm: str, tmp_path) -> dict:
