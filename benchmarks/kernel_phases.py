@@ -44,7 +44,8 @@ def phase_times(shape: str, tokens: int, reps: int, routing: str = "zipf", rank:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-30b-a3b",
-                        help=f"one of {sorted(bench_cpu_experts.SHAPES)}, or experts,top_k,hidden,intermediate")
+                        help=f"one of {sorted(bench_cpu_experts.SHAPES)}, or experts,hidden,intermediate,top_k "
+                             "(as bench_cpu_subset.py takes it)")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--routing", default="zipf", choices=["uniform", "zipf"])
@@ -52,9 +53,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.shape not in bench_cpu_experts.SHAPES:
         try:
-            bench_cpu_experts.SHAPES[args.shape] = tuple(int(v) for v in args.shape.split(","))
+            experts, hidden, inter, top_k = (int(v) for v in args.shape.split(","))
         except ValueError:
             parser.error(f"--shape {args.shape!r}: a name of {sorted(bench_cpu_experts.SHAPES)} or four integers")
+        bench_cpu_experts.SHAPES[args.shape] = (experts, top_k, hidden, inter)  # make_case's order
     row = phase_times(args.shape, args.tokens, args.reps, args.routing)
     print(json.dumps({"tag": args.tag, "tokens": args.tokens, "isa": _ops.best_isa(),
                       "threads": _ops.num_threads(), **row}))

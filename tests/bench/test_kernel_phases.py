@@ -9,7 +9,7 @@ from .scripts import BENCHMARKS
 
 
 def test_kernel_phases_prints_every_phase_of_both_passes():
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "kernel_phases.py"), "--shape", "8,2,64,32",
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "kernel_phases.py"), "--shape", "8,64,32,2",
                            "--tokens", "32", "--reps", "2", "--tag", "t"], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
