@@ -1,0 +1,119 @@
+"""The GPU waits for the CPU on its own: a counter in pinned host memory that a CUDA stream waits on.
+
+Hybrid's host thread used to block until a layer's CPU part was done before it queued the kernels that add that
+part's rows to the output, and only then went on to the next layer's attention. With ``CpuDone`` it queues a wait
+on the counter and those kernels at once, and returns: the CPU worker publishes the part's number once its rows
+are in their staging buffers, and the stream goes on by itself. The host's launch time for the next layer then
+overlaps the CPU part instead of following it.
+
+The wait is CUDA's stream memory operation (``cuStreamWaitValue32``), reached through the driver library with
+ctypes; it is used only where a self-test shows it waiting and then going on. Elsewhere (no CUDA, no driver
+symbol, a failed test) ``on_device`` is False and ``wait`` blocks the calling thread instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+import time
+
+import torch
+
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, a cyclic comparison
+_MODULUS = 1 << 31  # published numbers stay positive int32s; the cyclic comparison handles the wrap
+
+
+def _driver_wait():
+    """``cuStreamWaitValue32`` (the CUDA 12 ``_v2`` entry where the driver has it) and ``cuCtxGetCurrent``, or
+    None where the driver library or the symbol is missing."""
+    name = ctypes.util.find_library("cuda") or "libcuda.so.1"
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError:
+        return None
+    for symbol in ("cuStreamWaitValue32_v2", "cuStreamWaitValue32"):
+        fn = getattr(lib, symbol, None)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            current = lib.cuCtxGetCurrent
+            current.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+            current.restype = ctypes.c_int
+            return fn, current
+    return None
+
+
+class CpuDone:
+    """Numbers handed out per CPU part (``issue``), published by the worker when the part's results are in place
+    (``publish``), waited for by a device stream (``wait``) or, without a device wait, by the calling thread."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cond = threading.Condition()
+        self._issued = 0
+        self._published = 0
+        self._flag = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._word = self._flag.numpy()  # stores go straight to the pinned word the device reads
+        self._driver = _driver_wait() if device.type == "cuda" else None
+        self.on_device = self._driver is not None and self._self_test()
+
+    def issue(self) -> int:
+        """A new number, published later by exactly one ``publish`` (or by ``release_all``)."""
+        with self._cond:
+            self._issued += 1
+            return self._issued
+
+    def publish(self, number: int) -> None:
+        """Part ``number``'s results are in place (call after writing them; parts may finish in any order)."""
+        with self._cond:
+            if number > self._published:
+                self._published = number
+                self._word[0] = number % _MODULUS
+            self._cond.notify_all()
+
+    def release_all(self) -> None:
+        """Publishes every number handed out, so no stream is left waiting (a part that will never run)."""
+        self.publish(self._issued)
+
+    def published(self, number: int) -> bool:
+        with self._cond:
+            return self._published >= number
+
+    def wait(self, number: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Until ``number`` is published: queued on ``stream`` (the current one) where ``on_device``, else here."""
+        if self.on_device:
+            stream = stream or torch.cuda.current_stream(self.device)
+            self._queue(stream, number)
+            return
+        with self._cond:
+            self._cond.wait_for(lambda: self._published >= number)
+
+    def _queue(self, stream: torch.cuda.Stream, number: int) -> None:
+        wait, current = self._driver
+        context = ctypes.c_void_p()
+        if current(ctypes.byref(context)) != 0 or not context.value:
+            raise RuntimeError("cuStreamWaitValue32: no CUDA context is current on this thread")
+        result = wait(ctypes.c_void_p(stream.cuda_stream), self._flag.data_ptr(), number % _MODULUS, _WAIT_GEQ)
+        if result != 0:
+            raise RuntimeError(f"cuStreamWaitValue32 failed with CUDA driver error {result}")
+
+    def _self_test(self) -> bool:
+        """Whether a queued wait holds a stream back until its number is published, and then lets it go."""
+        try:
+            torch.cuda.init()
+            stream = torch.cuda.Stream(self.device)
+            number = self.issue()
+            with torch.cuda.device(self.device):
+                self._queue(stream, number)
+                after = stream.record_event()
+            held = not after.query()
+            self.publish(number)
+            deadline = time.monotonic() + 5.0
+            while not after.query():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(1e-4)
+            return held
+        except (RuntimeError, OSError, ctypes.ArgumentError):
+            self.release_all()
+            return False

@@ -1,0 +1,57 @@
+"""CpuDone: numbers published by one thread release waits of another (the host here, a CUDA stream on a GPU)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from moecc.paradigms.device_wait import CpuDone
+
+
+def test_a_wait_returns_once_its_number_is_published_in_any_order():
+    done = CpuDone(torch.device("cpu"))
+    assert not done.on_device  # no device: the caller waits
+    first, second = done.issue(), done.issue()
+    assert second == first + 1
+    released = []
+    waiter = threading.Thread(target=lambda: (done.wait(first), released.append(time.monotonic())))
+    waiter.start()
+    time.sleep(0.1)
+    assert not released and not done.published(first)
+    published_at = time.monotonic()
+    done.publish(second)  # the later part finished first: publishing covers the earlier number too
+    waiter.join(5)
+    assert released and released[0] >= published_at
+    done.publish(first)  # late, and lower: the counter never goes back
+    assert done.published(second)
+
+
+def test_release_all_publishes_every_number_handed_out():
+    done = CpuDone(torch.device("cpu"))
+    numbers = [done.issue() for _ in range(3)]
+    done.release_all()
+    assert all(done.published(n) for n in numbers)
+    done.wait(numbers[-1])  # returns at once
+
+
+@pytest.mark.gpu
+def test_a_stream_waits_on_the_device_until_the_host_publishes():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    device = torch.device("cuda", torch.cuda.current_device())
+    done = CpuDone(device)
+    assert done.on_device, "cuStreamWaitValue32 on pinned host memory failed its self-test on this GPU"
+    stream = torch.cuda.Stream(device)
+    number = done.issue()
+    x = torch.ones(1024, device=device)
+    with torch.cuda.stream(stream):
+        done.wait(number)
+        y = x * 2
+        after = stream.record_event()
+    time.sleep(0.05)
+    assert not after.query()  # held back on the device, while this thread went on
+    done.publish(number)
+    after.synchronize()
+    assert torch.equal(y, torch.full_like(x, 2))
