@@ -16,6 +16,7 @@ import ctypes
 import ctypes.util
 import threading
 import time
+import warnings
 
 import torch
 
@@ -82,9 +83,13 @@ class CpuDone:
     def wait(self, number: int, stream: torch.cuda.Stream | None = None) -> None:
         """Until ``number`` is published: queued on ``stream`` (the current one) where ``on_device``, else here."""
         if self.on_device:
-            stream = stream or torch.cuda.current_stream(self.device)
-            self._queue(stream, number)
-            return
+            try:
+                self._queue(stream or torch.cuda.current_stream(self.device), number)
+                return
+            except RuntimeError as error:  # the caller waits from now on, as where the self-test fails
+                self.on_device = False
+                warnings.warn(f"moecc: the GPU can no longer wait for the CPU on its own ({error}); the host "
+                              "waits for each CPU part instead (slower, same results)", RuntimeWarning, stacklevel=2)
         with self._cond:
             self._cond.wait_for(lambda: self._published >= number)
 

@@ -55,3 +55,18 @@ def test_a_stream_waits_on_the_device_until_the_host_publishes():
     done.publish(number)
     after.synchronize()
     assert torch.equal(y, torch.full_like(x, 2))
+
+
+def test_a_device_wait_that_fails_falls_back_to_waiting_here_with_a_warning(monkeypatch):
+    done = CpuDone(torch.device("cpu"))
+    done.on_device = True  # as after a passed self-test; then the driver call fails
+
+    def broken(stream, number):
+        raise RuntimeError("cuStreamWaitValue32 failed with CUDA driver error 1")
+
+    monkeypatch.setattr(done, "_queue", broken)
+    number = done.issue()
+    threading.Timer(0.05, done.publish, args=(number,)).start()
+    with pytest.warns(RuntimeWarning, match="no longer wait for the CPU on its own.*driver error 1"):
+        done.wait(number, stream=object())
+    assert done.published(number) and not done.on_device
