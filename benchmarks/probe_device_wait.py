@@ -1,0 +1,91 @@
+"""Which parts of a device-side wait for the CPU work on this machine, each in its own process under a watchdog.
+
+A stream that waits for a word in pinned memory (``CpuDone``) and never sees it written hangs every later sync of
+the device; so does a host call that blocks on the device while holding the GIL, when the word is written by a
+Python worker thread that then never runs. Each case below runs in a child process killed after ``--timeout``
+seconds and prints ``ok``, ``failed`` (with the error) or ``HANG``:
+
+- ``self_test``: ``CpuDone(device)`` and its self-test (queue a wait, see it held, publish, see it released);
+- ``host_publish``: a wait queued on a side stream, published by this thread;
+- ``worker_publish_sync``: published by a worker thread while this thread is in ``torch.cuda.synchronize()``;
+- ``worker_publish_item``: the same while this thread reads ``.item()`` of a result behind the wait;
+- ``worker_publish_empty_cache``: the same while this thread calls ``torch.cuda.empty_cache()`` (``cudaFree``);
+- ``worker_publish_pinned``: the same while this thread allocates pinned host memory.
+
+    python benchmarks/probe_device_wait.py --timeout 20
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import threading
+import time
+
+CASES = ["self_test", "host_publish", "worker_publish_sync", "worker_publish_item", "worker_publish_empty_cache",
+         "worker_publish_pinned"]
+
+
+def run_case(name: str) -> None:
+    import torch
+
+    from moecc.paradigms.device_wait import CpuDone
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    start = time.perf_counter()
+    done = CpuDone(device)
+    print(f"self-test: on_device={done.on_device} in {time.perf_counter() - start:.3f} s", flush=True)
+    if name == "self_test" or not done.on_device:
+        return
+    stream = torch.cuda.Stream(device)
+    x = torch.ones(1 << 20, device=device)
+    number = done.issue()
+    with torch.cuda.stream(stream):
+        done.wait(number)
+        y = (x * 2).sum()
+    torch.cuda.current_stream(device).wait_stream(stream)  # the compute stream behind the wait, as in hybrid
+    if name == "host_publish":
+        time.sleep(0.05)
+        done.publish(number)
+        print("value", float(y), flush=True)
+        return
+    publisher = threading.Thread(target=lambda: (time.sleep(0.2), done.publish(number)))
+    publisher.start()
+    if name == "worker_publish_sync":
+        torch.cuda.synchronize()
+    elif name == "worker_publish_item":
+        print("value", y.item(), flush=True)
+    elif name == "worker_publish_empty_cache":
+        del x
+        torch.cuda.empty_cache()
+    elif name == "worker_publish_pinned":
+        torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
+    publisher.join()
+    torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--timeout", type=float, default=20.0)
+    parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)  # the child process
+    args = parser.parse_args()
+    if args.case:
+        run_case(args.case)
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("probe_device_wait.py: needs a CUDA GPU (it probes a GPU stream waiting for the CPU)")
+    for name in CASES:
+        try:
+            child = subprocess.run([sys.executable, __file__, "--case", name], capture_output=True, text=True,
+                                   timeout=args.timeout)
+            status = "ok" if child.returncode == 0 else f"failed: {child.stderr.strip().splitlines()[-1:]}"
+            detail = " | ".join(child.stdout.strip().splitlines())
+        except subprocess.TimeoutExpired as expired:
+            status, detail = "HANG", (expired.stdout or b"").decode(errors="replace").strip().replace("\n", " | ")
+        print(f"{name}: {status} ({detail})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
