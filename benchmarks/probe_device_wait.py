@@ -6,6 +6,9 @@ Python worker thread that then never runs. Each case below runs in a child proce
 seconds and prints ``ok``, ``failed`` (with the error) or ``HANG``:
 
 - ``self_test``: ``CpuDone(device)`` and its self-test (queue a wait, see it held, publish, see it released);
+- ``raw_torch_pinned`` / ``raw_host_alloc``: the driver calls alone, on a word in torch's pinned memory and on one
+  from ``cuMemHostAlloc(DEVICEMAP)`` through ``cuMemHostGetDevicePointer``: held, released by a host store, and
+  (if not) by a device write from another stream;
 - ``host_publish``: a wait queued on a side stream, published by this thread;
 - ``worker_publish_sync``: published by a worker thread while this thread is in ``torch.cuda.synchronize()``;
 - ``worker_publish_item``: the same while this thread reads ``.item()`` of a result behind the wait;
@@ -22,12 +25,52 @@ import sys
 import threading
 import time
 
-CASES = ["self_test", "host_publish", "worker_publish_sync", "worker_publish_item", "worker_publish_empty_cache",
+CASES = ["self_test", "raw_torch_pinned", "raw_host_alloc", "host_publish", "worker_publish_sync", "worker_publish_item", "worker_publish_empty_cache",
          "worker_publish_pinned"]
+
+
+def say(*parts) -> None:
+    print(*parts, flush=True)
+
+
+def raw_case(name: str) -> None:
+    """The driver's wait on one word, no moecc code: which memory a stream can wait on here."""
+    import ctypes
+
+    import torch
+
+    from moecc.paradigms.device_wait import _driver_wait, _settles
+
+    wait, write, _ = _driver_wait()
+    stream, other = torch.cuda.Stream(), torch.cuda.Stream()
+    if name == "raw_torch_pinned":
+        word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        host, device = word.data_ptr(), word.data_ptr()
+    else:
+        lib = ctypes.CDLL("libcuda.so.1")
+        pointer, device_pointer = ctypes.c_void_p(), ctypes.c_uint64()
+        say("cuMemHostAlloc", lib.cuMemHostAlloc(ctypes.byref(pointer), ctypes.c_size_t(64), ctypes.c_uint(3)))
+        say("cuMemHostGetDevicePointer", lib.cuMemHostGetDevicePointer_v2(ctypes.byref(device_pointer), pointer,
+                                                                          ctypes.c_uint(0)))
+        host, device = pointer.value, device_pointer.value
+        ctypes.c_int32.from_address(host).value = 0
+    say(f"host {host:#x} device {device:#x}")
+    say("wait queued:", wait(ctypes.c_void_p(stream.cuda_stream), device, 1, 0))
+    after = stream.record_event()
+    say("held:", not after.query())
+    ctypes.c_int32.from_address(host).value = 1
+    released = _settles(after, 3.0)
+    say("released by the host store:", released)
+    if not released:
+        say("device write queued:", write(ctypes.c_void_p(other.cuda_stream), device, 1, 0))
+        say("released by a device write:", _settles(after, 3.0))
 
 
 def run_case(name: str) -> None:
     import torch
+
+    if name.startswith("raw_"):
+        return raw_case(name)
 
     from moecc.paradigms.device_wait import CpuDone
 

@@ -25,23 +25,25 @@ _MODULUS = 1 << 31  # published numbers stay positive int32s; the cyclic compari
 
 
 def _driver_wait():
-    """``cuStreamWaitValue32`` (the CUDA 12 ``_v2`` entry where the driver has it) and ``cuCtxGetCurrent``, or
-    None where the driver library or the symbol is missing."""
+    """(``cuStreamWaitValue32``, ``cuStreamWriteValue32``: the CUDA 12 ``_v2`` entries where the driver has them,
+    ``cuCtxGetCurrent``), or None where the driver library or a symbol is missing."""
     name = ctypes.util.find_library("cuda") or "libcuda.so.1"
     try:
         lib = ctypes.CDLL(name)
     except OSError:
         return None
-    for symbol in ("cuStreamWaitValue32_v2", "cuStreamWaitValue32"):
-        fn = getattr(lib, symbol, None)
-        if fn is not None:
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-            current = lib.cuCtxGetCurrent
-            current.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-            current.restype = ctypes.c_int
-            return fn, current
-    return None
+    found = []
+    for op in ("Wait", "Write"):  # the write releases a self-test's wait that never saw the host's store
+        fn = getattr(lib, f"cuStream{op}Value32_v2", None) or getattr(lib, f"cuStream{op}Value32", None)
+        if fn is None:
+            return None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        found.append(fn)
+    current = lib.cuCtxGetCurrent
+    current.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    current.restype = ctypes.c_int
+    return (*found, current)
 
 
 class CpuDone:
@@ -94,13 +96,19 @@ class CpuDone:
             self._cond.wait_for(lambda: self._published >= number)
 
     def _queue(self, stream: torch.cuda.Stream, number: int) -> None:
-        wait, current = self._driver
+        self._memop(0, stream, number)
+
+    def _memop(self, which: int, stream: torch.cuda.Stream, number: int) -> None:
+        """Queues on ``stream`` a wait for the word to reach ``number`` (``which`` 0) or a write of it (1)."""
+        op, current = self._driver[which], self._driver[2]
+        name = ("cuStreamWaitValue32", "cuStreamWriteValue32")[which]
         context = ctypes.c_void_p()
         if current(ctypes.byref(context)) != 0 or not context.value:
-            raise RuntimeError("cuStreamWaitValue32: no CUDA context is current on this thread")
-        result = wait(ctypes.c_void_p(stream.cuda_stream), self._flag.data_ptr(), number % _MODULUS, _WAIT_GEQ)
+            raise RuntimeError(f"{name}: no CUDA context is current on this thread")
+        result = op(ctypes.c_void_p(stream.cuda_stream), self._flag.data_ptr(), number % _MODULUS,
+                    _WAIT_GEQ if which == 0 else 0)
         if result != 0:
-            raise RuntimeError(f"cuStreamWaitValue32 failed with CUDA driver error {result}")
+            raise RuntimeError(f"{name} failed with CUDA driver error {result}")
 
     def _self_test(self) -> bool:
         """Whether a queued wait holds a stream back until its number is published, and then lets it go."""
@@ -113,12 +121,26 @@ class CpuDone:
                 after = stream.record_event()
             held = not after.query()
             self.publish(number)
-            deadline = time.monotonic() + 5.0
-            while not after.query():
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(1e-4)
-            return held
+            if _settles(after, 5.0):
+                return held
+            # The wait never saw the host's store: release it from the device, or every later sync would hang
+            release = torch.cuda.Stream(self.device)
+            with torch.cuda.device(self.device):
+                self._memop(1, release, number)
+            if not _settles(after, 5.0):
+                warnings.warn("moecc: a CUDA stream still waits for a word in pinned memory after its self-test; "
+                              "device syncs may hang (please report this GPU and driver)", RuntimeWarning)
+            return False
         except (RuntimeError, OSError, ctypes.ArgumentError):
             self.release_all()
             return False
+
+
+def _settles(event: torch.cuda.Event, seconds: float) -> bool:
+    """Whether ``event`` completes within ``seconds`` (polled: a blocking wait could be for ever)."""
+    deadline = time.monotonic() + seconds
+    while not event.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1e-4)
+    return True
