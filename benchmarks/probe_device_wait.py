@@ -9,7 +9,8 @@ seconds and prints ``ok``, ``failed`` (with the error) or ``HANG``:
 - ``raw_torch_pinned`` / ``raw_host_alloc``: the driver calls alone, on a word in torch's pinned memory and on one
   from ``cuMemHostAlloc(DEVICEMAP)`` through ``cuMemHostGetDevicePointer``: held, released by a host store, and
   (if not) by a device write from another stream;
-- ``host_publish``: a wait queued on a side stream, published by this thread;
+- ``host_publish``: a wait queued on a side stream, published by this thread once the device is at the wait;
+- ``host_publish_null_stream``: the same on the legacy default stream, where hybrid queues its waits;
 - ``worker_publish_sync``: published by a worker thread while this thread is in ``torch.cuda.synchronize()``;
 - ``worker_publish_item``: the same while this thread reads ``.item()`` of a result behind the wait;
 - ``worker_publish_empty_cache``: the same while this thread calls ``torch.cuda.empty_cache()`` (``cudaFree``);
@@ -25,7 +26,7 @@ import sys
 import threading
 import time
 
-CASES = ["self_test", "raw_torch_pinned", "raw_host_alloc", "host_publish", "worker_publish_sync", "worker_publish_item", "worker_publish_empty_cache",
+CASES = ["self_test", "raw_torch_pinned", "raw_host_alloc", "host_publish", "host_publish_null_stream", "worker_publish_sync", "worker_publish_item", "worker_publish_empty_cache",
          "worker_publish_pinned"]
 
 
@@ -55,8 +56,11 @@ def raw_case(name: str) -> None:
         host, device = pointer.value, device_pointer.value
         ctypes.c_int32.from_address(host).value = 0
     say(f"host {host:#x} device {device:#x}")
+    reached = stream.record_event()
     say("wait queued:", wait(ctypes.c_void_p(stream.cuda_stream), device, 1, 0))
     after = stream.record_event()
+    say("device at the wait:", _settles(reached, 3.0))
+    time.sleep(0.1)  # a store to a word the device already polls, not one made before it got there
     say("held:", not after.query())
     ctypes.c_int32.from_address(host).value = 1
     released = _settles(after, 3.0)
@@ -67,7 +71,11 @@ def raw_case(name: str) -> None:
 
 
 def run_case(name: str) -> None:
+    import faulthandler
+
     import torch
+
+    faulthandler.dump_traceback_later(15, exit=False)  # where a hang is, before the parent's watchdog kills it
 
     if name.startswith("raw_"):
         return raw_case(name)
@@ -80,15 +88,20 @@ def run_case(name: str) -> None:
     print(f"self-test: on_device={done.on_device} in {time.perf_counter() - start:.3f} s", flush=True)
     if name == "self_test" or not done.on_device:
         return
-    stream = torch.cuda.Stream(device)
+    null = name == "host_publish_null_stream"
+    stream = torch.cuda.current_stream(device) if null else torch.cuda.Stream(device)
+    say("stream handle", stream.cuda_stream)
     x = torch.ones(1 << 20, device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
     number = done.issue()
     with torch.cuda.stream(stream):
         done.wait(number)
         y = (x * 2).sum()
-    torch.cuda.current_stream(device).wait_stream(stream)  # the compute stream behind the wait, as in hybrid
-    if name == "host_publish":
-        time.sleep(0.05)
+    if not null:
+        torch.cuda.current_stream(device).wait_stream(stream)  # the compute stream behind the wait, as in hybrid
+    if name.startswith("host_publish"):
+        time.sleep(0.1)
+        say("held:", not stream.query())
         done.publish(number)
         print("value", float(y), flush=True)
         return
@@ -127,6 +140,8 @@ def main() -> None:
             detail = " | ".join(child.stdout.strip().splitlines())
         except subprocess.TimeoutExpired as expired:
             status, detail = "HANG", (expired.stdout or b"").decode(errors="replace").strip().replace("\n", " | ")
+            stacks = (expired.stderr or b"").decode(errors="replace").strip().splitlines()
+            detail += " | stacks: " + " / ".join(line.strip() for line in stacks[-12:])
         print(f"{name}: {status} ({detail})", flush=True)
 
 

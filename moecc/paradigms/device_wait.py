@@ -21,7 +21,7 @@ import warnings
 import torch
 
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, a cyclic comparison
-_MODULUS = 1 << 31  # published numbers stay positive int32s; the cyclic comparison handles the wrap
+_WORD = 1 << 32  # numbers are stored modulo 2^32; the device's cyclic comparison handles the wrap
 
 
 def _driver_wait():
@@ -71,7 +71,7 @@ class CpuDone:
         with self._cond:
             if number > self._published:
                 self._published = number
-                self._word[0] = number % _MODULUS
+                self._word[0] = _as_int32(number)
             self._cond.notify_all()
 
     def release_all(self) -> None:
@@ -105,20 +105,25 @@ class CpuDone:
         context = ctypes.c_void_p()
         if current(ctypes.byref(context)) != 0 or not context.value:
             raise RuntimeError(f"{name}: no CUDA context is current on this thread")
-        result = op(ctypes.c_void_p(stream.cuda_stream), self._flag.data_ptr(), number % _MODULUS,
+        result = op(ctypes.c_void_p(stream.cuda_stream), self._flag.data_ptr(), number % _WORD,
                     _WAIT_GEQ if which == 0 else 0)
         if result != 0:
             raise RuntimeError(f"{name} failed with CUDA driver error {result}")
 
     def _self_test(self) -> bool:
-        """Whether a queued wait holds a stream back until its number is published, and then lets it go."""
+        """Whether a wait the device has reached holds its stream until the number is published from here, and
+        then lets it go. Publishing right after queuing would only show that a word already set passes."""
         try:
             torch.cuda.init()
             stream = torch.cuda.Stream(self.device)
             number = self.issue()
             with torch.cuda.device(self.device):
+                reached = stream.record_event()
                 self._queue(stream, number)
                 after = stream.record_event()
+            if not _settles(reached, 5.0):
+                return False
+            time.sleep(0.02)  # the device is at the wait now
             held = not after.query()
             self.publish(number)
             if _settles(after, 5.0):
@@ -134,6 +139,11 @@ class CpuDone:
         except (RuntimeError, OSError, ctypes.ArgumentError):
             self.release_all()
             return False
+
+
+def _as_int32(number: int) -> int:
+    """``number`` modulo 2^32 as the signed 32-bit value with the same bits (what the word holds)."""
+    return (number + (1 << 31)) % _WORD - (1 << 31)
 
 
 def _settles(event: torch.cuda.Event, seconds: float) -> bool:

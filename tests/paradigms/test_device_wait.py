@@ -28,6 +28,17 @@ def test_a_wait_returns_once_its_number_is_published_in_any_order():
     assert done.published(second)
 
 
+def test_numbers_are_stored_modulo_2_32_as_signed_words():
+    from moecc.paradigms.device_wait import _as_int32
+
+    assert [_as_int32(n) for n in (1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 5)] == \
+        [1, 2**31 - 1, -2**31, -1, 0, 5]
+    done = CpuDone(torch.device("cpu"))
+    done._issued = 2**32 + 1
+    done.publish(done.issue())
+    assert int(done._flag[0]) == 2
+
+
 def test_release_all_publishes_every_number_handed_out():
     done = CpuDone(torch.device("cpu"))
     numbers = [done.issue() for _ in range(3)]
@@ -46,11 +57,12 @@ def test_a_stream_waits_on_the_device_until_the_host_publishes():
     stream = torch.cuda.Stream(device)
     number = done.issue()
     x = torch.ones(1024, device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         done.wait(number)
         y = x * 2
         after = stream.record_event()
-    time.sleep(0.05)
+    time.sleep(0.1)  # the device reaches the wait: a store to a word it already waits on must release it
     assert not after.query()  # held back on the device, while this thread went on
     done.publish(number)
     after.synchronize()
