@@ -42,7 +42,7 @@ def raw_case(name: str) -> None:
 
     from moecc.paradigms.device_wait import _driver_wait, _settles
 
-    wait, write, _ = _driver_wait()
+    wait, write, *_ = _driver_wait()
     stream, other = torch.cuda.Stream(), torch.cuda.Stream()
     if name == "raw_torch_pinned":
         word = torch.zeros(1, dtype=torch.int32, pin_memory=True)

@@ -13,7 +13,7 @@ symbol, a failed test) ``on_device`` is False and ``wait`` blocks the calling th
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import os
 import threading
 import time
 import warnings
@@ -26,10 +26,10 @@ _WORD = 1 << 32  # numbers are stored modulo 2^32; the device's cyclic compariso
 
 def _driver_wait():
     """(``cuStreamWaitValue32``, ``cuStreamWriteValue32``: the CUDA 12 ``_v2`` entries where the driver has them,
-    ``cuCtxGetCurrent``), or None where the driver library or a symbol is missing."""
-    name = ctypes.util.find_library("cuda") or "libcuda.so.1"
+    ``cuCtxGetCurrent``, ``cuMemHostGetDevicePointer``), or None where the driver library or a symbol is missing.
+    The library torch has loaded already (RTLD_NOLOAD): a second copy would have no context of torch's."""
     try:
-        lib = ctypes.CDLL(name)
+        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
     except OSError:
         return None
     found = []
@@ -43,12 +43,21 @@ def _driver_wait():
     current = lib.cuCtxGetCurrent
     current.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
     current.restype = ctypes.c_int
-    return (*found, current)
+    pointer = getattr(lib, "cuMemHostGetDevicePointer_v2", None) or getattr(lib, "cuMemHostGetDevicePointer", None)
+    if pointer is None:
+        return None
+    pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+    pointer.restype = ctypes.c_int
+    return (*found, current, pointer)
 
 
 class CpuDone:
     """Numbers handed out per CPU part (``issue``), published by the worker when the part's results are in place
-    (``publish``), waited for by a device stream (``wait``) or, without a device wait, by the calling thread."""
+    (``publish``), waited for by a device stream (``wait``) or, without a device wait, by the calling thread.
+
+    The word holds the highest number published, so a wait for ``n`` is released by any later number too: the
+    parts must finish in the order their numbers were issued (hybrid's single worker runs them first in, first
+    out, and issues and submits them under the engine's lock)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -58,6 +67,7 @@ class CpuDone:
         self._flag = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._word = self._flag.numpy()  # stores go straight to the pinned word the device reads
         self._driver = _driver_wait() if device.type == "cuda" else None
+        self._address = 0  # the word's device address (the driver's, for pinned memory torch registered)
         self.on_device = self._driver is not None and self._self_test()
 
     def issue(self) -> int:
@@ -86,7 +96,8 @@ class CpuDone:
         """Until ``number`` is published: queued on ``stream`` (the current one) where ``on_device``, else here."""
         if self.on_device:
             try:
-                self._queue(stream or torch.cuda.current_stream(self.device), number)
+                with torch.cuda.device(self.device):  # the driver call uses the current device's context
+                    self._queue(stream or torch.cuda.current_stream(self.device), number)
                 return
             except RuntimeError as error:  # the caller waits from now on, as where the self-test fails
                 self.on_device = False
@@ -105,10 +116,20 @@ class CpuDone:
         context = ctypes.c_void_p()
         if current(ctypes.byref(context)) != 0 or not context.value:
             raise RuntimeError(f"{name}: no CUDA context is current on this thread")
-        result = op(ctypes.c_void_p(stream.cuda_stream), self._flag.data_ptr(), number % _WORD,
+        result = op(ctypes.c_void_p(stream.cuda_stream), self._device_address(), number % _WORD,
                     _WAIT_GEQ if which == 0 else 0)
         if result != 0:
             raise RuntimeError(f"{name} failed with CUDA driver error {result}")
+
+    def _device_address(self) -> int:
+        """The word's address for the device, from the driver (equal to the host's under unified addressing)."""
+        if not self._address:
+            address = ctypes.c_uint64()
+            result = self._driver[3](ctypes.byref(address), ctypes.c_void_p(self._flag.data_ptr()), 0)
+            if result != 0:
+                raise RuntimeError(f"cuMemHostGetDevicePointer failed with CUDA driver error {result}")
+            self._address = address.value
+        return self._address
 
     def _self_test(self) -> bool:
         """Whether a wait the device has reached holds its stream until the number is published from here, and
