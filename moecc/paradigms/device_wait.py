@@ -96,8 +96,7 @@ class CpuDone:
         """Until ``number`` is published: queued on ``stream`` (the current one) where ``on_device``, else here."""
         if self.on_device:
             try:
-                with torch.cuda.device(self.device):  # the driver call uses the current device's context
-                    self._queue(stream or torch.cuda.current_stream(self.device), number)
+                self._queue(stream or torch.cuda.current_stream(self.device), number)
                 return
             except RuntimeError as error:  # the caller waits from now on, as where the self-test fails
                 self.on_device = False
@@ -107,7 +106,8 @@ class CpuDone:
             self._cond.wait_for(lambda: self._published >= number)
 
     def _queue(self, stream: torch.cuda.Stream, number: int) -> None:
-        self._memop(0, stream, number)
+        with torch.cuda.device(self.device):  # the driver call uses the current device's context
+            self._memop(0, stream, number)
 
     def _memop(self, which: int, stream: torch.cuda.Stream, number: int) -> None:
         """Queues on ``stream`` a wait for the word to reach ``number`` (``which`` 0) or a write of it (1)."""
