@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-CASES = ["self_test", "raw_torch_pinned", "raw_host_alloc", "host_publish", "host_publish_null_stream", "worker_publish_sync", "worker_publish_item", "worker_publish_empty_cache",
+CASES = ["raw_spin_kernel", "self_test", "raw_torch_pinned", "raw_host_alloc", "host_publish", "host_publish_null_stream", "worker_publish_sync", "worker_publish_item", "worker_publish_empty_cache",
          "worker_publish_pinned"]
 
 
@@ -70,6 +70,45 @@ def raw_case(name: str) -> None:
         say("released by a device write:", _settles(after, 3.0))
 
 
+def spin_case() -> None:
+    """A one-thread kernel polling the pinned word (``SpinKernel``), with a 5 s give-up: held, then released."""
+    import torch
+
+    from moecc.paradigms.device_wait import SpinKernel, _settles
+
+    torch.cuda.init()
+    word = torch.zeros(2, dtype=torch.int32, pin_memory=True)
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    kernel = SpinKernel()
+    say("loaded")
+    reached = stream.record_event()
+    kernel.launch(stream.cuda_stream, word.data_ptr(), 1, 5.0, word.data_ptr() + 4)
+    after = stream.record_event()
+    say("device at the wait:", _settles(reached, 3.0))
+    time.sleep(0.1)
+    say("held:", not after.query())
+    t = time.perf_counter()
+    word.numpy()[0] = 1
+    released = _settles(after, 6.0)
+    say(f"released by the host store: {released} in {1e3 * (time.perf_counter() - t):.3f} ms, timed out flag "
+        f"{int(word[1])}")
+    # latency of a hold/release round trip, 20 times
+    lat = []
+    for n in range(2, 22):
+        ev = stream.record_event()
+        kernel.launch(stream.cuda_stream, word.data_ptr(), n, 5.0, word.data_ptr() + 4)
+        after = stream.record_event()
+        _settles(ev, 3.0)
+        time.sleep(0.002)
+        t = time.perf_counter()
+        word.numpy()[0] = n
+        _settles(after, 6.0)
+        lat.append(1e6 * (time.perf_counter() - t))
+    lat.sort()
+    say(f"release latency us: median {lat[10]:.1f} min {lat[0]:.1f} max {lat[-1]:.1f}; timed out flag {int(word[1])}")
+
+
 def run_case(name: str) -> None:
     import faulthandler
 
@@ -77,6 +116,8 @@ def run_case(name: str) -> None:
 
     faulthandler.dump_traceback_later(15, exit=False)  # where a hang is, before the parent's watchdog kills it
 
+    if name == "raw_spin_kernel":
+        return spin_case()
     if name.startswith("raw_"):
         return raw_case(name)
 

@@ -51,6 +51,75 @@ def _driver_wait():
     return (*found, current, pointer)
 
 
+# A kernel of one thread that polls the word until it reaches the target (the cyclic comparison of the memop), or
+# gives up after timeout_ns and sets *timed_out: a stream behind it can never stay blocked for good.
+_SPIN_PTX = b"""
+.version 6.5
+.target sm_70
+.address_size 64
+.visible .entry moecc_wait_word(.param .u64 word, .param .u32 target, .param .u64 timeout_ns,
+                                .param .u64 timed_out)
+{
+    .reg .pred %p<3>;
+    .reg .b32 %r<4>;
+    .reg .b64 %rd<8>;
+    ld.param.u64 %rd1, [word];
+    ld.param.u32 %r1, [target];
+    ld.param.u64 %rd2, [timeout_ns];
+    ld.param.u64 %rd3, [timed_out];
+    mov.u64 %rd4, %globaltimer;
+POLL:
+    ld.volatile.u32 %r2, [%rd1];
+    sub.s32 %r3, %r2, %r1;
+    setp.ge.s32 %p1, %r3, 0;
+    @%p1 bra DONE;
+    mov.u64 %rd5, %globaltimer;
+    sub.u64 %rd6, %rd5, %rd4;
+    setp.gt.u64 %p2, %rd6, %rd2;
+    @%p2 bra GAVE_UP;
+    nanosleep.u32 200;
+    bra POLL;
+GAVE_UP:
+    st.volatile.u32 [%rd3], 1;
+DONE:
+    ret;
+}
+"""
+
+
+class SpinKernel:
+    """``moecc_wait_word`` loaded into the current context through the driver API (no compiler needed: the driver
+    compiles the PTX for its GPU). ``launch(stream, word, target, timeout_s, timed_out)`` queues it."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        self._lib = lib
+        module, function = ctypes.c_void_p(), ctypes.c_void_p()
+        lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
+        result = lib.cuModuleLoadData(ctypes.byref(module), _SPIN_PTX)
+        if result != 0:
+            raise RuntimeError(f"cuModuleLoadData failed with CUDA driver error {result}")
+        lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
+        result = lib.cuModuleGetFunction(ctypes.byref(function), module, b"moecc_wait_word")
+        if result != 0:
+            raise RuntimeError(f"cuModuleGetFunction failed with CUDA driver error {result}")
+        self._module, self._function = module, function
+        launch = getattr(lib, "cuLaunchKernel")
+        launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p,
+                                                                      ctypes.POINTER(ctypes.c_void_p),
+                                                                      ctypes.c_void_p]
+        launch.restype = ctypes.c_int
+        self._launch = launch
+
+    def launch(self, stream_handle: int, word: int, target: int, timeout_s: float, timed_out: int) -> None:
+        args = (ctypes.c_uint64(word), ctypes.c_uint32(target % _WORD), ctypes.c_uint64(int(timeout_s * 1e9)),
+                ctypes.c_uint64(timed_out))
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        result = self._launch(self._function, 1, 1, 1, 1, 1, 1, 0, ctypes.c_void_p(stream_handle), params, None)
+        if result != 0:
+            raise RuntimeError(f"cuLaunchKernel failed with CUDA driver error {result}")
+
+
 class CpuDone:
     """Numbers handed out per CPU part (``issue``), published by the worker when the part's results are in place
     (``publish``), waited for by a device stream (``wait``) or, without a device wait, by the calling thread.
