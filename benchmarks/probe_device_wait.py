@@ -30,8 +30,11 @@ CASES = ["raw_spin_kernel", "self_test", "raw_torch_pinned", "raw_host_alloc", "
          "worker_publish_pinned"]
 
 
+_T0 = time.perf_counter()
+
+
 def say(*parts) -> None:
-    print(*parts, flush=True)
+    print(f"[{time.perf_counter() - _T0:.2f}s]", *parts, flush=True)
 
 
 def raw_case(name: str) -> None:
@@ -126,18 +129,24 @@ def run_case(name: str) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     start = time.perf_counter()
     done = CpuDone(device)
-    print(f"self-test: on_device={done.on_device} in {time.perf_counter() - start:.3f} s", flush=True)
+    say(f"self-test: on_device={done.on_device} in {time.perf_counter() - start:.3f} s")
     if name == "self_test" or not done.on_device:
         return
+    warm = name.endswith("_warm")  # every kernel the case launches behind the wait launched once before it
+    name = name.removesuffix("_warm")
     null = name == "host_publish_null_stream"
     stream = torch.cuda.current_stream(device) if null else torch.cuda.Stream(device)
     say("stream handle", stream.cuda_stream)
     x = torch.ones(1 << 20, device=device)
+    if warm:
+        say("warm-up", float((x * 2).sum()))
     stream.wait_stream(torch.cuda.current_stream(device))
     number = done.issue()
     with torch.cuda.stream(stream):
         done.wait(number)
+        say("wait queued")
         y = (x * 2).sum()
+        say("kernels queued behind it")
     if not null:
         torch.cuda.current_stream(device).wait_stream(stream)  # the compute stream behind the wait, as in hybrid
     if name.startswith("host_publish"):
@@ -164,7 +173,10 @@ def run_case(name: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--timeout", type=float, default=20.0)
-    parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)  # the child process
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help="comma-separated; a case name may end in _warm, and @eager runs it under "
+                             "CUDA_MODULE_LOADING=EAGER")
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
     if args.case:
         run_case(args.case)
@@ -173,10 +185,14 @@ def main() -> None:
 
     if not torch.cuda.is_available():
         sys.exit("probe_device_wait.py: needs a CUDA GPU (it probes a GPU stream waiting for the CPU)")
-    for name in CASES:
+    import os
+
+    for name in args.cases.split(","):
+        case, _, mode = name.partition("@")
+        env = {**os.environ, **({"CUDA_MODULE_LOADING": "EAGER"} if mode == "eager" else {})}
         try:
-            child = subprocess.run([sys.executable, __file__, "--case", name], capture_output=True, text=True,
-                                   timeout=args.timeout)
+            child = subprocess.run([sys.executable, __file__, "--case", case], capture_output=True, text=True,
+                                   timeout=args.timeout, env=env)
             status = "ok" if child.returncode == 0 else f"failed: {child.stderr.strip().splitlines()[-1:]}"
             detail = " | ".join(child.stdout.strip().splitlines())
         except subprocess.TimeoutExpired as expired:
