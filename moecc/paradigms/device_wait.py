@@ -7,8 +7,12 @@ are in their staging buffers, and the stream goes on by itself. The host's launc
 overlaps the CPU part instead of following it.
 
 The wait is CUDA's stream memory operation (``cuStreamWaitValue32``), reached through the driver library with
-ctypes; it is used only where a self-test shows it waiting and then going on. Elsewhere (no CUDA, no driver
-symbol, a failed test) ``on_device`` is False and ``wait`` blocks the calling thread instead.
+ctypes; it is used only where CUDA loads every kernel when it starts (``CUDA_MODULE_LOADING=EAGER``) and a
+self-test shows it waiting and then going on. Under lazy loading (torch's default) the first launch of a kernel
+waits for the work already queued, the pending wait included, while the launching thread holds the GIL that the
+worker needs before it can publish: a deadlock (what hung on the accelerator host). Elsewhere (no CUDA, no driver
+symbol, lazy loading, a failed test) ``on_device`` is False, ``reason`` says why, and ``wait`` blocks the calling
+thread instead.
 """
 from __future__ import annotations
 
@@ -137,7 +141,22 @@ class CpuDone:
         self._word = self._flag.numpy()  # stores go straight to the pinned word the device reads
         self._driver = _driver_wait() if device.type == "cuda" else None
         self._address = 0  # the word's device address (the driver's, for pinned memory torch registered)
-        self.on_device = self._driver is not None and self._self_test()
+        self.reason = self._unusable_because()
+        self.on_device = not self.reason
+
+    def _unusable_because(self) -> str:
+        """Why the device cannot wait on its own here ('' where it can)."""
+        if self.device.type != "cuda":
+            return "no CUDA device"
+        if self._driver is None:
+            return "the CUDA driver has no stream memory operations"
+        torch.cuda.init()
+        if _lazy_loading():
+            return ("CUDA loads kernels lazily (set CUDA_MODULE_LOADING=EAGER before CUDA starts for device-side "
+                    "waits)")
+        if not self._self_test():
+            return "a stream waiting on pinned host memory failed its self-test"
+        return ""
 
     def issue(self) -> int:
         """A new number, published later by exactly one ``publish`` (or by ``release_all``)."""
@@ -229,6 +248,22 @@ class CpuDone:
         except (RuntimeError, OSError, ctypes.ArgumentError):
             self.release_all()
             return False
+
+
+def _lazy_loading() -> bool:
+    """Whether the CUDA context loads kernels at their first launch (``cuModuleGetLoadingMode``; drivers without
+    it predate lazy loading)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return True
+    get = getattr(lib, "cuModuleGetLoadingMode", None)
+    if get is None:
+        return False
+    mode = ctypes.c_int()
+    get.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    get.restype = ctypes.c_int
+    return get(ctypes.byref(mode)) != 0 or mode.value != 1  # CU_MODULE_EAGER_LOADING
 
 
 def _as_int32(number: int) -> int:
