@@ -65,6 +65,10 @@ def describe(state, config) -> tuple[str, list[str]]:
         if device_math is not None:
             sides.append(f"{engine.device.type} {device_math}")
         parts.append(f"{len(layers)} x {kind}: {' + '.join(sides)}")
+    done = getattr(engine, "cpu_done", None)  # hybrid: whether the GPU waits for its CPU parts itself
+    if done is not None and engine.device.type == "cuda":
+        parts.append("the GPU waits for the CPU parts itself" if done.on_device
+                     else f"the host waits for the CPU parts: {done.reason}")
     budget = config.gpu_memory_budget_gb
     line = (f"moecc prepared {state.family.model_type}: paradigm={state.paradigm}, device={state.device}, "
             f"experts: {'; '.join(parts)}, threads={_ops.num_threads()}"

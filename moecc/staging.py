@@ -112,20 +112,30 @@ class StagingBuffers:
         again) and must not keep them: the buffers are reused once its work is done. Without CUDA it is given
         the host tensors themselves.
         """
-        self._count(to_device=sum(t.numel() * t.element_size() for t in tensors.values()))
         if not self.pinned:
+            self._count(to_device=sum(t.numel() * t.element_size() for t in tensors.values()))
             return consume(**tensors)
-        views = {}
-        try:
-            for role, host in tensors.items():
-                buffer = self.view(role, tuple(host.shape), host.dtype)
-                buffer.copy_(host)
-                views[role] = self._device_view(buffer)
+        buffers = {}
+        for role, host in tensors.items():
+            buffers[role] = self.view(role, tuple(host.shape), host.dtype)
+            buffers[role].copy_(host)
+        return self.read_views_on_device(buffers, consume)
+
+    def read_views_on_device(self, views: dict[str, torch.Tensor], consume: Callable[..., T]) -> T:
+        """:meth:`read_on_device` of views this thread took with :meth:`view` (role -> view) and filled itself, or
+        has another thread fill: then the stream must wait for that before ``consume``'s kernels (``CpuDone``)."""
+        self._count(to_device=sum(t.numel() * t.element_size() for t in views.values()))
+        if not self.pinned:
             return consume(**views)
+        device_views = {}
+        try:
+            for role, buffer in views.items():
+                device_views[role] = self._device_view(buffer)
+            return consume(**device_views)
         finally:  # also when consume raised after queuing some of its reads
             done = torch.cuda.current_stream(self.device).record_event()
             pending = self._mine()[1]
-            for role in views:
+            for role in device_views:
                 pending[role] = done
 
     def _device_view(self, buffer: torch.Tensor) -> torch.Tensor:

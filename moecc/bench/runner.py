@@ -198,6 +198,8 @@ def run_case_isolated(preset: str, layers: int | None, paradigm: str, tokens: li
     with tempfile.TemporaryDirectory(prefix="moecc-bench-") as folder:
         result = Path(folder) / "rows.jsonl"
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY") or "PASSIVE"}  # see moecc/__init__
+        if paradigm in ("hybrid", "auto"):  # the GPU waits for the CPU parts itself only then (device_wait.py)
+            env["CUDA_MODULE_LOADING"] = os.environ.get("CUDA_MODULE_LOADING") or "EAGER"
         process = subprocess.run([sys.executable, "-m", "moecc.bench.runner", json.dumps(case), str(result)],
                                  env=env, check=False)
         rows = [json.loads(line) for line in result.read_text().splitlines()] if result.exists() else []

@@ -28,10 +28,12 @@ from torch.profiler import record_function
 from .. import _ops
 from ..config import MoeccConfig
 from ..experts import ExpertBackend, ExpertLora, LoraGrads, SavedState
+from ..experts.native import rows_pay
 from ..experts.select import cpu_backend, default_device_backend, device_backend
 from ..lora import lora_tensors
 from ..staging import StagingBuffers
 from .base import Pending, Worker, expert_lora_params, node_gradients, routed_counts, saved_state_gone
+from .device_wait import CpuDone
 from .hybrid_split import CostTracker, RoutingForecast, SideCosts, hit_rate, physical_costs, plan_split
 from .offload import OffloadEngine, OffloadLayer, ParkedState, _Call, lora_on_device, offload_gpu_bytes
 
@@ -53,6 +55,7 @@ class SideMetrics:
     both_sides: int = 0  # layer passes that ran on both sides
     prefetch_hits: float = 0.0  # summed over forwards: the share of their pairs the prefetch put on the GPU
     prefetched_forwards: int = 0
+    device_waits: int = 0  # forwards whose CPU part the device waited for itself (CpuDone), the host going on
 
 
 class HybridEngine(OffloadEngine):
@@ -85,6 +88,8 @@ class HybridEngine(OffloadEngine):
         # Device-resident LoRA factors: the CPU part reads host mirrors, copied once per pass on their own stream.
         self.mirror_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._mirrors: dict[int, tuple[list, list[torch.Tensor]]] = {}  # layer -> (factors, pinned host copies)
+        self.cpu_done = CpuDone(device)
+        self._deferred = threading.local()  # .parts: this thread's forwards whose CPU part is not joined yet
 
     @classmethod
     def from_config(cls, device: torch.device, config: MoeccConfig) -> HybridEngine:
@@ -171,7 +176,8 @@ class HybridEngine(OffloadEngine):
     def counters_since_reset(self) -> dict[str, float]:
         """Offload's keys (``copy_s``, ``gpu_wait_s``, ...) plus each side's work: ``cpu_experts_s`` (CPU seconds),
         ``cpu_experts`` / ``gpu_experts`` and ``cpu_pairs`` / ``gpu_pairs`` (summed over layer passes),
-        ``cpu_wait_s``, ``both_sides_share`` (layer passes split between both sides), ``prefetch_hit_rate`` and the
+        ``cpu_wait_s``, ``both_sides_share`` (layer passes split between both sides), ``device_wait_share`` (of them,
+        forwards whose CPU part the device waited for on its own: ``CpuDone``), ``prefetch_hit_rate`` and the
         cost model's measured ``cpu_slowdown`` / ``copy_slowdown`` (measured over predicted seconds)."""
         out = super().counters_since_reset()
         s = self.sides
@@ -181,6 +187,7 @@ class HybridEngine(OffloadEngine):
             "cpu_pairs": float(s.cpu_pairs), "gpu_pairs": float(s.gpu_pairs), "cpu_wait_s": s.cpu_wait_s,
             "both_sides_share": s.both_sides / s.layer_passes if s.layer_passes else 0.0,
             "prefetch_hit_rate": s.prefetch_hits / s.prefetched_forwards if s.prefetched_forwards else 0.0,
+            "device_wait_share": s.device_waits / s.layer_passes if s.layer_passes else 0.0,
             "cpu_slowdown": self.trackers["forward"].cpu_scale if self.trackers else 1.0,
             "copy_slowdown": self.trackers["forward"].copy_scale if self.trackers else 1.0,
         })
@@ -281,6 +288,30 @@ class HybridEngine(OffloadEngine):
     def run_cpu(self, fn, *args) -> Future:
         return self.worker.submit(fn, *args)
 
+    def defer(self, parts: _Parts) -> None:
+        """``parts``' CPU part is joined by this thread's next layer call (:meth:`join_deferred`), not now."""
+        if not hasattr(self._deferred, "parts"):
+            self._deferred.parts = []
+        self._deferred.parts.append(parts)
+
+    def join_deferred(self) -> None:
+        """Waits for the CPU parts whose results the device waited for on its own (this thread's earlier layer
+        calls) and raises the first one's error: the pass whose outputs used them must not go on. Called before a
+        layer call changes any state, so a failed part leaves the model as usable as before."""
+        pending = getattr(self._deferred, "parts", None)
+        if not pending:
+            return
+        self._deferred.parts = []
+        start, error = time.perf_counter(), None
+        for parts in pending:
+            try:
+                join_part(parts)
+            except BaseException as caught:  # every part is joined before the first error is raised
+                error = error or caught
+        self.sides.cpu_wait_s += time.perf_counter() - start
+        if error is not None:
+            raise error
+
 
 def configure_cpu_threads(pin_threads: bool = True) -> int:
     """Hybrid's native pool on a GPU machine: all CPUs but two, which are left to the threads that queue the GPU
@@ -318,6 +349,7 @@ class HybridLayer(OffloadLayer):
     def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Pending:
         self.check_inputs(hidden, top_k_index, top_k_weights)
         with self.engine.lock:  # the slots are shared: one thread's layer call at a time
+            self.engine.join_deferred()
             return self.checked(self._submit(hidden, top_k_index, top_k_weights))
 
     def _submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> HybridPending:
@@ -349,6 +381,15 @@ class _Parts:
     cpu_lora: tuple = (None, None)  # the same factors in host memory (mirrors where they live on the GPU)
     weights_host: object = None
     done: bool = False
+    published: tuple | None = None  # (number, rows, tokens): the CPU part's rows land in staging views itself
+
+
+def join_part(parts: _Parts) -> None:
+    """Waits for a forward's CPU part that published its rows itself; keeps its saved state (raises its error)."""
+    future = parts.cpu_future
+    if future is not None and parts.published is not None:
+        parts.cpu_saved = future.result()
+        parts.cpu_future = None
 
 
 class HybridPending:
@@ -360,7 +401,15 @@ class HybridPending:
 
     def result(self) -> torch.Tensor:
         parts, engine = self._parts, self._engine
-        if parts.cpu_future is not None and not parts.done:
+        if parts.published is not None and not parts.done:
+            number, rows, tokens = parts.published
+            engine.cpu_done.wait(number)  # on the device's stream where it can, so this thread goes on
+            engine.sides.device_waits += engine.cpu_done.on_device
+            with torch.no_grad(), record_function("moecc.hybrid.cpu_to_device"):
+                engine.staging.read_views_on_device({"out": rows, "out_tokens": tokens},
+                                                    lambda out, out_tokens: _add_part(self._output, out, out_tokens))
+            engine.defer(parts)
+        elif parts.cpu_future is not None and not parts.done:
             start = time.perf_counter()
             host, tokens, saved = parts.cpu_future.result()
             engine.sides.cpu_wait_s += time.perf_counter() - start
@@ -412,6 +461,45 @@ def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora
     return out, tokens, saved
 
 
+def _publish_target(engine: HybridEngine, layer: HybridLayer, call, hidden: torch.Tensor,
+                    top_k_index: torch.Tensor, counts: list[int], cpu: tuple[int, ...]) -> tuple | None:
+    """(number, rows [P, H] float32, tokens [P] int64) staging views the CPU part writes its rows into and then
+    publishes, where the device can wait for that itself; None where the caller waits: a recomputation, the last
+    layer (nothing after it would join the part), a part whose results leave dense (``rows_pay``), or a CUDA
+    device without a working stream wait."""
+    device_wait = engine.cpu_done.on_device and engine.staging.mapped
+    if call.recompute or not hasattr(engine.cpu, "forward_pairs") or not (device_wait or engine.device.type == "cpu"):
+        return None
+    pairs = sum(counts[e] for e in cpu)
+    if layer.index == len(engine.layers) - 1 or pairs >= top_k_index.numel() or not rows_pay(pairs,
+                                                                                             hidden.shape[0]):
+        return None
+    rows = engine.staging.view("out", (pairs, hidden.shape[1]), torch.float32)
+    tokens = engine.staging.view("out_tokens", (pairs,), torch.int64)
+    return engine.cpu_done.issue(), rows, tokens
+
+
+def _cpu_forward_published(published: tuple, engine: HybridEngine, *job):
+    """:func:`_cpu_forward` that writes its rows into the staging views of ``published`` and then publishes its
+    number (also when it fails, so no stream waits for ever; the error reaches the next layer call's join)."""
+    number, rows, tokens = published
+    try:
+        out, out_tokens, saved = _cpu_forward(engine, *job)
+        if out_tokens is None or tuple(out.shape) != tuple(rows.shape):
+            raise RuntimeError(f"hybrid: the CPU part returned {tuple(out.shape)} rows for {tuple(rows.shape)} "
+                               "routed pairs (a bug: please report it)")
+        rows.copy_(out)
+        tokens.copy_(out_tokens)
+        engine.cpu.release_result(out)
+        return saved
+    except BaseException:
+        rows.zero_()  # what the device reads must stay in bounds: an index past the output would break the device
+        tokens.zero_()
+        raise
+    finally:
+        engine.cpu_done.publish(number)
+
+
 def _cpu_backward(engine: HybridEngine, index: int, parts: _Parts, staged, counts: list[int]):
     views = staged.wait()
     began_ns, start = time.time_ns(), time.perf_counter()
@@ -452,8 +540,16 @@ class HybridExpertsFunction(torch.autograd.Function):
         if cpu:  # first: the CPU starts as soon as the activations reach the host
             staged, parts.cpu_lora, ready = staged or _stage_cpu_inputs(engine, layer.index, hidden, top_k_index,
                                                                         top_k_weights, lora)
-            parts.cpu_future = engine.run_cpu(_cpu_forward, engine, layer, staged, parts.weights_host,
-                                              parts.cpu_lora, ready, cpu, counts)
+            job = (engine, layer, staged, parts.weights_host, parts.cpu_lora, ready, cpu, counts)
+            parts.published = _publish_target(engine, layer, call, hidden, top_k_index, counts, cpu)
+            if parts.published is None:
+                parts.cpu_future = engine.run_cpu(_cpu_forward, *job)
+            else:
+                try:
+                    parts.cpu_future = engine.run_cpu(_cpu_forward_published, parts.published, *job)
+                except BaseException:
+                    engine.cpu_done.publish(parts.published[0])  # never run: no stream may wait for it
+                    raise
         slot = engine._timed_fetch("forward", layer, list(gpu)) if gpu else None
         if not call.recompute:
             _record_forward(engine, layer, counts, gpu, cpu)
@@ -476,6 +572,7 @@ class HybridExpertsFunction(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_out):
         layer, parts, engine = ctx.layer, ctx.parts, ctx.layer.engine
+        join_part(parts)
         if not parts.done or (parts.cpu and parts.cpu_saved is None) or (parts.gpu and parts.gpu_state is None):
             raise saved_state_gone("hybrid")
         engine.gap_ends("backward", layer.index)

@@ -293,3 +293,95 @@ def test_summing_the_cpu_part_never_waits_for_the_device(monkeypatch):
     want_a = torch.zeros_like(host.gate_up_A).view(experts, rank, -1)
     want_a[[1, 5]] = host.gate_up_A.view(experts, rank, -1)[[1, 5]]
     assert torch.equal(grads.gate_up_A.cpu(), want_a.view_as(host.gate_up_A))
+
+
+@pytest.mark.parametrize("rule", ["alternating", "random"])
+def test_cpu_parts_that_publish_their_rows_give_the_same_bits_as_waiting_for_them(rule, monkeypatch):
+    """A forward's CPU part writes its rows into staging views and publishes them (``CpuDone``), the device
+    summing them when they are published while the host goes on (the caller joins the part at the next layer
+    call); every logit and gradient equals, bit for bit, an engine whose caller waits for each part."""
+    def train(published: bool):
+        if not published:
+            monkeypatch.setattr(hybrid_module, "_publish_target", lambda *args: None)
+        _, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
+                               backend="auto", num_hidden_layers=4)
+        engine.moecc.engine.split_rule = _random(3) if rule == "random" else RULES[rule]
+        calls = []
+        publish = hybrid_module._cpu_forward_published
+        monkeypatch.setattr(hybrid_module, "_cpu_forward_published",
+                            lambda *args: (calls.append(args[2].index), publish(*args))[1])
+        logits = []
+        for ids, mask, labels in batches(256, 2, batch=3, seq=16, seed=4, pad=True):
+            out = engine(input_ids=ids, attention_mask=mask, labels=labels)
+            out.loss.backward()
+            logits.append(out.logits.detach())
+        monkeypatch.undo()
+        grads = {n: p.grad.clone() for n, p in engine.named_parameters() if p.requires_grad}
+        return logits, grads, calls
+
+    logits, grads, calls = train(published=True)
+    want_logits, want_grads, none = train(published=False)
+    assert none == [] and calls and 3 not in calls  # the last layer's caller always waits (nothing joins it)
+    for got, want in zip(logits, want_logits):
+        assert torch.equal(got, want)
+    assert grads.keys() == want_grads.keys()
+    for name in grads:
+        assert torch.equal(grads[name], want_grads[name]), name
+
+
+def test_a_published_cpu_part_that_fails_stops_the_pass_and_leaves_the_model_usable(monkeypatch):
+    """The CPU part of layer 1 raises after the device was told to go on: layer 2's call raises that error before
+    it changes any state, no layer waits for ever, and the next step equals a fresh model's."""
+    def build():
+        _, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
+                               backend="auto", num_hidden_layers=4)
+        engine.moecc.engine.split_rule = _alternating
+        return engine
+
+    batch = batches(256, 1, batch=3, seq=16, seed=4, pad=True)[0]
+    failing, fresh = build(), build()
+    forward = hybrid_module._cpu_forward
+
+    def fails_in_layer_1(engine, layer, *rest):
+        if layer.index == 1:
+            raise RuntimeError("injected CPU part failure")
+        return forward(engine, layer, *rest)
+
+    monkeypatch.setattr(hybrid_module, "_cpu_forward", fails_in_layer_1)
+    with pytest.raises(RuntimeError, match="injected CPU part failure"):
+        failing(input_ids=batch[0], attention_mask=batch[1], labels=batch[2])
+    monkeypatch.undo()
+    ids, mask, labels = batch
+    got, want = (model(input_ids=ids, attention_mask=mask, labels=labels) for model in (failing, fresh))
+    got.loss.backward()
+    want.loss.backward()
+    assert torch.equal(got.logits, want.logits)
+    for (name, p), (_, q) in zip(failing.named_parameters(), fresh.named_parameters()):
+        if p.requires_grad:
+            assert torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", ["own", "alternating"])
+def test_hybrid_on_cuda_with_device_waits_is_as_accurate_as_hf_peft_in_bf16(rule, request):
+    """bf16 on a GPU with the native kernels: the forward's CPU parts publish their rows and the stream waits for
+    them itself (``device_wait_share`` > 0 where a split has both sides), held to float32 HF + PEFT. Device waits
+    need eager kernel loading: under lazy loading the test runs again in a child process that loads eagerly."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from .test_device_wait import rerun_under_eager_loading
+
+    if rerun_under_eager_loading(request):
+        return
+    from .test_offload import _assert_bf16_as_accurate_as_hf_peft
+
+    reference, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
+                                   backend="auto", device="cuda", num_hidden_layers=4)
+    inner = engine.moecc.engine
+    inner.split_rule = None if rule == "own" else RULES[rule]
+    assert inner.cpu_done.on_device, inner.cpu_done.reason
+    inner.reset_metrics()
+    _assert_bf16_as_accurate_as_hf_peft(reference, engine, device="cuda")
+    metrics = inner.metrics_since_reset()
+    if rule == "alternating":
+        assert metrics["device_wait_share"] > 0
