@@ -175,6 +175,30 @@ def test_isolated_case_turns_a_crashed_process_into_error_rows():
     assert all(row["error"].startswith("the benchmark process exited with status 1") for row in rows)
 
 
+@pytest.mark.parametrize("set_by_user", [None, "LAZY"])
+def test_isolated_hybrid_rows_load_cuda_kernels_eagerly_unless_the_user_chose(set_by_user, monkeypatch):
+    """Hybrid's GPU waits for its CPU parts only under eager kernel loading (moecc.paradigms.device_wait), so the
+    bench's hybrid process gets CUDA_MODULE_LOADING=EAGER, and the other paradigms' the user's setting."""
+    import subprocess
+
+    from moecc.bench import runner
+
+    seen = {}
+
+    def child(args, env, check):  # the child's paradigm and loading mode; no rows come back
+        seen[json.loads(args[3])["paradigm"]] = env.get("CUDA_MODULE_LOADING")
+        return subprocess.CompletedProcess(args, 0)
+
+    monkeypatch.setattr(subprocess, "run", child)
+    if set_by_user:
+        monkeypatch.setenv("CUDA_MODULE_LOADING", set_by_user)
+    else:
+        monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    for paradigm in ("hybrid", "offload"):
+        runner.run_case_isolated("tiny", 1, paradigm, [16], 1, 4, torch.device("cpu"), None)
+    assert seen == {"hybrid": set_by_user or "EAGER", "offload": set_by_user}
+
+
 def test_random_model_routes_like_a_trained_one():
     """Tokens spread over all experts in every layer (a plain N(0, 0.02) init piles them on a few)."""
     model = random_model("tiny", layers=6, dtype=torch.float32)
