@@ -179,6 +179,10 @@ class NativeExperts:
                     or weights.down_bias is not None or weights.swiglu_limit is not None
                     or weights.gate_up.dtype != torch.bfloat16 or weights.down.dtype != torch.bfloat16)
 
+    def returns_rows(self, weights: ExpertWeights) -> bool:
+        """Whether :meth:`forward_pairs` can return rows per pair for this layer (a subset within ``rows_pay``)."""
+        return self.supports(weights)
+
     def _matrices(self, weights: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's own weight tensors, which the kernels read in place (no copy is kept)."""
         if not self.supports(weights):

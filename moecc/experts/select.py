@@ -46,6 +46,10 @@ class PerLayerExperts:
         grad_hidden, grad_weights, grads = reference.backward(weights, *args)
         return grad_hidden, None, grad_weights, grads
 
+    def returns_rows(self, weights: ExpertWeights) -> bool:
+        """Whether :meth:`forward_pairs` can return rows per pair for this layer (only the native kernels do)."""
+        return self.native.supports(weights)
+
     def release_result(self, tensor: torch.Tensor) -> None:
         self.native.release_result(tensor)
 

@@ -24,6 +24,7 @@ import warnings
 
 import torch
 
+_WORDS_KEPT: list[torch.Tensor] = []  # every CpuDone's word, for the life of the process
 _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, a cyclic comparison
 _WORD = 1 << 32  # numbers are stored modulo 2^32; the device's cyclic comparison handles the wrap
 
@@ -59,16 +60,21 @@ class CpuDone:
     """Numbers handed out per CPU part (``issue``), published by the worker when the part's results are in place
     (``publish``), waited for by a device stream (``wait``) or, without a device wait, by the calling thread.
 
-    The word holds the highest number published, so a wait for ``n`` is released by any later number too: the
-    parts must finish in the order their numbers were issued (hybrid's single worker runs them first in, first
-    out, and issues and submits them under the engine's lock)."""
+    The word holds the highest number below which every number is published: a wait for ``n`` is released only
+    once ``n`` and every number issued before it are, whatever order the parts finish in (the device compares the
+    word, so a later part finishing first must not release an earlier part's wait)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._cond = threading.Condition()
         self._issued = 0
-        self._published = 0
+        self._published = 0  # every number up to this one is published
+        self._early: set[int] = set()  # published numbers above it
         self._flag = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        # Never freed: a stream may still wait on the word after this object is gone (a failed step), and torch's
+        # pinned cache would hand the block to a new word that starts at 0
+        if device.type == "cuda":
+            _WORDS_KEPT.append(self._flag)
         self._word = self._flag.numpy()  # stores go straight to the pinned word the device reads
         self._driver = _driver_wait() if device.type == "cuda" else None
         self._address = 0  # the word's device address (the driver's, for pinned memory torch registered)
@@ -96,15 +102,22 @@ class CpuDone:
             return self._issued
 
     def publish(self, number: int) -> None:
-        """Part ``number``'s results are in place (call after writing them; parts may finish in any order)."""
+        """Part ``number``'s results are in place (call after writing them; parts may finish in any order, and
+        the word moves on only over numbers all published)."""
         with self._cond:
             if number > self._published:
-                self._published = number
-                self._word[0] = _as_int32(number)
+                self._early.add(number)
+                while self._published + 1 in self._early:
+                    self._published += 1
+                    self._early.discard(self._published)
+                self._word[0] = _as_int32(self._published)
             self._cond.notify_all()
 
     def release_all(self) -> None:
-        """Publishes every number handed out, so no stream is left waiting (a part that will never run)."""
+        """Publishes every number handed out, so no stream is left waiting (parts that will never run)."""
+        with self._cond:
+            for number in range(self._published + 1, self._issued + 1):
+                self._early.add(number)
         self.publish(self._issued)
 
     def published(self, number: int) -> bool:
@@ -161,24 +174,32 @@ class CpuDone:
                 reached = stream.record_event()
                 self._queue(stream, number)
                 after = stream.record_event()
-            if not _settles(reached, 5.0):
+            if not _settles(reached, 5.0):  # a busy device: publish and release below, untested
+                self._release(number, after)
                 return False
             time.sleep(0.02)  # the device is at the wait now
             held = not after.query()
             self.publish(number)
             if _settles(after, 5.0):
                 return held
-            # The wait never saw the host's store: release it from the device, or every later sync would hang
-            release = torch.cuda.Stream(self.device)
-            with torch.cuda.device(self.device):
-                self._memop(1, release, number)
-            if not _settles(after, 5.0):
-                warnings.warn("moecc: a CUDA stream still waits for a word in pinned memory after its self-test; "
-                              "device syncs may hang (please report this GPU and driver)", RuntimeWarning)
+            self._release(number, after)
             return False
         except (RuntimeError, OSError, ctypes.ArgumentError):
             self.release_all()
             return False
+
+    def _release(self, number: int, after: torch.cuda.Event) -> None:
+        """Publishes a self-test's ``number`` and, where the wait did not see that, releases it with a device
+        write from another stream: a stream left waiting would hang every later sync of the device."""
+        self.publish(number)
+        if _settles(after, 1.0):
+            return
+        release = torch.cuda.Stream(self.device)
+        with torch.cuda.device(self.device):
+            self._memop(1, release, number)
+        if not _settles(after, 5.0):
+            warnings.warn("moecc: a CUDA stream still waits for a word in pinned memory after its self-test; "
+                          "device syncs may hang (please report this GPU and driver)", RuntimeWarning)
 
 
 def _lazy_loading() -> bool:

@@ -291,26 +291,30 @@ class HybridEngine(OffloadEngine):
     def run_cpu(self, fn, *args) -> Future:
         return self.worker.submit(fn, *args)
 
-    def defer(self, parts: _Parts) -> None:
-        """``parts``' CPU part is joined by this thread's next layer call (:meth:`join_deferred`), not now."""
+    def defer(self, layer_index: int, parts: _Parts) -> None:
+        """The CPU part of layer ``layer_index``'s ``parts`` is joined by this thread's next layer call
+        (:meth:`join_deferred`), not now."""
         if not hasattr(self._deferred, "parts"):
             self._deferred.parts = []
-        self._deferred.parts.append(parts)
+        self._deferred.parts.append((layer_index, parts))
 
-    def join_deferred(self) -> None:
+    def join_deferred(self, layer_index: int) -> None:
         """Waits for the CPU parts whose results the device waited for on its own (this thread's earlier layer
-        calls) and raises the first one's error: the pass whose outputs used them must not go on. Called before a
-        layer call changes any state, so a failed part leaves the model as usable as before."""
+        calls) and raises the first error of those before layer ``layer_index``: the pass whose outputs used
+        them must not go on. Called before a layer call changes any state, so a failed part leaves the model as
+        usable as before. Parts of layers at or after ``layer_index`` are of a pass that ended without reaching
+        the next layer (an error between the layers): joined, their errors dropped with that pass."""
         pending = getattr(self._deferred, "parts", None)
         if not pending:
             return
         self._deferred.parts = []
         start, error = time.perf_counter(), None
-        for parts in pending:
+        for index, parts in pending:
             try:
                 join_part(parts)
             except BaseException as caught:  # every part is joined before the first error is raised
-                error = error or caught
+                if index < layer_index:
+                    error = error or caught
         self.sides.cpu_wait_s += time.perf_counter() - start
         if error is not None:
             raise error
@@ -352,7 +356,7 @@ class HybridLayer(OffloadLayer):
     def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Pending:
         self.check_inputs(hidden, top_k_index, top_k_weights)
         with self.engine.lock:  # the slots are shared: one thread's layer call at a time
-            self.engine.join_deferred()
+            self.engine.join_deferred(self.index)
             return self.checked(self._submit(hidden, top_k_index, top_k_weights))
 
     def _submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> HybridPending:
@@ -411,7 +415,7 @@ class HybridPending:
             with torch.no_grad(), record_function("moecc.hybrid.cpu_to_device"):
                 engine.staging.read_views_on_device({"out": rows, "out_tokens": tokens},
                                                     lambda out, out_tokens: _add_part(self._output, out, out_tokens))
-            engine.defer(parts)
+            engine.defer(self._index, parts)
         elif parts.cpu_future is not None and not parts.done:
             start = time.perf_counter()
             host, tokens, saved = parts.cpu_future.result()
@@ -469,10 +473,12 @@ def _publish_target(engine: HybridEngine, layer: HybridLayer, call, hidden: torc
     """(number, rows [P, H] float32, tokens [P] int64) staging views the CPU part writes its rows into and then
     publishes, where the device can wait for that itself; None where the caller waits: the first step (before
     any backward pass finished), a recomputation, the last layer (nothing after it would join the part), a part
-    whose results leave dense (``rows_pay``), or a CUDA device without a working stream wait."""
+    whose results leave dense (``rows_pay``, or a layer the backend computes with the reference), or a CUDA
+    device without a working stream wait."""
     device_wait = engine.cpu_done.on_device and engine.staging.mapped
-    if call.recompute or not engine.backward_passes or not hasattr(engine.cpu, "forward_pairs") or not (
-            device_wait or engine.device.type == "cpu"):
+    returns_rows = getattr(engine.cpu, "returns_rows", None)  # the reference backend never does
+    if call.recompute or not engine.backward_passes or returns_rows is None or not returns_rows(layer.weights) \
+            or not (device_wait or engine.device.type == "cpu"):
         return None
     pairs = sum(counts[e] for e in cpu)
     if layer.index == len(engine.layers) - 1 or pairs >= top_k_index.numel() or not rows_pay(pairs,

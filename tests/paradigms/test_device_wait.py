@@ -28,22 +28,25 @@ def rerun_under_eager_loading(request) -> bool:
     return True
 
 
-def test_a_wait_returns_once_its_number_is_published_in_any_order():
+def test_a_wait_returns_only_once_its_number_and_every_earlier_one_are_published():
     done = CpuDone(torch.device("cpu"))
     assert not done.on_device  # no device: the caller waits
-    first, second = done.issue(), done.issue()
-    assert second == first + 1
+    first, second, third = done.issue(), done.issue(), done.issue()
+    assert (second, third) == (first + 1, first + 2)
     released = []
-    waiter = threading.Thread(target=lambda: (done.wait(first), released.append(time.monotonic())))
+    waiter = threading.Thread(target=lambda: (done.wait(second), released.append(time.monotonic())))
     waiter.start()
+    done.publish(third)  # a later part finished first: it must not release the earlier ones' waits
+    done.publish(second)
     time.sleep(0.1)
-    assert not released and not done.published(first)
+    assert not released and not done.published(second) and int(done._flag[0]) == 0
     published_at = time.monotonic()
-    done.publish(second)  # the later part finished first: publishing covers the earlier number too
+    done.publish(first)  # now every number up to the third is published
     waiter.join(5)
     assert released and released[0] >= published_at
-    done.publish(first)  # late, and lower: the counter never goes back
-    assert done.published(second)
+    assert done.published(third) and int(done._flag[0]) == third
+    done.publish(first)  # again, and lower: the word never goes back
+    assert int(done._flag[0]) == third
 
 
 def test_numbers_are_stored_modulo_2_32_as_signed_words():
@@ -52,7 +55,7 @@ def test_numbers_are_stored_modulo_2_32_as_signed_words():
     assert [_as_int32(n) for n in (1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 5)] == \
         [1, 2**31 - 1, -2**31, -1, 0, 5]
     done = CpuDone(torch.device("cpu"))
-    done._issued = 2**32 + 1
+    done._issued = done._published = 2**32 + 1  # as after that many parts
     done.publish(done.issue())
     assert int(done._flag[0]) == 2
 

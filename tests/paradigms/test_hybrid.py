@@ -352,10 +352,18 @@ def test_a_published_cpu_part_that_fails_stops_the_pass_and_leaves_the_model_usa
             raise RuntimeError("injected CPU part failure")
         return forward(engine, layer, *rest)
 
+    published = []
+    publish = hybrid_module._cpu_forward_published
     monkeypatch.setattr(hybrid_module, "_cpu_forward", fails_in_layer_1)
+    monkeypatch.setattr(hybrid_module, "_cpu_forward_published",
+                        lambda *args: (published.append(args[2].index), publish(*args))[1])
+    joined = []
+    join = failing.moecc.engine.join_deferred
+    monkeypatch.setattr(failing.moecc.engine, "join_deferred", lambda index: (joined.append(index), join(index)))
     with pytest.raises(RuntimeError, match="injected CPU part failure"):
         failing(input_ids=batch[0], attention_mask=batch[1], labels=batch[2])
     monkeypatch.undo()
+    assert 1 in published and joined[-1] == 2  # layer 1 published its (failed) part; layer 2's call raised it
     ids, mask, labels = batch
     got, want = (model(input_ids=ids, attention_mask=mask, labels=labels) for model in (failing, fresh))
     got.loss.backward()
@@ -364,6 +372,75 @@ def test_a_published_cpu_part_that_fails_stops_the_pass_and_leaves_the_model_usa
     for (name, p), (_, q) in zip(failing.named_parameters(), fresh.named_parameters()):
         if p.requires_grad:
             assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_pass_that_dies_between_layers_leaves_its_published_part_behind_not_in_the_next_pass(monkeypatch):
+    """Layer 1's published CPU part fails and the pass then dies in layer 2's attention, before any layer call
+    joins the part: that error ends the pass, the next one does not raise the part's, and it equals a fresh
+    model's."""
+    def build():
+        _, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
+                               backend="auto", num_hidden_layers=4)
+        engine.moecc.engine.split_rule = _alternating
+        engine.moecc.engine.backward_passes = 1  # as after a first step: forwards publish their CPU parts
+        return engine
+
+    batch = batches(256, 1, batch=3, seq=16, seed=4, pad=True)[0]
+    failing, fresh = build(), build()
+    forward = hybrid_module._cpu_forward
+
+    def fails_in_layer_1(engine, layer, *rest):
+        if layer.index == 1:
+            raise RuntimeError("injected CPU part failure")
+        return forward(engine, layer, *rest)
+
+    def attention_fails(module, args, kwargs):
+        raise RuntimeError("injected attention failure")
+
+    attention = [m for name, m in failing.named_modules() if name.endswith("layers.2.self_attn")][0]
+    hook = attention.register_forward_pre_hook(attention_fails, with_kwargs=True)
+    monkeypatch.setattr(hybrid_module, "_cpu_forward", fails_in_layer_1)
+    with pytest.raises(RuntimeError, match="injected attention failure"):
+        failing(input_ids=batch[0], attention_mask=batch[1], labels=batch[2])
+    monkeypatch.undo()
+    hook.remove()
+    assert failing.moecc.engine._deferred.parts  # layer 1's part, never joined by that pass
+    ids, mask, labels = batch
+    got, want = (model(input_ids=ids, attention_mask=mask, labels=labels) for model in (failing, fresh))
+    got.loss.backward()
+    want.loss.backward()
+    assert torch.equal(got.logits, want.logits)
+    for (name, p), (_, q) in zip(failing.named_parameters(), fresh.named_parameters()):
+        if p.requires_grad:
+            assert torch.equal(p.grad, q.grad), name
+
+
+def test_layers_the_reference_computes_never_publish_and_train_as_without(monkeypatch):
+    """float32 experts run on the reference backend under backend="auto", which returns dense outputs: their CPU
+    parts never publish (the second step failed when they did) and every step matches a caller that waits."""
+    def train(published: bool):
+        if not published:
+            monkeypatch.setattr(hybrid_module, "_publish_target", lambda *args: None)
+        _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
+                               backend="auto", num_hidden_layers=4)
+        engine.moecc.engine.split_rule = RULES["alternating"]
+        logits = []
+        for ids, mask, labels in batches(256, 3, batch=3, seq=16, seed=4, pad=True):
+            out = engine(input_ids=ids, attention_mask=mask, labels=labels)
+            out.loss.backward()
+            logits.append(out.logits.detach())
+        monkeypatch.undo()
+        return logits, {n: p.grad.clone() for n, p in engine.named_parameters() if p.requires_grad}
+
+    calls = []
+    publish = hybrid_module._cpu_forward_published
+    monkeypatch.setattr(hybrid_module, "_cpu_forward_published",
+                        lambda *args: (calls.append(args[2].index), publish(*args))[1])
+    logits, grads = train(published=True)
+    assert calls == []
+    want_logits, want_grads = train(published=False)
+    assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
+    assert all(torch.equal(grads[n], want_grads[n]) for n in grads)
 
 
 @pytest.mark.gpu
