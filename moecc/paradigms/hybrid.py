@@ -89,9 +89,6 @@ class HybridEngine(OffloadEngine):
         self.mirror_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._mirrors: dict[int, tuple[list, list[torch.Tensor]]] = {}  # layer -> (factors, pinned host copies)
         self.cpu_done = CpuDone(device)
-        # Finished backward passes. Forwards publish their CPU parts only after the first: by then every kernel a
-        # step launches, JIT-compiled ones too, has been loaded once, and none loads behind a pending wait.
-        self.backward_passes = 0
         self._deferred = threading.local()  # .parts: this thread's forwards whose CPU part is not joined yet
 
     @classmethod
@@ -471,13 +468,14 @@ def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora
 def _publish_target(engine: HybridEngine, layer: HybridLayer, call, hidden: torch.Tensor,
                     top_k_index: torch.Tensor, counts: list[int], cpu: tuple[int, ...]) -> tuple | None:
     """(number, rows [P, H] float32, tokens [P] int64) staging views the CPU part writes its rows into and then
-    publishes, where the device can wait for that itself; None where the caller waits: the first step (before
-    any backward pass finished), a recomputation, the last layer (nothing after it would join the part), a part
+    publishes, where the device can wait for that itself; None where the caller waits: the first forward pass and
+    its backward (by the second, every kernel a step launches, JIT-compiled ones too, has been loaded once, and
+    none loads behind a pending wait), a recomputation, the last layer (nothing after it would join the part), a part
     whose results leave dense (``rows_pay``, or a layer the backend computes with the reference), or a CUDA
     device without a working stream wait."""
     device_wait = engine.cpu_done.on_device and engine.staging.mapped
     returns_rows = getattr(engine.cpu, "returns_rows", None)  # the reference backend never does
-    if call.recompute or not engine.backward_passes or returns_rows is None or not returns_rows(layer.weights) \
+    if call.recompute or engine.forward_passes < 2 or returns_rows is None or not returns_rows(layer.weights) \
             or not (device_wait or engine.device.type == "cpu"):
         return None
     pairs = sum(counts[e] for e in cpu)
@@ -611,8 +609,6 @@ class HybridExpertsFunction(torch.autograd.Function):
             grads = _zero_grads(grad_out, ctx.weights_shape, parts.lora)
         grad_hidden, grad_weights, lora_grads = grads
         engine.gap_begins("backward", layer.index)
-        if layer.index == 0:  # the pass's last layer call
-            engine.backward_passes += 1
         return node_gradients(grad_hidden.to(ctx.dtypes[0]), grad_weights.to(ctx.dtypes[1]), 6, parts.lora,
                               lora_grads)
 

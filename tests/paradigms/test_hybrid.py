@@ -340,7 +340,7 @@ def test_a_published_cpu_part_that_fails_stops_the_pass_and_leaves_the_model_usa
         _, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
                                backend="auto", num_hidden_layers=4)
         engine.moecc.engine.split_rule = _alternating
-        engine.moecc.engine.backward_passes = 1  # as after a first step: forwards publish their CPU parts
+        engine.moecc.engine.forward_passes = 1  # as after a first step: forwards publish their CPU parts
         return engine
 
     batch = batches(256, 1, batch=3, seq=16, seed=4, pad=True)[0]
@@ -382,7 +382,7 @@ def test_a_pass_that_dies_between_layers_leaves_its_published_part_behind_not_in
         _, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
                                backend="auto", num_hidden_layers=4)
         engine.moecc.engine.split_rule = _alternating
-        engine.moecc.engine.backward_passes = 1  # as after a first step: forwards publish their CPU parts
+        engine.moecc.engine.forward_passes = 1  # as after a first step: forwards publish their CPU parts
         return engine
 
     batch = batches(256, 1, batch=3, seq=16, seed=4, pad=True)[0]
@@ -461,7 +461,7 @@ def test_hybrid_on_cuda_with_device_waits_is_as_accurate_as_hf_peft_in_bf16(rule
                                    backend="auto", device="cuda", num_hidden_layers=4)
     inner = engine.moecc.engine
     inner.split_rule = None if rule == "own" else RULES[rule]
-    inner.backward_passes = 1  # as after a first step, which loads every kernel: forwards publish their parts
+    inner.forward_passes = 1  # as after a first step, which loads every kernel: forwards publish their parts
     assert inner.cpu_done.on_device, inner.cpu_done.reason
     inner.reset_metrics()
     _assert_bf16_as_accurate_as_hf_peft(reference, engine, device="cuda")
