@@ -29,13 +29,20 @@ _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32)(*addr - value) >= 0, a cycl
 _WORD = 1 << 32  # numbers are stored modulo 2^32; the device's cyclic comparison handles the wrap
 
 
+def _libcuda() -> ctypes.CDLL | None:
+    """The CUDA driver library torch has loaded already (RTLD_NOLOAD: a second copy would have no context of
+    torch's), or None."""
+    try:
+        return ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return None
+
+
 def _driver_wait():
     """(``cuStreamWaitValue32``, ``cuStreamWriteValue32``: the CUDA 12 ``_v2`` entries where the driver has them,
-    ``cuCtxGetCurrent``, ``cuMemHostGetDevicePointer``), or None where the driver library or a symbol is missing.
-    The library torch has loaded already (RTLD_NOLOAD): a second copy would have no context of torch's."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    except OSError:
+    ``cuCtxGetCurrent``, ``cuMemHostGetDevicePointer``), or None where the driver library or a symbol is missing."""
+    lib = _libcuda()
+    if lib is None:
         return None
     found = []
     for op in ("Wait", "Write"):  # the write releases a self-test's wait that never saw the host's store
@@ -167,7 +174,6 @@ class CpuDone:
         """Whether a wait the device has reached holds its stream until the number is published from here, and
         then lets it go. Publishing right after queuing would only show that a word already set passes."""
         try:
-            torch.cuda.init()
             stream = torch.cuda.Stream(self.device)
             number = self.issue()
             with torch.cuda.device(self.device):
@@ -205,9 +211,8 @@ class CpuDone:
 def _lazy_loading() -> bool:
     """Whether the CUDA context loads kernels at their first launch (``cuModuleGetLoadingMode``; drivers without
     it predate lazy loading)."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    except OSError:
+    lib = _libcuda()
+    if lib is None:
         return True
     get = getattr(lib, "cuModuleGetLoadingMode", None)
     if get is None:

@@ -333,18 +333,16 @@ def test_cpu_parts_that_publish_their_rows_give_the_same_bits_as_waiting_for_the
         assert torch.equal(grads[name], want_grads[name]), name
 
 
-def test_a_published_cpu_part_that_fails_stops_the_pass_and_leaves_the_model_usable(monkeypatch):
-    """The CPU part of layer 1 raises after the device was told to go on: layer 2's call raises that error before
-    it changes any state, no layer waits for ever, and the next step equals a fresh model's."""
-    def build():
-        _, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
-                               backend="auto", num_hidden_layers=4)
-        engine.moecc.engine.split_rule = _alternating
-        engine.moecc.engine.forward_passes = 1  # as after a first step: forwards publish their CPU parts
-        return engine
+def _publishing_model() -> torch.nn.Module:
+    """A 4-layer bf16 hybrid model under the alternating split, as after a first step (its parts publish)."""
+    _, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
+                           backend="auto", num_hidden_layers=4)
+    engine.moecc.engine.split_rule = _alternating
+    engine.moecc.engine.forward_passes = 1
+    return engine
 
-    batch = batches(256, 1, batch=3, seq=16, seed=4, pad=True)[0]
-    failing, fresh = build(), build()
+
+def _fail_cpu_forward_of_layer_1(monkeypatch) -> None:
     forward = hybrid_module._cpu_forward
 
     def fails_in_layer_1(engine, layer, *rest):
@@ -352,9 +350,29 @@ def test_a_published_cpu_part_that_fails_stops_the_pass_and_leaves_the_model_usa
             raise RuntimeError("injected CPU part failure")
         return forward(engine, layer, *rest)
 
+    monkeypatch.setattr(hybrid_module, "_cpu_forward", fails_in_layer_1)
+
+
+def _assert_next_step_bit_equal(model: torch.nn.Module, fresh: torch.nn.Module, batch: tuple) -> None:
+    """One forward and backward of both on ``batch``: the same logits and gradients, bit for bit."""
+    ids, mask, labels = batch
+    got, want = (m(input_ids=ids, attention_mask=mask, labels=labels) for m in (model, fresh))
+    got.loss.backward()
+    want.loss.backward()
+    assert torch.equal(got.logits, want.logits)
+    for (name, p), (_, q) in zip(model.named_parameters(), fresh.named_parameters()):
+        if p.requires_grad:
+            assert torch.equal(p.grad, q.grad), name
+
+
+def test_a_published_cpu_part_that_fails_stops_the_pass_and_leaves_the_model_usable(monkeypatch):
+    """The CPU part of layer 1 raises after the device was told to go on: layer 2's call raises that error before
+    it changes any state, no layer waits for ever, and the next step equals a fresh model's."""
+    batch = batches(256, 1, batch=3, seq=16, seed=4, pad=True)[0]
+    failing, fresh = _publishing_model(), _publishing_model()
+    _fail_cpu_forward_of_layer_1(monkeypatch)
     published = []
     publish = hybrid_module._cpu_forward_published
-    monkeypatch.setattr(hybrid_module, "_cpu_forward", fails_in_layer_1)
     monkeypatch.setattr(hybrid_module, "_cpu_forward_published",
                         lambda *args: (published.append(args[2].index), publish(*args))[1])
     joined = []
@@ -364,55 +382,28 @@ def test_a_published_cpu_part_that_fails_stops_the_pass_and_leaves_the_model_usa
         failing(input_ids=batch[0], attention_mask=batch[1], labels=batch[2])
     monkeypatch.undo()
     assert 1 in published and joined[-1] == 2  # layer 1 published its (failed) part; layer 2's call raised it
-    ids, mask, labels = batch
-    got, want = (model(input_ids=ids, attention_mask=mask, labels=labels) for model in (failing, fresh))
-    got.loss.backward()
-    want.loss.backward()
-    assert torch.equal(got.logits, want.logits)
-    for (name, p), (_, q) in zip(failing.named_parameters(), fresh.named_parameters()):
-        if p.requires_grad:
-            assert torch.equal(p.grad, q.grad), name
+    _assert_next_step_bit_equal(failing, fresh, batch)
 
 
 def test_a_pass_that_dies_between_layers_leaves_its_published_part_behind_not_in_the_next_pass(monkeypatch):
     """Layer 1's published CPU part fails and the pass then dies in layer 2's attention, before any layer call
     joins the part: that error ends the pass, the next one does not raise the part's, and it equals a fresh
     model's."""
-    def build():
-        _, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
-                               backend="auto", num_hidden_layers=4)
-        engine.moecc.engine.split_rule = _alternating
-        engine.moecc.engine.forward_passes = 1  # as after a first step: forwards publish their CPU parts
-        return engine
-
     batch = batches(256, 1, batch=3, seq=16, seed=4, pad=True)[0]
-    failing, fresh = build(), build()
-    forward = hybrid_module._cpu_forward
-
-    def fails_in_layer_1(engine, layer, *rest):
-        if layer.index == 1:
-            raise RuntimeError("injected CPU part failure")
-        return forward(engine, layer, *rest)
+    failing, fresh = _publishing_model(), _publishing_model()
 
     def attention_fails(module, args, kwargs):
         raise RuntimeError("injected attention failure")
 
     attention = [m for name, m in failing.named_modules() if name.endswith("layers.2.self_attn")][0]
     hook = attention.register_forward_pre_hook(attention_fails, with_kwargs=True)
-    monkeypatch.setattr(hybrid_module, "_cpu_forward", fails_in_layer_1)
+    _fail_cpu_forward_of_layer_1(monkeypatch)
     with pytest.raises(RuntimeError, match="injected attention failure"):
         failing(input_ids=batch[0], attention_mask=batch[1], labels=batch[2])
     monkeypatch.undo()
     hook.remove()
     assert failing.moecc.engine._deferred.parts  # layer 1's part, never joined by that pass
-    ids, mask, labels = batch
-    got, want = (model(input_ids=ids, attention_mask=mask, labels=labels) for model in (failing, fresh))
-    got.loss.backward()
-    want.loss.backward()
-    assert torch.equal(got.logits, want.logits)
-    for (name, p), (_, q) in zip(failing.named_parameters(), fresh.named_parameters()):
-        if p.requires_grad:
-            assert torch.equal(p.grad, q.grad), name
+    _assert_next_step_bit_equal(failing, fresh, batch)
 
 
 def test_layers_the_reference_computes_never_publish_and_train_as_without(monkeypatch):
