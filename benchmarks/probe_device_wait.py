@@ -59,7 +59,9 @@ def raw_case(name: str) -> None:
         word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         host, device = word.data_ptr(), word.data_ptr()
     else:
-        lib = ctypes.CDLL("libcuda.so.1")
+        from moecc.paradigms.device_wait import _libcuda
+
+        lib = _libcuda()
         pointer, device_pointer = ctypes.c_void_p(), ctypes.c_uint64()
         say("cuMemHostAlloc", lib.cuMemHostAlloc(ctypes.byref(pointer), ctypes.c_size_t(64), ctypes.c_uint(3)))
         say("cuMemHostGetDevicePointer", lib.cuMemHostGetDevicePointer_v2(ctypes.byref(device_pointer), pointer,
@@ -122,7 +124,11 @@ class SpinKernel:
     compiles the PTX for its GPU). ``launch(stream, word, target, timeout_s, timed_out)`` queues it."""
 
     def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        from moecc.paradigms.device_wait import _libcuda
+
+        lib = _libcuda()
+        if lib is None:
+            raise RuntimeError("the CUDA driver library is not loaded in this process")
         self._lib = lib
         module, function = ctypes.c_void_p(), ctypes.c_void_p()
         lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
