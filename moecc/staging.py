@@ -24,6 +24,8 @@ class StagingBuffers:
     """Named host buffers for one device; ``view`` hands out typed views, ``to_host``/``to_device`` copy."""
 
     def __init__(self, device: torch.device) -> None:
+        if device.type == "cuda" and device.index is None:  # a tensor's device has its number: compared below
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.pinned = device.type == "cuda"
         self._local = threading.local()  # .buffers: role -> buffer, .pending: role -> event; one set per thread

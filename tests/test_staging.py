@@ -33,10 +33,11 @@ def test_read_on_device_without_cuda_hands_the_host_tensors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64, torch.uint8])
-def test_read_on_device_kernels_read_the_values_in_place(dtype):
-    device = torch.device("cuda", torch.cuda.current_device())
-    staging = StagingBuffers(device)
+@pytest.mark.parametrize("dtype, device", [(torch.bfloat16, None), (torch.float32, None), (torch.int64, None),
+                                           (torch.uint8, None), (torch.float32, "cuda")])
+def test_read_on_device_kernels_read_the_values_in_place(dtype, device):
+    """Also for a device named without its number (``device="cuda"``), which read through copies on the host."""
+    staging = StagingBuffers(torch.device(device or f"cuda:{torch.cuda.current_device()}"))
     hosts, results = [], []
     for step in range(3):  # the same role's buffer reused while the device is busy: each round reads its own
         torch.cuda._sleep(50_000_000)

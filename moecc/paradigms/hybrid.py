@@ -56,6 +56,7 @@ class SideMetrics:
     prefetch_hits: float = 0.0  # summed over forwards: the share of their pairs the prefetch put on the GPU
     prefetched_forwards: int = 0
     device_waits: int = 0  # forwards whose CPU part the device waited for itself (CpuDone), the host going on
+    backward_device_waits: int = 0  # the same for backwards
 
 
 class HybridEngine(OffloadEngine):
@@ -68,7 +69,7 @@ class HybridEngine(OffloadEngine):
                  cache_bytes: int = 0) -> None:
         super().__init__(device, max(2, slots), compute, cache_bytes)
         self.cpu = cpu
-        self.staging = StagingBuffers(device)
+        self.staging = StagingBuffers(self.device)  # offload's: numbered ("cuda" as "cuda:0")
         self.worker = Worker("moecc-hybrid-cpu")
         self.forecast = RoutingForecast()
         self.trackers: dict[str, CostTracker] | None = None  # per pass; made in finish, from the first layer's shape
@@ -86,10 +87,13 @@ class HybridEngine(OffloadEngine):
         self._copied_this_pass: dict[int, set[int]] = {}  # layer -> experts its slot got in this forward pass
         self._gap_samples: list[tuple[str, object, object]] = []
         # Device-resident LoRA factors: the CPU part reads host mirrors, copied once per pass on their own stream.
-        self.mirror_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.mirror_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._mirrors: dict[int, tuple[list, list[torch.Tensor]]] = {}  # layer -> (factors, pinned host copies)
-        self.cpu_done = CpuDone(device)
+        self.cpu_done = CpuDone(self.device)
         self._deferred = threading.local()  # .parts: this thread's forwards whose CPU part is not joined yet
+        # Backwards' CPU parts the device waited for itself, not joined yet (any thread's)
+        self._backward_parts: list[Future] = []
+        self._backward_parts_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, device: torch.device, config: MoeccConfig) -> HybridEngine:
@@ -177,7 +181,8 @@ class HybridEngine(OffloadEngine):
         """Offload's keys (``copy_s``, ``gpu_wait_s``, ...) plus each side's work: ``cpu_experts_s`` (CPU seconds),
         ``cpu_experts`` / ``gpu_experts`` and ``cpu_pairs`` / ``gpu_pairs`` (summed over layer passes),
         ``cpu_wait_s``, ``both_sides_share`` (layer passes split between both sides), ``device_wait_share`` (of them,
-        forwards whose CPU part the device waited for on its own: ``CpuDone``), ``prefetch_hit_rate`` and the
+        forwards whose CPU part the device waited for on its own: ``CpuDone``), ``backward_device_wait_share`` (the
+        same for backwards), ``prefetch_hit_rate`` and the
         cost model's measured ``cpu_slowdown`` / ``copy_slowdown`` (measured over predicted seconds)."""
         out = super().counters_since_reset()
         s = self.sides
@@ -188,6 +193,7 @@ class HybridEngine(OffloadEngine):
             "both_sides_share": s.both_sides / s.layer_passes if s.layer_passes else 0.0,
             "prefetch_hit_rate": s.prefetch_hits / s.prefetched_forwards if s.prefetched_forwards else 0.0,
             "device_wait_share": s.device_waits / s.layer_passes if s.layer_passes else 0.0,
+            "backward_device_wait_share": s.backward_device_waits / s.layer_passes if s.layer_passes else 0.0,
             "cpu_slowdown": self.trackers["forward"].cpu_scale if self.trackers else 1.0,
             "copy_slowdown": self.trackers["forward"].copy_scale if self.trackers else 1.0,
         })
@@ -316,6 +322,37 @@ class HybridEngine(OffloadEngine):
         if error is not None:
             raise error
 
+    def defer_backward(self, future: Future) -> None:
+        """A backward's CPU part that the device waits for itself: joined by the next backward layer call, a forward
+        (:meth:`join_backward`), or the end of the backward pass running now, whose ``backward()`` then raises its
+        error. Outside a backward pass (a node's backward called directly) it is joined at once."""
+        with self._backward_parts_lock:
+            self._backward_parts.append(future)
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self.join_backward)
+        except RuntimeError:  # not inside the autograd engine's backward
+            self.join_backward()
+
+    def join_backward(self, inside_backward: bool = True) -> None:
+        """Waits for every backward CPU part not joined yet and raises the first error among those of backward
+        passes that may still be running. ``inside_backward=False`` (a forward outside any backward): parts still
+        here belong to passes that raised already (a pass that ends joins its own), so their errors are dropped."""
+        with self._backward_parts_lock:
+            pending, self._backward_parts = self._backward_parts, []
+        if not pending:
+            return
+        start, error = time.perf_counter(), None
+        for future in pending:
+            try:
+                future.result()
+            except BaseException as caught:  # every part is joined before the first error is raised
+                if inside_backward:
+                    error = error or caught
+        with self.measure_lock:
+            self.sides.cpu_wait_s += time.perf_counter() - start
+        if error is not None:
+            raise error
+
 
 def configure_cpu_threads(pin_threads: bool = True) -> int:
     """Hybrid's native pool on a GPU machine: all CPUs but two, which are left to the threads that queue the GPU
@@ -353,6 +390,7 @@ class HybridLayer(OffloadLayer):
     def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Pending:
         self.check_inputs(hidden, top_k_index, top_k_weights)
         with self.engine.lock:  # the slots are shared: one thread's layer call at a time
+            self.engine.join_backward(inside_backward=_graph_task() != -1)  # a checkpoint's recomputation is inside
             self.engine.join_deferred(self.index)
             return self.checked(self._submit(hidden, top_k_index, top_k_weights))
 
@@ -465,18 +503,32 @@ def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora
     return out, tokens, saved
 
 
+def _graph_task() -> int:
+    """The autograd graph task this thread runs now, -1 outside a backward pass (and where torch cannot say)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if current is None else current()
+
+
+def _may_publish(engine: HybridEngine, layer: HybridLayer, factors: Iterable[torch.Tensor | None]) -> bool:
+    """Whether a CPU part of ``layer`` may publish its results for the device to wait on: not in the first forward
+    pass or its backward (by the second, every kernel a step launches, JIT-compiled ones too, has been loaded once,
+    and none loads behind a pending wait), the backend returning rows for the layer (the reference never does),
+    a CUDA device with a working stream wait (or the CPU device, where the wait blocks the host), and the LoRA
+    factors on the engine's device (host factors are summed on the host, after the part)."""
+    device_wait = engine.cpu_done.on_device and engine.staging.mapped
+    returns_rows = getattr(engine.cpu, "returns_rows", None)
+    return (engine.forward_passes >= 2 and returns_rows is not None and returns_rows(layer.weights)
+            and (device_wait or engine.device.type == "cpu")
+            and all(t is None or t.device == engine.device for t in factors))
+
+
 def _publish_target(engine: HybridEngine, layer: HybridLayer, call, hidden: torch.Tensor,
                     top_k_index: torch.Tensor, counts: list[int], cpu: tuple[int, ...]) -> tuple | None:
     """(number, rows [P, H] float32, tokens [P] int64) staging views the CPU part writes its rows into and then
-    publishes, where the device can wait for that itself; None where the caller waits: the first forward pass and
-    its backward (by the second, every kernel a step launches, JIT-compiled ones too, has been loaded once, and
-    none loads behind a pending wait), a recomputation, the last layer (nothing after it would join the part), a part
-    whose results leave dense (``rows_pay``, or a layer the backend computes with the reference), or a CUDA
-    device without a working stream wait."""
-    device_wait = engine.cpu_done.on_device and engine.staging.mapped
-    returns_rows = getattr(engine.cpu, "returns_rows", None)  # the reference backend never does
-    if call.recompute or engine.forward_passes < 2 or returns_rows is None or not returns_rows(layer.weights) \
-            or not (device_wait or engine.device.type == "cpu"):
+    publishes, where the device can wait for that itself (``_may_publish``); None where the caller waits: also a
+    recomputation, the last layer (nothing after it would join the part) and a part whose results leave dense
+    (``rows_pay``)."""
+    if call.recompute or not _may_publish(engine, layer, ()):
         return None
     pairs = sum(counts[e] for e in cpu)
     if layer.index == len(engine.layers) - 1 or pairs >= top_k_index.numel() or not rows_pay(pairs,
@@ -508,10 +560,10 @@ def _cpu_forward_published(published: tuple, engine: HybridEngine, *job):
         engine.cpu_done.publish(number)
 
 
-def _cpu_backward(engine: HybridEngine, index: int, parts: _Parts, staged, counts: list[int]):
+def _cpu_backward(engine: HybridEngine, index: int, parts: _Parts, saved: SavedState, staged, counts: list[int]):
     views = staged.wait()
     began_ns, start = time.time_ns(), time.perf_counter()
-    args = (parts.weights_host, parts.cpu_saved, views["grad_out"], *parts.cpu_lora)
+    args = (parts.weights_host, saved, views["grad_out"], *parts.cpu_lora)
     with record_function("moecc.hybrid.cpu_backward"):
         if hasattr(engine.cpu, "backward_pairs"):  # (grad rows, their tokens, ...), summed on the device
             result = engine.cpu.backward_pairs(*args)
@@ -520,6 +572,62 @@ def _cpu_backward(engine: HybridEngine, index: int, parts: _Parts, staged, count
             result = grad_hidden, None, grad_weights, grads
     engine.record_cpu("backward", index, counts, time.perf_counter() - start, began_ns)
     return result
+
+
+def _backward_publish_target(engine: HybridEngine, layer: HybridLayer, parts: _Parts, grad_out: torch.Tensor,
+                             weights_shape: torch.Size, counts: list[int]) -> tuple | None:
+    """(number, staging views by role) the backward's CPU part writes its results into and then publishes, where
+    the device can wait for that itself (``_may_publish``, and rows per pair: ``rows_pay``); None where the
+    caller waits. The views: the input gradient's rows and their tokens, the routing-weight gradient, the CPU
+    experts' ids and, per LoRA factor ``w``, those experts' blocks of its gradient (``_blocks_view``). Layers
+    alternate between two banks of roles, so the next layer's views are not ones the device may still read."""
+    factors = lora_tensors(parts.lora)
+    pairs = sum(counts)
+    if (not _may_publish(engine, layer, factors) or pairs >= weights_shape.numel()
+            or not rows_pay(pairs, grad_out.shape[0])):
+        return None
+    bank = f"backward{layer.index % 2}_"
+    staging, num_experts, cpu = engine.staging, layer.weights.num_experts, len(parts.cpu)
+    shapes = {"grad_hidden": ((pairs, grad_out.shape[1]), torch.float32), "grad_tokens": ((pairs,), torch.int64),
+              "grad_weights": (tuple(weights_shape), torch.float32), "lora_index": ((cpu,), torch.int64)}
+    for which, factor in enumerate(factors):
+        if factor is not None:
+            shapes[f"lora_blocks{which}"] = (_grouped_shape(factor.shape, num_experts, which, cpu), torch.float32)
+    views = {bank + role: staging.view(bank + role, shape, dtype) for role, (shape, dtype) in shapes.items()}
+    views[bank + "lora_index"].copy_(torch.tensor(parts.cpu, dtype=torch.int64))
+    return engine.cpu_done.issue(), bank, views, num_experts
+
+
+def _cpu_backward_published(published: tuple, engine: HybridEngine, *job):
+    """:func:`_cpu_backward` that writes its results into the staging views of ``published`` and then publishes
+    its number (also when it fails, so no stream waits for ever; the error reaches the join)."""
+    number, bank, views, experts = published
+    try:
+        grad_rows, tokens, grad_weights, grads = _cpu_backward(engine, *job)
+        rows = views[bank + "grad_hidden"]
+        if tokens is None or tuple(grad_rows.shape) != tuple(rows.shape):
+            raise RuntimeError(f"hybrid: the CPU part's backward returned {tuple(grad_rows.shape)} rows for "
+                               f"{tuple(rows.shape)} routed pairs (a bug: please report it)")
+        rows.copy_(grad_rows)
+        views[bank + "grad_tokens"].copy_(tokens)
+        views[bank + "grad_weights"].copy_(grad_weights)
+        index = views[bank + "lora_index"]
+        for which, grad in enumerate(_lora_grad_list(grads)):
+            if grad is not None:
+                blocks = views[bank + f"lora_blocks{which}"]
+                if _grouped_shape(grad.shape, experts, which, index.numel()) != tuple(blocks.shape):
+                    raise RuntimeError(f"hybrid: the CPU part's LoRA gradient {which} is {tuple(grad.shape)}, not "
+                                       f"blocks of {tuple(blocks.shape)} (a bug: please report it)")
+                torch.index_select(_grouped(grad, experts, which), _expert_dim(which), index, out=blocks)
+        for result in (grad_rows, *vars(grads).values()):
+            if result is not None:
+                engine.cpu.release_result(result)
+    except BaseException:
+        for view in views.values():  # in bounds for the device: tokens and expert ids 0, with zero rows and blocks
+            view.zero_()
+        raise
+    finally:
+        engine.cpu_done.publish(number)
 
 
 class HybridExpertsFunction(torch.autograd.Function):
@@ -580,27 +688,44 @@ class HybridExpertsFunction(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_out):
         layer, parts, engine = ctx.layer, ctx.parts, ctx.layer.engine
+        engine.join_backward()  # the layer after's CPU part: its error stops the pass before this layer changes
         join_part(parts)
         if not parts.done or (parts.cpu and parts.cpu_saved is None) or (parts.gpu and parts.gpu_state is None):
             raise saved_state_gone("hybrid")
         engine.gap_ends("backward", layer.index)
-        cpu_future = None
+        cpu_future = published = None
         if parts.cpu:
+            counts = [ctx.counts[e] for e in parts.cpu]
             staged = engine.staging.to_host({"grad_out": grad_out.contiguous()})
-            cpu_future = engine.run_cpu(_cpu_backward, engine, layer.index, parts, staged,
-                                        [ctx.counts[e] for e in parts.cpu])
+            published = _backward_publish_target(engine, layer, parts, grad_out, ctx.weights_shape, counts)
+            saved, parts.cpu_saved = parts.cpu_saved, None
+            job = (engine, layer.index, parts, saved, staged, counts)
+            if published is None:
+                cpu_future = engine.run_cpu(_cpu_backward, *job)
+            else:
+                try:
+                    cpu_future = engine.run_cpu(_cpu_backward_published, published, *job)
+                except BaseException:
+                    engine.cpu_done.publish(published[0])  # never run: no stream may wait for it
+                    raise
         slot = engine._timed_fetch("backward", layer, list(parts.gpu), parts.lora) if parts.gpu else None
         if isinstance(parts.gpu_state, ParkedState):
             engine.parking.restore(parts.gpu_state)  # queued now unless the layer after prefetched it
         _prefetch_backward(engine, layer, ctx.call)  # before this layer's compute, whose subset syncs the host
         grads = _gpu_backward(engine, layer, parts, slot, grad_out) if parts.gpu else None
-        if cpu_future is not None:
+        if published is not None:
+            number, bank, views, _ = published
+            engine.cpu_done.wait(number)  # on the device's stream where it can, so this thread goes on
+            engine.sides.backward_device_waits += engine.cpu_done.on_device
+            with torch.no_grad():
+                grads = _add(engine.staging, grads, views, bank, parts.lora, grad_out, ctx.weights_shape)
+            engine.defer_backward(cpu_future)
+        elif cpu_future is not None:
             start = time.perf_counter()
             cpu_hidden, cpu_tokens, cpu_weights, cpu_lora = cpu_future.result()
             engine.sides.cpu_wait_s += time.perf_counter() - start
-            parts.cpu_saved = None
-            grads = _add(engine.staging, grads, (cpu_hidden, cpu_weights, cpu_lora), parts.lora, parts.cpu,
-                         grad_out, cpu_tokens)
+            sources = _cpu_sources(cpu_hidden, cpu_tokens, cpu_weights, cpu_lora, parts.cpu, parts.lora)
+            grads = _add(engine.staging, grads, sources, "", parts.lora, grad_out, ctx.weights_shape)
             # Read: _add took copies of what it sums (index_select of the LoRA gradients' CPU expert blocks)
             for result in (cpu_hidden, *vars(cpu_lora).values()):
                 if result is not None:
@@ -683,53 +808,83 @@ def _zero_grads(grad_out: torch.Tensor, weights_shape: torch.Size, lora: tuple) 
     return torch.zeros_like(grad_out), grad_out.new_zeros(weights_shape), LoraGrads.zeros(*lora)
 
 
-def _add(staging: StagingBuffers, gpu: tuple | None, cpu: tuple, lora: tuple, cpu_experts: tuple[int, ...],
-         like: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple:
-    """Both parts' (grad_hidden, grad_top_k_weights, LoraGrads) summed on the GPU part's device (float32), the
-    LoRA gradients where their factors live; the CPU part's host tensors are read in place
-    (``StagingBuffers.read_on_device``). Its LoRA gradients are zero outside ``cpu_experts``: only those experts'
-    blocks cross (the whole tensors were ~25 MB of pageable copies per layer for Qwen3-30B-A3B, on the
-    backward's critical path)."""
-    factors = lora_tensors(lora)
-    cpu_grads = (cpu[2].gate_up_A, cpu[2].gate_up_B, cpu[2].down_A, cpu[2].down_B)
-    gpu_grads = (None,) * 4 if gpu is None else (gpu[2].gate_up_A, gpu[2].gate_up_B, gpu[2].down_A, gpu[2].down_B)
-    parts = [None if part is None else part.num_experts for part in lora for _ in range(2)]
-    summed = [None if c is None else _lora_grad_sum(staging, g, c, f, experts, i, cpu_experts)
-              for i, (g, c, f, experts) in enumerate(zip(gpu_grads, cpu_grads, factors, parts))]
-    bases = ((torch.zeros(like.shape, dtype=torch.float32, device=like.device),
-              torch.zeros(cpu[1].shape, dtype=torch.float32, device=like.device)) if gpu is None
-             else (gpu[0].float(), gpu[1].float()))
-    sources = {"grad_hidden": cpu[0], "grad_weights": cpu[1]}  # the input gradient dense, or rows per pair
+def _lora_grad_list(grads: LoraGrads) -> tuple:
+    """The four LoRA gradients in ``lora_tensors`` order (gate_up A, B, down A, B)."""
+    return grads.gate_up_A, grads.gate_up_B, grads.down_A, grads.down_B
+
+
+def _expert_dim(which: int) -> int:
+    """The experts' dimension of LoRA factor ``which``'s gradient viewed by :func:`_grouped`."""
+    return 2 if which % 2 else 0
+
+
+def _grouped_shape(shape: torch.Size, experts: int, which: int, count: int) -> tuple[int, int, int]:
+    """Factor ``which``'s gradient ``shape`` with its experts' dimension apart and ``count`` experts long: an A
+    gradient ``[r*E, in]`` (rows ``[e*r, (e+1)*r)``) as ``[E, r, in]``, a B gradient ``[out, r*E]`` (columns
+    ``j*E + e``) as ``[out, r, E]``."""
+    if which % 2:
+        return shape[0], shape[1] // experts, count
+    return count, shape[0] // experts, shape[1]
+
+
+def _grouped(grad: torch.Tensor, experts: int, which: int) -> torch.Tensor:
+    """Factor ``which``'s gradient with its ``experts`` apart (:func:`_grouped_shape`)."""
+    return grad.view(_grouped_shape(grad.shape, experts, which, experts))
+
+
+def _cpu_sources(grad_hidden: torch.Tensor, tokens: torch.Tensor | None, grad_weights: torch.Tensor,
+                 grads: LoraGrads, cpu_experts: tuple[int, ...], lora: tuple) -> dict[str, torch.Tensor]:
+    """The CPU part's host results by role, as ``_add`` reads them. Its LoRA gradients only as the blocks of
+    ``cpu_experts`` (zero elsewhere; the whole tensors were ~25 MB of pageable copies per layer for Qwen3-30B-A3B,
+    on the backward's critical path)."""
+    sources = {"grad_hidden": grad_hidden, "grad_weights": grad_weights}  # the input gradient dense, or rows
     if tokens is not None:
         sources["grad_tokens"] = tokens
-    hidden, weights = staging.read_on_device(
-        sources, lambda grad_hidden, grad_weights, grad_tokens=None: (
-            torch.add(bases[0], grad_hidden) if grad_tokens is None
-            else torch.index_add(bases[0], 0, grad_tokens, grad_hidden), torch.add(bases[1], grad_weights)))
-    return hidden, weights, LoraGrads(*summed)
+    index = sources["lora_index"] = torch.tensor(cpu_experts, dtype=torch.int64)
+    for which, grad in enumerate(_lora_grad_list(grads)):
+        if grad is not None:
+            grouped = _grouped(grad, lora[which // 2].num_experts, which)
+            sources[f"lora_blocks{which}"] = grouped.index_select(_expert_dim(which), index)
+    return sources
 
 
-def _lora_grad_sum(staging: StagingBuffers, gpu: torch.Tensor | None, cpu: torch.Tensor, factor: torch.Tensor,
-                   experts: int, which: int, cpu_experts: tuple[int, ...]) -> torch.Tensor:
-    """LoRA factor ``which``'s gradient (gate_up A, B, down A, B), the GPU part's (or zeros) plus the CPU part's
-    blocks of ``cpu_experts``: rows ``[e*r, (e+1)*r)`` of an A gradient ``[r*E, in]``, columns ``j*E + e`` of a B
-    gradient ``[out, r*E]``. Each factor has its own staging roles: a role's buffer is reused only once the
-    device has read it, so one role for all four made the host wait for the device three times a layer."""
-    is_b = which % 2 == 1
-    total = (torch.zeros(cpu.shape, dtype=cpu.dtype, device=factor.device) if gpu is None
-             else gpu.to(factor.device).contiguous())  # summed into in place through views
-    index = torch.tensor(cpu_experts, dtype=torch.int64)
-    dim = 2 if is_b else 0
-    grouped = cpu.view(cpu.shape[0], -1, experts) if is_b else cpu.view(experts, -1, cpu.shape[1])
-    target = total.view(grouped.shape)  # B [out, r*E] as [out, r, E]; A [r*E, in] as [E, r, in]
-    blocks = grouped.index_select(dim, index)
-    if factor.device.type == "cpu":
-        target.index_add_(dim, index, blocks)
-    else:
-        staging.read_on_device({f"lora_index{which}": index, f"lora_blocks{which}": blocks},
-                               lambda **views: target.index_add_(dim, views[f"lora_index{which}"],
-                                                                 views[f"lora_blocks{which}"]))
-    return total
+def _add(staging: StagingBuffers, gpu: tuple | None, sources: dict[str, torch.Tensor], bank: str, lora: tuple,
+         like: torch.Tensor, weights_shape: torch.Size) -> tuple:
+    """Both parts' (grad_hidden, grad_top_k_weights, LoraGrads) summed on the GPU part's device (float32), the
+    LoRA gradients where their factors live. ``sources``: the CPU part's results by role (``bank`` + role): host
+    tensors, read in place (``StagingBuffers.read_on_device``), or staging views the CPU part fills and publishes
+    itself (``read_views_on_device``; ``_may_publish`` keeps every factor on the device then). Its LoRA gradients
+    arrive as the blocks of the experts ``lora_index`` names."""
+    factors = lora_tensors(lora)
+    gpu_grads = (None,) * 4 if gpu is None else _lora_grad_list(gpu[2])
+    totals = [None if f is None else (torch.zeros(f.shape, dtype=torch.float32, device=f.device) if g is None
+                                      else g.to(f.device).contiguous())  # summed into in place through views
+              for g, f in zip(gpu_grads, factors)]
+    experts = [None if f is None else lora[which // 2].num_experts for which, f in enumerate(factors)]
+    bases = ((torch.zeros(like.shape, dtype=torch.float32, device=like.device),
+              torch.zeros(tuple(weights_shape), dtype=torch.float32, device=like.device)) if gpu is None
+             else (gpu[0].float(), gpu[1].float()))
+
+    def add_blocks(which: int, index: torch.Tensor, blocks: torch.Tensor) -> None:
+        _grouped(totals[which], experts[which], which).index_add_(_expert_dim(which), index, blocks)
+
+    if staging.pinned:  # factors in host memory take their blocks there, before the device's read
+        for which, factor in enumerate(factors):
+            if factor is not None and factor.device.type == "cpu":
+                add_blocks(which, sources[bank + "lora_index"], sources.pop(bank + f"lora_blocks{which}"))
+
+    def consume(**views: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        read = {role[len(bank):]: view for role, view in views.items()}
+        for which in range(len(factors)):
+            if f"lora_blocks{which}" in read:
+                add_blocks(which, read["lora_index"], read[f"lora_blocks{which}"])
+        hidden = (torch.add(bases[0], read["grad_hidden"]) if "grad_tokens" not in read
+                  else torch.index_add(bases[0], 0, read["grad_tokens"], read["grad_hidden"]))
+        return hidden, torch.add(bases[1], read["grad_weights"])
+
+    read = staging.read_views_on_device if bank else staging.read_on_device
+    hidden, weights = read(sources, consume)
+    return hidden, weights, LoraGrads(*totals)
 
 
 HybridEngine.layer_class = HybridLayer

@@ -268,7 +268,7 @@ def test_summing_the_cpu_part_never_waits_for_the_device(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from moecc.experts import ExpertLora, LoraGrads
-    from moecc.paradigms.hybrid import _add
+    from moecc.paradigms.hybrid import _add, _cpu_sources
     from moecc.staging import StagingBuffers
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -281,11 +281,12 @@ def test_summing_the_cpu_part_never_waits_for_the_device(monkeypatch):
     rows_at = torch.tensor([0, 1, 1, 2, 3, 4, 4])
     like = torch.zeros(tokens, hidden, device=device)
     staging = StagingBuffers(device)
+    sources = _cpu_sources(cpu[0], rows_at, cpu[1], host, (1, 5), lora)
     waits = []
     synchronize = torch.cuda.Event.synchronize
     monkeypatch.setattr(torch.cuda.Event, "synchronize", lambda event: (waits.append(event), synchronize(event)))
     torch.cuda._sleep(200_000_000)  # the device busy for a while: a wait would be one on it
-    grad_hidden, grad_weights, grads = _add(staging, None, cpu, lora, (1, 5), like, rows_at)
+    grad_hidden, grad_weights, grads = _add(staging, None, sources, "", lora, like, cpu[1].shape)
     assert waits == []
     torch.cuda.synchronize()
     assert torch.allclose(grad_hidden.cpu(), torch.zeros(tokens, hidden).index_add_(0, rows_at, cpu[0]))
@@ -331,6 +332,107 @@ def test_cpu_parts_that_publish_their_rows_give_the_same_bits_as_waiting_for_the
     assert grads.keys() == want_grads.keys()
     for name in grads:
         assert torch.equal(grads[name], want_grads[name]), name
+
+
+@pytest.mark.parametrize("rule, checkpointing", [("alternating", None), ("random", None),
+                                                  ("alternating", True), ("random", False)])
+def test_backward_cpu_parts_that_publish_give_the_same_bits_as_waiting_for_them(rule, checkpointing, monkeypatch):
+    """A backward's CPU part writes its input-gradient rows, routing-weight gradient and LoRA blocks into staging
+    views and publishes them, the next backward layer call or the pass's end joining it; with and without
+    (reentrant or not) gradient checkpointing every gradient equals, bit for bit, a caller that waits."""
+    def train(published: bool):
+        if not published:
+            monkeypatch.setattr(hybrid_module, "_backward_publish_target", lambda *args: None)
+        _, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
+                               backend="auto", num_hidden_layers=4)
+        if checkpointing is not None:
+            engine.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+            engine.train()
+        engine.moecc.engine.split_rule = _random(3) if rule == "random" else RULES[rule]
+        calls = []
+        publish = hybrid_module._cpu_backward_published
+        monkeypatch.setattr(hybrid_module, "_cpu_backward_published",
+                            lambda *args: (calls.append(args[2]), publish(*args))[1])
+        grads = []
+        for ids, mask, labels in batches(256, 3, batch=3, seq=16, seed=4, pad=True):
+            calls.append("step")
+            engine(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+            grads.append({n: p.grad.clone() for n, p in engine.named_parameters() if p.requires_grad})
+        monkeypatch.undo()
+        assert not engine.moecc.engine._backward_parts  # every published part joined by its pass
+        return grads, calls
+
+    grads, calls = train(published=True)
+    want_grads, none = train(published=False)
+    assert none == ["step"] * 3
+    second = calls.index("step", 1)
+    assert calls[:second] == ["step"]  # the first step's backward waits (its kernels load then)
+    assert 0 in calls[second:] and 3 in calls[second:]  # the last layer and layer 0 publish too
+    for got, want in zip(grads, want_grads):
+        assert got.keys() == want.keys()
+        for name in got:
+            assert torch.equal(got[name], want[name]), name
+
+
+def _fail_cpu_backward_of_layer(monkeypatch, failing: int) -> list[int]:
+    """Makes layer ``failing``'s backward CPU part raise; returns the layers whose backward CPU part ran, as run."""
+    backward = hybrid_module._cpu_backward
+    ran = []
+
+    def fails(engine, index, *rest):
+        ran.append(index)
+        if index == failing:
+            raise RuntimeError(f"injected CPU backward failure in layer {index}")
+        return backward(engine, index, *rest)
+
+    monkeypatch.setattr(hybrid_module, "_cpu_backward", fails)
+    return ran
+
+
+@pytest.mark.parametrize("failing", [2, 0])
+def test_a_published_backward_part_that_fails_raises_from_backward_and_leaves_the_model_usable(failing,
+                                                                                              monkeypatch):
+    """The backward's CPU part of layer 2 (joined by layer 1's backward call, before it starts its own part) or of
+    layer 0 (joined at the end of the pass) raises after the device was told to go on: ``backward()`` raises that
+    error, nothing waits for ever, and after ``zero_grad`` the next step equals a fresh model's."""
+    batch = batches(256, 1, batch=3, seq=16, seed=4, pad=True)[0]
+    failing_model, fresh = _publishing_model(), _publishing_model()
+    ran = _fail_cpu_backward_of_layer(monkeypatch, failing)
+    published = []
+    publish = hybrid_module._cpu_backward_published
+    monkeypatch.setattr(hybrid_module, "_cpu_backward_published",
+                        lambda *args: (published.append(args[2]), publish(*args))[1])
+    out = failing_model(input_ids=batch[0], attention_mask=batch[1], labels=batch[2])
+    with pytest.raises(RuntimeError, match=f"injected CPU backward failure in layer {failing}"):
+        out.loss.backward()
+    monkeypatch.undo()
+    assert failing in published and ran[-1] == failing  # no layer's CPU part ran after the failed one
+    assert not failing_model.moecc.engine._backward_parts
+    failing_model.zero_grad(set_to_none=True)
+    _assert_next_step_bit_equal(failing_model, fresh, batch)
+
+
+def test_a_backward_that_dies_after_publishing_leaves_no_error_for_the_next_step(monkeypatch):
+    """Layer 2's published backward part fails and the pass dies in layer 2's attention backward before any
+    later layer call or its end joins the part: that error ends the pass, the next step does not raise the
+    part's, and it equals a fresh model's."""
+    batch = batches(256, 1, batch=3, seq=16, seed=4, pad=True)[0]
+    failing_model, fresh = _publishing_model(), _publishing_model()
+    _fail_cpu_backward_of_layer(monkeypatch, 2)
+    attention = [m for name, m in failing_model.named_modules() if name.endswith("layers.2.self_attn")][0]
+
+    def attention_fails(module, grad_output):
+        raise RuntimeError("injected attention backward failure")
+
+    hook = attention.register_full_backward_pre_hook(attention_fails)  # before the forward, which sets it up
+    out = failing_model(input_ids=batch[0], attention_mask=batch[1], labels=batch[2])
+    with pytest.raises(RuntimeError, match="injected attention backward failure"):
+        out.loss.backward()
+    monkeypatch.undo()
+    hook.remove()
+    assert failing_model.moecc.engine._backward_parts  # layer 2's part, never joined by that pass
+    failing_model.zero_grad(set_to_none=True)
+    _assert_next_step_bit_equal(failing_model, fresh, batch)
 
 
 def _publishing_model() -> torch.nn.Module:
@@ -437,8 +539,9 @@ def test_layers_the_reference_computes_never_publish_and_train_as_without(monkey
 @pytest.mark.gpu
 @pytest.mark.parametrize("rule", ["own", "alternating"])
 def test_hybrid_on_cuda_with_device_waits_is_as_accurate_as_hf_peft_in_bf16(rule, request):
-    """bf16 on a GPU with the native kernels: the forward's CPU parts publish their rows and the stream waits for
-    them itself (``device_wait_share`` > 0 where a split has both sides), held to float32 HF + PEFT. Device waits
+    """bf16 on a GPU with the native kernels: the forward's and backward's CPU parts publish their results and the
+    stream waits for them itself (``device_wait_share``, ``backward_device_wait_share`` > 0 where a split has both
+    sides), held to float32 HF + PEFT. Device waits
     need eager kernel loading: under lazy loading the test runs again in a child process that loads eagerly."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -458,4 +561,4 @@ def test_hybrid_on_cuda_with_device_waits_is_as_accurate_as_hf_peft_in_bf16(rule
     _assert_bf16_as_accurate_as_hf_peft(reference, engine, device="cuda")
     metrics = inner.metrics_since_reset()
     if rule == "alternating":
-        assert metrics["device_wait_share"] > 0
+        assert metrics["device_wait_share"] > 0 and metrics["backward_device_wait_share"] > 0
