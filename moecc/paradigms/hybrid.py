@@ -37,6 +37,7 @@ from .device_wait import CpuDone
 from .hybrid_split import CostTracker, RoutingForecast, SideCosts, hit_rate, physical_costs, plan_split
 from .offload import OffloadEngine, OffloadLayer, ParkedState, _Call, lora_on_device, offload_gpu_bytes
 
+_KEPT_ERRORS = 16  # backward parts' errors kept for passes that have not claimed them
 # Split hook: (layer index, tokens per expert, "forward") -> the experts to run on the GPU.
 SplitRule = Callable[[int, list, str], Iterable[int]]
 
@@ -91,9 +92,12 @@ class HybridEngine(OffloadEngine):
         self._mirrors: dict[int, tuple[list, list[torch.Tensor]]] = {}  # layer -> (factors, pinned host copies)
         self.cpu_done = CpuDone(self.device)
         self._deferred = threading.local()  # .parts: this thread's forwards whose CPU part is not joined yet
-        # Backwards' CPU parts the device waited for itself, not joined yet (any thread's)
-        self._backward_parts: list[Future] = []
+        # Backwards' CPU parts the device waits for itself, not joined yet (any thread's): (graph task, future); the
+        # errors of joined ones, kept for their pass (graph task) to raise
+        self._backward_parts: list[tuple[int, Future]] = []
+        self._backward_errors: dict[int, BaseException] = {}
         self._backward_parts_lock = threading.Lock()
+        self.first_backward_pass: int | None = None  # forward_passes when a backward first ran
 
     @classmethod
     def from_config(cls, device: torch.device, config: MoeccConfig) -> HybridEngine:
@@ -323,35 +327,43 @@ class HybridEngine(OffloadEngine):
             raise error
 
     def defer_backward(self, future: Future) -> None:
-        """A backward's CPU part that the device waits for itself: joined by the next backward layer call, a forward
-        (:meth:`join_backward`), or the end of the backward pass running now, whose ``backward()`` then raises its
-        error. Outside a backward pass (a node's backward called directly) it is joined at once."""
+        """A backward's CPU part that the device will wait for itself, registered as soon as it is submitted: joined
+        by the next backward layer call, a forward, or the end of the backward pass running now, whose
+        ``backward()`` then raises its error (:meth:`join_backward`). Outside the autograd engine's backward (a
+        node's backward called directly) it is joined at once."""
+        task = _graph_task()
+        if task == -1:
+            future.result()
+            return
         with self._backward_parts_lock:
-            self._backward_parts.append(future)
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(self.join_backward)
-        except RuntimeError:  # not inside the autograd engine's backward
-            self.join_backward()
+            self._backward_parts.append((task, future))
+        torch.autograd.Variable._execution_engine.queue_callback(self.join_backward)
 
-    def join_backward(self, inside_backward: bool = True) -> None:
-        """Waits for every backward CPU part not joined yet and raises the first error among those of backward
-        passes that may still be running. ``inside_backward=False`` (a forward outside any backward): parts still
-        here belong to passes that raised already (a pass that ends joins its own), so their errors are dropped."""
+    def join_backward(self) -> None:
+        """Waits for every backward CPU part not joined yet; raises the first error of the calling thread's
+        backward pass among them. The others' errors are kept for their own passes: a forward, or another thread's
+        backward, never takes them. A pass that died raised already and never claims its parts' errors; those
+        kept are bounded."""
+        task = _graph_task()
         with self._backward_parts_lock:
             pending, self._backward_parts = self._backward_parts, []
-        if not pending:
-            return
-        start, error = time.perf_counter(), None
-        for future in pending:
+        start = time.perf_counter()
+        for owner, future in pending:
             try:
                 future.result()
-            except BaseException as caught:  # every part is joined before the first error is raised
-                if inside_backward:
-                    error = error or caught
-        with self.measure_lock:
-            self.sides.cpu_wait_s += time.perf_counter() - start
-        if error is not None:
-            raise error
+            except BaseException as caught:  # every part is joined before an error is raised
+                with self._backward_parts_lock:
+                    self._backward_errors.setdefault(owner, caught)
+                    while len(self._backward_errors) > _KEPT_ERRORS:
+                        self._backward_errors.pop(next(iter(self._backward_errors)))
+        if pending:
+            with self.measure_lock:
+                self.sides.cpu_wait_s += time.perf_counter() - start
+        if task != -1:
+            with self._backward_parts_lock:
+                error = self._backward_errors.pop(task, None)
+            if error is not None:
+                raise error
 
 
 def configure_cpu_threads(pin_threads: bool = True) -> int:
@@ -390,7 +402,7 @@ class HybridLayer(OffloadLayer):
     def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Pending:
         self.check_inputs(hidden, top_k_index, top_k_weights)
         with self.engine.lock:  # the slots are shared: one thread's layer call at a time
-            self.engine.join_backward(inside_backward=_graph_task() != -1)  # a checkpoint's recomputation is inside
+            self.engine.join_backward()  # inside a backward (a checkpoint's recomputation): raises the pass's error
             self.engine.join_deferred(self.index)
             return self.checked(self._submit(hidden, top_k_index, top_k_weights))
 
@@ -509,15 +521,18 @@ def _graph_task() -> int:
     return -1 if current is None else current()
 
 
-def _may_publish(engine: HybridEngine, layer: HybridLayer, factors: Iterable[torch.Tensor | None]) -> bool:
+def _may_publish(engine: HybridEngine, layer: HybridLayer, factors: Iterable[torch.Tensor | None],
+                 backward: bool = False) -> bool:
     """Whether a CPU part of ``layer`` may publish its results for the device to wait on: not in the first forward
-    pass or its backward (by the second, every kernel a step launches, JIT-compiled ones too, has been loaded once,
-    and none loads behind a pending wait), the backend returning rows for the layer (the reference never does),
+    pass, nor in a backward before one backward pass has run in an earlier step (by then every kernel a step
+    launches, JIT-compiled ones too, has been loaded once, and none loads behind a pending wait), the backend returning rows for the layer (the reference never does),
     a CUDA device with a working stream wait (or the CPU device, where the wait blocks the host), and the LoRA
     factors on the engine's device (host factors are summed on the host, after the part)."""
     device_wait = engine.cpu_done.on_device and engine.staging.mapped
     returns_rows = getattr(engine.cpu, "returns_rows", None)
-    return (engine.forward_passes >= 2 and returns_rows is not None and returns_rows(layer.weights)
+    loaded = (engine.first_backward_pass is not None and engine.first_backward_pass < engine.forward_passes
+              if backward else engine.forward_passes >= 2)
+    return (loaded and returns_rows is not None and returns_rows(layer.weights)
             and (device_wait or engine.device.type == "cpu")
             and all(t is None or t.device == engine.device for t in factors))
 
@@ -579,11 +594,11 @@ def _backward_publish_target(engine: HybridEngine, layer: HybridLayer, parts: _P
     """(number, staging views by role) the backward's CPU part writes its results into and then publishes, where
     the device can wait for that itself (``_may_publish``, and rows per pair: ``rows_pay``); None where the
     caller waits. The views: the input gradient's rows and their tokens, the routing-weight gradient, the CPU
-    experts' ids and, per LoRA factor ``w``, those experts' blocks of its gradient (``_blocks_view``). Layers
+    experts' ids and, per LoRA factor ``w``, those experts' blocks of its gradient (``_grouped_shape``). Layers
     alternate between two banks of roles, so the next layer's views are not ones the device may still read."""
     factors = lora_tensors(parts.lora)
     pairs = sum(counts)
-    if (not _may_publish(engine, layer, factors) or pairs >= weights_shape.numel()
+    if (not _may_publish(engine, layer, factors, backward=True) or pairs >= weights_shape.numel()
             or not rows_pay(pairs, grad_out.shape[0])):
         return None
     bank = f"backward{layer.index % 2}_"
@@ -689,6 +704,8 @@ class HybridExpertsFunction(torch.autograd.Function):
     def _backward(ctx, grad_out):
         layer, parts, engine = ctx.layer, ctx.parts, ctx.layer.engine
         engine.join_backward()  # the layer after's CPU part: its error stops the pass before this layer changes
+        if engine.first_backward_pass is None:
+            engine.first_backward_pass = engine.forward_passes
         join_part(parts)
         if not parts.done or (parts.cpu and parts.cpu_saved is None) or (parts.gpu and parts.gpu_state is None):
             raise saved_state_gone("hybrid")
@@ -708,6 +725,7 @@ class HybridExpertsFunction(torch.autograd.Function):
                 except BaseException:
                     engine.cpu_done.publish(published[0])  # never run: no stream may wait for it
                     raise
+                engine.defer_backward(cpu_future)  # now: joined even where this call fails before its sums
         slot = engine._timed_fetch("backward", layer, list(parts.gpu), parts.lora) if parts.gpu else None
         if isinstance(parts.gpu_state, ParkedState):
             engine.parking.restore(parts.gpu_state)  # queued now unless the layer after prefetched it
@@ -719,7 +737,6 @@ class HybridExpertsFunction(torch.autograd.Function):
             engine.sides.backward_device_waits += engine.cpu_done.on_device
             with torch.no_grad():
                 grads = _add(engine.staging, grads, views, bank, parts.lora, grad_out, ctx.weights_shape)
-            engine.defer_backward(cpu_future)
         elif cpu_future is not None:
             start = time.perf_counter()
             cpu_hidden, cpu_tokens, cpu_weights, cpu_lora = cpu_future.result()

@@ -435,12 +435,62 @@ def test_a_backward_that_dies_after_publishing_leaves_no_error_for_the_next_step
     _assert_next_step_bit_equal(failing_model, fresh, batch)
 
 
+def test_a_forward_on_another_thread_leaves_a_running_backward_its_part_error(monkeypatch):
+    """Layer 2's published backward part fails while another thread runs a forward of the same model (from inside
+    the backward, before any later layer call joins the part): that forward joins the part but leaves its error
+    to the backward it belongs to, whose ``backward()`` raises it instead of returning partial gradients."""
+    import threading
+
+    batch = batches(256, 1, batch=3, seq=16, seed=4, pad=True)[0]
+    model = _publishing_model()
+    _fail_cpu_backward_of_layer(monkeypatch, 2)
+    attention = [m for name, m in model.named_modules() if name.endswith("layers.2.self_attn")][0]
+    forwards = []
+
+    def forward_elsewhere(module, grad_output):
+        if not forwards:  # once: the forward below runs this module again
+            def run():
+                with torch.no_grad():
+                    forwards.append(model(input_ids=batch[0], attention_mask=batch[1]).logits)
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join()
+
+    hook = attention.register_full_backward_pre_hook(forward_elsewhere)
+    out = model(input_ids=batch[0], attention_mask=batch[1], labels=batch[2])
+    with pytest.raises(RuntimeError, match="injected CPU backward failure in layer 2"):
+        out.loss.backward()
+    hook.remove()
+    assert len(forwards) == 1 and not model.moecc.engine._backward_parts
+
+
+def test_the_first_backward_never_publishes_even_after_an_evaluation_forward(monkeypatch):
+    """A forward without gradients before the first training step makes that step's forward the second pass, but
+    its backward is still the first one (backward-only kernels load then): it waits for its CPU parts, and the
+    next step's backward publishes."""
+    _, model = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
+                          backend="auto", num_hidden_layers=4)
+    model.moecc.engine.split_rule = _alternating
+    calls = []
+    publish = hybrid_module._cpu_backward_published
+    monkeypatch.setattr(hybrid_module, "_cpu_backward_published",
+                        lambda *args: (calls.append(args[2]), publish(*args))[1])
+    data = batches(256, 3, batch=3, seq=16, seed=4, pad=True)
+    with torch.no_grad():
+        model(input_ids=data[0][0], attention_mask=data[0][1])
+    for ids, mask, labels in data[1:]:
+        calls.append("step")
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    assert calls[:2] == ["step", "step"] and len(calls) > 2
+
+
 def _publishing_model() -> torch.nn.Module:
     """A 4-layer bf16 hybrid model under the alternating split, as after a first step (its parts publish)."""
     _, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
                            backend="auto", num_hidden_layers=4)
     engine.moecc.engine.split_rule = _alternating
     engine.moecc.engine.forward_passes = 1
+    engine.moecc.engine.first_backward_pass = 0
     return engine
 
 
@@ -555,7 +605,8 @@ def test_hybrid_on_cuda_with_device_waits_is_as_accurate_as_hf_peft_in_bf16(rule
                                    backend="auto", device="cuda", num_hidden_layers=4)
     inner = engine.moecc.engine
     inner.split_rule = None if rule == "own" else RULES[rule]
-    inner.forward_passes = 1  # as after a first step, which loads every kernel: forwards publish their parts
+    inner.forward_passes = 1  # as after a first step, which loads every kernel: CPU parts publish
+    inner.first_backward_pass = 0
     assert inner.cpu_done.on_device, inner.cpu_done.reason
     inner.reset_metrics()
     _assert_bf16_as_accurate_as_hf_peft(reference, engine, device="cuda")
