@@ -9,6 +9,7 @@ import torch
 
 import moecc
 import moecc.paradigms.hybrid as hybrid_module
+import moecc.paradigms.hybrid_parts as hybrid_parts
 from moecc.errors import MoeccError
 
 from ..parity import TOLERANCE, assert_grads_match, batches, build_pair, forward_backward_both, lora_config
@@ -385,7 +386,8 @@ def _fail_cpu_backward_of_layer(monkeypatch, failing: int) -> list[int]:
             raise RuntimeError(f"injected CPU backward failure in layer {index}")
         return backward(engine, index, *rest)
 
-    monkeypatch.setattr(hybrid_module, "_cpu_backward", fails)
+    for module in (hybrid_module, hybrid_parts):  # the waiting path's job, and the published one's inner call
+        monkeypatch.setattr(module, "_cpu_backward", fails)
     return ran
 
 
@@ -502,7 +504,8 @@ def _fail_cpu_forward_of_layer_1(monkeypatch) -> None:
             raise RuntimeError("injected CPU part failure")
         return forward(engine, layer, *rest)
 
-    monkeypatch.setattr(hybrid_module, "_cpu_forward", fails_in_layer_1)
+    for module in (hybrid_module, hybrid_parts):  # the waiting path's job, and the published one's inner call
+        monkeypatch.setattr(module, "_cpu_forward", fails_in_layer_1)
 
 
 def _assert_next_step_bit_equal(model: torch.nn.Module, fresh: torch.nn.Module, batch: tuple) -> None:
