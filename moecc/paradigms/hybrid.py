@@ -331,21 +331,21 @@ class HybridEngine(OffloadEngine):
         """A backward's CPU part that the device will wait for itself, registered as soon as it is submitted: joined
         by the next backward layer call, a forward, or the end of the backward pass running now, whose
         ``backward()`` then raises its error (:meth:`join_backward`). Outside the autograd engine's backward (a
-        node's backward called directly) it is joined at once."""
-        task = _graph_task()
-        if task == -1:
-            future.result()
-            return
+        node's backward called directly) nothing publishes (``_backward_publish_target``)."""
         with self._backward_parts_lock:
-            self._backward_parts.append((task, future))
+            self._backward_parts.append((_graph_task(), future))
         torch.autograd.Variable._execution_engine.queue_callback(self.join_backward)
 
     def join_backward(self) -> None:
         """Waits for every backward CPU part not joined yet; raises the first error of the calling thread's
         backward pass among them. The others' errors are kept for their own passes: a forward, or another thread's
         backward, never takes them. A pass that died raised already and never claims its parts' errors; those
-        kept are bounded."""
-        task = _graph_task()
+        kept are bounded. Under the engine's lock throughout: a pass's end must not find its parts taken by another
+        thread's join that has not filed their errors yet."""
+        with self.lock:
+            self._join_backward(_graph_task())
+
+    def _join_backward(self, task: int) -> None:
         with self._backward_parts_lock:
             pending, self._backward_parts = self._backward_parts, []
         start = time.perf_counter()
@@ -539,7 +539,9 @@ class HybridExpertsFunction(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_out):
         layer, parts, engine = ctx.layer, ctx.parts, ctx.layer.engine
-        engine.join_backward()  # the layer after's CPU part: its error stops the pass before this layer changes
+        # The layer after's CPU part: its error stops the pass before this layer changes (a reentrant checkpoint
+        # segment's own pass files an outer part's error for the outer pass, which raises it at its next join)
+        engine.join_backward()
         if engine.first_backward_pass is None:
             engine.first_backward_pass = engine.forward_passes
         join_part(parts)

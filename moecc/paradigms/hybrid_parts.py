@@ -59,18 +59,18 @@ def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora
 
 
 def _graph_task() -> int:
-    """The autograd graph task this thread runs now, -1 outside a backward pass (and where torch cannot say)."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return -1 if current is None else current()
+    """The autograd graph task this thread runs now, -1 outside the autograd engine's backward."""
+    return torch._C._current_graph_task_id()
 
 
 def _may_publish(engine: HybridEngine, layer: HybridLayer, factors: Iterable[torch.Tensor | None],
                  backward: bool = False) -> bool:
-    """Whether a CPU part of ``layer`` may publish its results for the device to wait on: not in the first forward
-    pass, nor in a backward before one backward pass has run in an earlier step (by then every kernel a step
-    launches, JIT-compiled ones too, has been loaded once, and none loads behind a pending wait), the backend returning rows for the layer (the reference never does),
-    a CUDA device with a working stream wait (or the CPU device, where the wait blocks the host), and the LoRA
-    factors on the engine's device (host factors are summed on the host, after the part)."""
+    """Whether a CPU part of ``layer`` may publish its results for the device to wait on. Not in the first forward
+    pass, nor in a backward before one backward pass has run in an earlier step: by then every kernel a step
+    launches, JIT-compiled ones too, has been loaded once, and none loads behind a pending wait. The backend must
+    return rows for the layer (the reference never does), the device must be CUDA with a working stream wait (or
+    the CPU, where the wait blocks the host), and the LoRA factors on the engine's device (host factors are summed
+    on the host, after the part)."""
     device_wait = engine.cpu_done.on_device and engine.staging.mapped
     returns_rows = getattr(engine.cpu, "returns_rows", None)
     loaded = (engine.first_backward_pass is not None and engine.first_backward_pass < engine.forward_passes
@@ -141,7 +141,7 @@ def _backward_publish_target(engine: HybridEngine, layer: HybridLayer, parts: _P
     alternate between two banks of roles, so the next layer's views are not ones the device may still read."""
     factors = lora_tensors(parts.lora)
     pairs = sum(counts)
-    if (not _may_publish(engine, layer, factors, backward=True) or pairs >= weights_shape.numel()
+    if (_graph_task() == -1 or not _may_publish(engine, layer, factors, backward=True) or pairs >= weights_shape.numel()
             or not rows_pay(pairs, grad_out.shape[0])):
         return None
     bank = f"backward{layer.index % 2}_"

@@ -466,6 +466,34 @@ def test_a_forward_on_another_thread_leaves_a_running_backward_its_part_error(mo
     assert len(forwards) == 1 and not model.moecc.engine._backward_parts
 
 
+def test_a_pass_end_waits_for_another_threads_join_of_its_failed_part(monkeypatch):
+    """A forward on another thread has taken a backward pass's failing part and still waits for it when that
+    pass ends: the pass's join waits until the error is filed and raises it, instead of finding no part and
+    returning partial gradients."""
+    import threading
+    import time
+
+    engine = _publishing_model().moecc.engine
+    tasks = {}  # thread -> the graph task it runs (none: -1, a forward)
+    monkeypatch.setattr(hybrid_module, "_graph_task", lambda: tasks.get(threading.get_ident(), -1))
+
+    def slow_failure():
+        time.sleep(0.4)
+        raise RuntimeError("injected slow CPU part failure")
+
+    engine._backward_parts.append((7, engine.run_cpu(slow_failure)))
+    forward_join = threading.Thread(target=engine.join_backward)
+    forward_join.start()
+    time.sleep(0.1)  # it holds the part now
+    tasks[threading.get_ident()] = 7
+    try:
+        with pytest.raises(RuntimeError, match="injected slow CPU part failure"):
+            engine.join_backward()  # as pass 7's end-of-pass callback
+    finally:
+        forward_join.join()
+    assert not engine._backward_errors
+
+
 def test_the_first_backward_never_publishes_even_after_an_evaluation_forward(monkeypatch):
     """A forward without gradients before the first training step makes that step's forward the second pass, but
     its backward is still the first one (backward-only kernels load then): it waits for its CPU parts, and the
