@@ -24,8 +24,6 @@ class StagingBuffers:
     """Named host buffers for one device; ``view`` hands out typed views, ``to_host``/``to_device`` copy."""
 
     def __init__(self, device: torch.device) -> None:
-        if device.type == "cuda" and device.index is None:  # a tensor's device has its number: compared below
-            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.pinned = device.type == "cuda"
         self._local = threading.local()  # .buffers: role -> buffer, .pending: role -> event; one set per thread
@@ -164,8 +162,11 @@ def device_alias(buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
     kernels that read it fetch the bytes over PCIe. Raises where the memory is not visible to the device."""
     if not buffer.is_pinned() or not buffer.is_contiguous():
         raise ValueError("device_alias needs a contiguous pinned host tensor")
+    device = torch.device(device)
+    if device.index is None:  # as_tensor copies to "cuda" a pointer it sees on "cuda:0"; compared numbered below
+        device = torch.device("cuda", torch.cuda.current_device())
     raw = torch.as_tensor(_DeviceArray(buffer), device=device)
-    if raw.device != torch.device(device) or raw.data_ptr() != buffer.data_ptr():
+    if raw.device != device or raw.data_ptr() != buffer.data_ptr():
         # torch placed the memory on another device and copied it there: not a read in place
         raise RuntimeError(f"pinned memory seen on {raw.device}, not {device}")
     return raw.view(buffer.dtype).view(buffer.shape)

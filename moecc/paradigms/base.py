@@ -111,9 +111,14 @@ class _CheckedPending:
         return output
 
 
+def current_graph_task() -> int:
+    """The autograd graph task this thread runs now, -1 outside the autograd engine's backward."""
+    return torch._C._current_graph_task_id()
+
+
 def is_recomputing() -> bool:
     """Whether this forward runs inside backward: a checkpointed layer computing its saved tensors again."""
-    return torch._C._current_graph_task_id() != -1
+    return current_graph_task() != -1
 
 
 def saved_state_gone(where: str) -> RuntimeError:

@@ -31,10 +31,11 @@ from ..experts import ExpertBackend, ExpertLora, LoraGrads, SavedState
 from ..experts.select import cpu_backend, default_device_backend, device_backend
 from ..lora import lora_tensors
 from ..staging import StagingBuffers
-from .base import Pending, Worker, expert_lora_params, node_gradients, routed_counts, saved_state_gone
+from .base import (Pending, Worker, current_graph_task, expert_lora_params, node_gradients, routed_counts,
+                   saved_state_gone)
 from .device_wait import CpuDone
 from .hybrid_parts import (_add, _add_part, _backward_publish_target, _cpu_backward, _cpu_backward_published,
-                           _cpu_forward, _cpu_forward_published, _cpu_sources, _graph_task, _mask, _publish_target)
+                           _cpu_forward, _cpu_forward_published, _cpu_sources, _mask, _publish_target)
 from .hybrid_split import CostTracker, RoutingForecast, SideCosts, hit_rate, physical_costs, plan_split
 from .offload import OffloadEngine, OffloadLayer, ParkedState, _Call, lora_on_device, offload_gpu_bytes
 
@@ -333,7 +334,7 @@ class HybridEngine(OffloadEngine):
         ``backward()`` then raises its error (:meth:`join_backward`). Outside the autograd engine's backward (a
         node's backward called directly) nothing publishes (``_backward_publish_target``)."""
         with self._backward_parts_lock:
-            self._backward_parts.append((_graph_task(), future))
+            self._backward_parts.append((current_graph_task(), future))
         torch.autograd.Variable._execution_engine.queue_callback(self.join_backward)
 
     def join_backward(self) -> None:
@@ -343,7 +344,7 @@ class HybridEngine(OffloadEngine):
         kept are bounded. Under the engine's lock throughout: a pass's end must not find its parts taken by another
         thread's join that has not filed their errors yet."""
         with self.lock:
-            self._join_backward(_graph_task())
+            self._join_backward(current_graph_task())
 
     def _join_backward(self, task: int) -> None:
         with self._backward_parts_lock:

@@ -19,6 +19,7 @@ from ..experts import LoraGrads, SavedState
 from ..experts.native import rows_pay
 from ..lora import lora_tensors
 from ..staging import StagingBuffers
+from .base import current_graph_task
 
 # Annotations name HybridEngine, HybridLayer and _Parts of moecc.paradigms.hybrid, which imports this module; they
 # are never evaluated (``from __future__ import annotations``).
@@ -56,11 +57,6 @@ def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora
             (out, saved), tokens = engine.cpu.forward(*args, expert_mask=_mask(cpu, weights.num_experts)), None
     engine.record_cpu("forward", layer.index, [counts[e] for e in cpu], time.perf_counter() - start, began_ns)
     return out, tokens, saved
-
-
-def _graph_task() -> int:
-    """The autograd graph task this thread runs now, -1 outside the autograd engine's backward."""
-    return torch._C._current_graph_task_id()
 
 
 def _may_publish(engine: HybridEngine, layer: HybridLayer, factors: Iterable[torch.Tensor | None],
@@ -141,8 +137,8 @@ def _backward_publish_target(engine: HybridEngine, layer: HybridLayer, parts: _P
     alternate between two banks of roles, so the next layer's views are not ones the device may still read."""
     factors = lora_tensors(parts.lora)
     pairs = sum(counts)
-    if (_graph_task() == -1 or not _may_publish(engine, layer, factors, backward=True) or pairs >= weights_shape.numel()
-            or not rows_pay(pairs, grad_out.shape[0])):
+    if (current_graph_task() == -1 or not _may_publish(engine, layer, factors, backward=True)
+            or pairs >= weights_shape.numel() or not rows_pay(pairs, grad_out.shape[0])):
         return None
     bank = f"backward{layer.index % 2}_"
     staging, num_experts, cpu = engine.staging, layer.weights.num_experts, len(parts.cpu)

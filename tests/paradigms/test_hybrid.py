@@ -375,19 +375,22 @@ def test_backward_cpu_parts_that_publish_give_the_same_bits_as_waiting_for_them(
             assert torch.equal(got[name], want[name]), name
 
 
-def _fail_cpu_backward_of_layer(monkeypatch, failing: int) -> list[int]:
-    """Makes layer ``failing``'s backward CPU part raise; returns the layers whose backward CPU part ran, as run."""
-    backward = hybrid_module._cpu_backward
+def _fail_cpu_part(monkeypatch, phase: str, failing: int, message: str) -> list[int]:
+    """Makes layer ``failing``'s CPU part of ``phase`` (``"forward"`` or ``"backward"``) raise ``message``; returns
+    the layers whose CPU part of that phase ran, in order."""
+    name = f"_cpu_{phase}"
+    run = getattr(hybrid_parts, name)
     ran = []
 
-    def fails(engine, index, *rest):
+    def fails(engine, layer, *rest):
+        index = layer if isinstance(layer, int) else layer.index  # forward jobs get the layer, backward its index
         ran.append(index)
         if index == failing:
-            raise RuntimeError(f"injected CPU backward failure in layer {index}")
-        return backward(engine, index, *rest)
+            raise RuntimeError(message)
+        return run(engine, layer, *rest)
 
     for module in (hybrid_module, hybrid_parts):  # the waiting path's job, and the published one's inner call
-        monkeypatch.setattr(module, "_cpu_backward", fails)
+        monkeypatch.setattr(module, name, fails)
     return ran
 
 
@@ -399,7 +402,7 @@ def test_a_published_backward_part_that_fails_raises_from_backward_and_leaves_th
     error, nothing waits for ever, and after ``zero_grad`` the next step equals a fresh model's."""
     batch = batches(256, 1, batch=3, seq=16, seed=4, pad=True)[0]
     failing_model, fresh = _publishing_model(), _publishing_model()
-    ran = _fail_cpu_backward_of_layer(monkeypatch, failing)
+    ran = _fail_cpu_part(monkeypatch, "backward", failing, f"injected CPU backward failure in layer {failing}")
     published = []
     publish = hybrid_module._cpu_backward_published
     monkeypatch.setattr(hybrid_module, "_cpu_backward_published",
@@ -420,7 +423,7 @@ def test_a_backward_that_dies_after_publishing_leaves_no_error_for_the_next_step
     part's, and it equals a fresh model's."""
     batch = batches(256, 1, batch=3, seq=16, seed=4, pad=True)[0]
     failing_model, fresh = _publishing_model(), _publishing_model()
-    _fail_cpu_backward_of_layer(monkeypatch, 2)
+    _fail_cpu_part(monkeypatch, "backward", 2, "injected CPU backward failure in layer 2")
     attention = [m for name, m in failing_model.named_modules() if name.endswith("layers.2.self_attn")][0]
 
     def attention_fails(module, grad_output):
@@ -445,7 +448,7 @@ def test_a_forward_on_another_thread_leaves_a_running_backward_its_part_error(mo
 
     batch = batches(256, 1, batch=3, seq=16, seed=4, pad=True)[0]
     model = _publishing_model()
-    _fail_cpu_backward_of_layer(monkeypatch, 2)
+    _fail_cpu_part(monkeypatch, "backward", 2, "injected CPU backward failure in layer 2")
     attention = [m for name, m in model.named_modules() if name.endswith("layers.2.self_attn")][0]
     forwards = []
 
@@ -475,7 +478,7 @@ def test_a_pass_end_waits_for_another_threads_join_of_its_failed_part(monkeypatc
 
     engine = _publishing_model().moecc.engine
     tasks = {}  # thread -> the graph task it runs (none: -1, a forward)
-    monkeypatch.setattr(hybrid_module, "_graph_task", lambda: tasks.get(threading.get_ident(), -1))
+    monkeypatch.setattr(hybrid_module, "current_graph_task", lambda: tasks.get(threading.get_ident(), -1))
 
     def slow_failure():
         time.sleep(0.4)
@@ -524,18 +527,6 @@ def _publishing_model() -> torch.nn.Module:
     return engine
 
 
-def _fail_cpu_forward_of_layer_1(monkeypatch) -> None:
-    forward = hybrid_module._cpu_forward
-
-    def fails_in_layer_1(engine, layer, *rest):
-        if layer.index == 1:
-            raise RuntimeError("injected CPU part failure")
-        return forward(engine, layer, *rest)
-
-    for module in (hybrid_module, hybrid_parts):  # the waiting path's job, and the published one's inner call
-        monkeypatch.setattr(module, "_cpu_forward", fails_in_layer_1)
-
-
 def _assert_next_step_bit_equal(model: torch.nn.Module, fresh: torch.nn.Module, batch: tuple) -> None:
     """One forward and backward of both on ``batch``: the same logits and gradients, bit for bit."""
     ids, mask, labels = batch
@@ -553,7 +544,7 @@ def test_a_published_cpu_part_that_fails_stops_the_pass_and_leaves_the_model_usa
     it changes any state, no layer waits for ever, and the next step equals a fresh model's."""
     batch = batches(256, 1, batch=3, seq=16, seed=4, pad=True)[0]
     failing, fresh = _publishing_model(), _publishing_model()
-    _fail_cpu_forward_of_layer_1(monkeypatch)
+    _fail_cpu_part(monkeypatch, "forward", 1, "injected CPU part failure")
     published = []
     publish = hybrid_module._cpu_forward_published
     monkeypatch.setattr(hybrid_module, "_cpu_forward_published",
@@ -580,7 +571,7 @@ def test_a_pass_that_dies_between_layers_leaves_its_published_part_behind_not_in
 
     attention = [m for name, m in failing.named_modules() if name.endswith("layers.2.self_attn")][0]
     hook = attention.register_forward_pre_hook(attention_fails, with_kwargs=True)
-    _fail_cpu_forward_of_layer_1(monkeypatch)
+    _fail_cpu_part(monkeypatch, "forward", 1, "injected CPU part failure")
     with pytest.raises(RuntimeError, match="injected attention failure"):
         failing(input_ids=batch[0], attention_mask=batch[1], labels=batch[2])
     monkeypatch.undo()
