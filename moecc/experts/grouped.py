@@ -239,6 +239,7 @@ def _sum_per_token(rows: torch.Tensor, order: torch.Tensor, num_tokens: int, top
 
 # Stateless as the reference, and for every layout (the loop runs where ``_grouped_mm`` does not).
 supports, release_result, prepare_layers = reference.supports, reference.release_result, reference.prepare_layers
+keep_experts = reference.keep_experts
 
 
 def forward(weights: ExpertWeights, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

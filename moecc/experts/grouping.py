@@ -8,6 +8,7 @@ so ``P`` is the subset's pair count.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -33,10 +34,11 @@ class Grouping:
         """``[E]`` pairs per expert (on the grouping's device)."""
         return self.offsets.diff()
 
-    def subset(self, expert_mask: torch.Tensor) -> Grouping:
+    def subset(self, expert_mask: torch.Tensor, num_pairs: int | None = None) -> Grouping:
         """The pairs of the experts where ``expert_mask`` (bool ``[E]``) is set, in the same order.
 
-        On a GPU this syncs once with the host (the subset's size); the offsets stay on the device."""
+        On a GPU this syncs once with the host for the subset's size, unless the caller knows it (``num_pairs``:
+        the kept experts' pairs, from counts it holds on the host); the offsets stay on the device."""
         mask = expert_mask.to(device=self.offsets.device, dtype=torch.bool)
         if mask.shape != (self.num_experts,):
             raise ValueError(f"expert_mask must be bool [{self.num_experts}], got shape {tuple(expert_mask.shape)}")
@@ -46,21 +48,37 @@ class Grouping:
             bounds = self.offsets.tolist()
             kept = [self.order[bounds[e]:bounds[e + 1]] for e in mask.nonzero().view(-1).tolist()]
             order = torch.cat(kept) if kept else self.order[:0]
+            if num_pairs is not None and order.numel() != num_pairs:
+                raise ValueError(f"the kept experts have {order.numel()} pairs, not num_pairs={num_pairs}")
             return Grouping(offsets, order)
-        keep = torch.repeat_interleave(mask, self.counts(), output_size=self.num_pairs)  # [P]
-        return Grouping(offsets, self.order[keep])
+        if num_pairs is None:
+            keep = torch.repeat_interleave(mask, self.counts(), output_size=self.num_pairs)  # [P]
+            return Grouping(offsets, self.order[keep])
+        return Grouping(offsets, kept_pairs(self, offsets, num_pairs))
+
+
+def kept_pairs(full: Grouping, offsets: torch.Tensor, num_pairs: int) -> torch.Tensor:
+    """``full.order``'s pairs of a subset whose offsets are ``offsets`` and size ``num_pairs``, with no host sync.
+    Row j of the subset, of expert e, is row ``j - offsets[e] + full.offsets[e]`` of the full grouping: a gather
+    of a size the caller gave, so the host does not wait for the device (and the expert copies queued before)."""
+    device = full.offsets.device
+    owner = torch.repeat_interleave(torch.arange(full.num_experts, device=device), offsets.diff(),
+                                    output_size=num_pairs)
+    rows = torch.arange(num_pairs, device=device) + (full.offsets[:-1] - offsets[:-1])[owner]
+    return full.order[rows]
 
 
 def group_by_expert(top_k_index: torch.Tensor, num_experts: int,
-                    expert_mask: torch.Tensor | None = None) -> Grouping:
+                    expert_mask: torch.Tensor | None = None, num_pairs: int | None = None) -> Grouping:
     """The stable grouping of ``top_k_index [T, k]``'s pairs by expert, of the experts in ``expert_mask`` only
-    when one is given. In host memory the native counting sort (which checks every id); on a GPU a stable sort
-    and a binary search, with no host sync (ids are trusted there: checking them would need one)."""
+    when one is given (``num_pairs``: their pairs, where the caller knows them: ``Grouping.subset``). In host
+    memory the native counting sort (which checks every id); on a GPU a stable sort and a binary search, with no
+    host sync (ids are trusted there: checking them would need one)."""
     if top_k_index.device.type == "cpu":
         grouping = Grouping(*_ops.group_tokens_by_expert(top_k_index, num_experts))
     else:
         grouping = _sort_grouping(top_k_index, num_experts)
-    return grouping if expert_mask is None else grouping.subset(expert_mask)
+    return grouping if expert_mask is None else grouping.subset(expert_mask, num_pairs)
 
 
 def _sort_grouping(top_k_index: torch.Tensor, num_experts: int) -> Grouping:
@@ -86,3 +104,18 @@ def resolve(top_k_index: torch.Tensor, num_experts: int, expert_mask: torch.Tens
 def is_full(grouping: Grouping, top_k_index: torch.Tensor) -> bool:
     """Whether the grouping covers every routed pair (no subset)."""
     return grouping.num_pairs == top_k_index.numel()
+
+
+def kept_rows(offsets: torch.Tensor, experts: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the grouped rows of ``experts`` [P'] int64, in order, and the offsets [E+1] of those rows alone): how a
+    saved state keeps only some of its experts (host offsets)."""
+    bounds = offsets.tolist()
+    keep = sorted(set(experts))
+    if any(not 0 <= e < len(bounds) - 1 for e in keep):
+        raise ValueError(f"experts {keep} are not all among the grouping's {len(bounds) - 1}")
+    rows = [torch.arange(bounds[e], bounds[e + 1], dtype=torch.int64) for e in keep]
+    counts = torch.zeros(len(bounds) - 1, dtype=torch.int64)
+    for e in keep:
+        counts[e] = bounds[e + 1] - bounds[e]
+    new_offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    return (torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)), new_offsets

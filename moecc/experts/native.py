@@ -23,7 +23,7 @@ import torch
 
 from .. import _ops
 from ..errors import MoeccError, UnsupportedModelError
-from .grouping import Grouping, is_full, resolve
+from .grouping import Grouping, is_full, kept_rows, resolve
 from .types import ExpertLora, ExpertWeights, LoraGrads, SavedState
 
 
@@ -345,6 +345,31 @@ class NativeExperts:
         """Hands a forward's saved buffers back for reuse when no backward will consume them."""
         if saved.gate_up_out is not None:
             self._give_back(saved)
+
+    def keep_experts(self, weights: ExpertWeights, saved: SavedState, experts) -> SavedState:
+        """A subset's ``saved`` (of :meth:`forward_pairs` or a masked :meth:`forward`) with only ``experts``'
+        pairs, its buffers given back: its backward computes those alone (hybrid moves the others' backward to the
+        GPU). The rows are contiguous per expert, so this is a gather of a few MB."""
+        if not isinstance(saved, _SubsetState):
+            raise ValueError("keep_experts needs the saved state of a subset (a forward over every pair keeps "
+                             "none of its experts apart)")
+        if saved.gate_up_out is None:
+            raise RuntimeError("moecc: this forward's saved state was already used by a backward")
+        rows, offsets = kept_rows(saved.offsets, experts)
+
+        def gathered(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            if tensor is None:
+                return None
+            out = self._saved_buffers.take((rows.numel(), *tensor.shape[1:]), tensor.dtype)
+            return torch.index_select(tensor, 0, rows, out=out)
+
+        kept = _SubsetState(gathered(saved.hidden), saved.top_k_weights[rows], offsets,
+                            torch.arange(rows.numel(), dtype=torch.int64), gathered(saved.gate_up_out),
+                            saved.weights_dtype,
+                            None if saved.lora_inner is None else tuple(gathered(t) for t in saved.lora_inner),
+                            pair_ids=saved.pair_ids[rows], routing_shape=saved.routing_shape)
+        self._give_back(saved)
+        return kept
 
     def _give_back(self, saved: SavedState) -> None:
         """Pools the saved state's large buffers (from ``_saved_buffers``, or made by forward alone)."""

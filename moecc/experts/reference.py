@@ -14,10 +14,12 @@ compute the LoRA factorised instead and are compared against this at the toleran
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .activation import activate, activation_grads, merge, round_to, split
-from .grouping import Grouping, resolve
+from .grouping import Grouping, kept_rows, resolve
 from .types import ExpertLora, ExpertWeights, LoraGrads, SavedState
 
 
@@ -32,6 +34,15 @@ def release_result(tensor: torch.Tensor) -> None:
 
 def prepare_layers(weights: list[ExpertWeights]) -> None:
     """Nothing to prepare."""
+
+
+def keep_experts(weights: ExpertWeights, saved: SavedState, experts) -> SavedState:
+    """``saved`` with only ``experts``' pairs: its backward computes those alone (hybrid: the others' backward
+    runs on the other side). Also the grouped backend's, whose saved state has the same layout."""
+    rows, offsets = kept_rows(saved.offsets, experts)
+    rows = rows.to(saved.order.device)
+    return replace(saved, offsets=offsets.to(saved.offsets.device), order=saved.order[rows],
+                   gate_up_out=saved.gate_up_out[rows], lora_inner=None)
 
 
 def _matmul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -50,6 +50,11 @@ class PerLayerExperts:
         """Whether :meth:`forward_pairs` can return rows per pair for this layer (only the native kernels do)."""
         return self.native.supports(weights)
 
+    def keep_experts(self, weights: ExpertWeights, saved: SavedState, experts) -> SavedState:
+        """``saved`` with only ``experts``' pairs, from the backend that made it."""
+        backend = self.native if self.native.supports(weights) else reference
+        return backend.keep_experts(weights, saved, experts)
+
     def release_result(self, tensor: torch.Tensor) -> None:
         self.native.release_result(tensor)
 

@@ -28,6 +28,7 @@ from torch.profiler import record_function
 from .. import _ops
 from ..config import MoeccConfig
 from ..experts import ExpertBackend, ExpertLora, LoraGrads, SavedState
+from ..experts.grouping import group_by_expert
 from ..experts.select import cpu_backend, default_device_backend, device_backend
 from ..lora import lora_tensors
 from ..staging import StagingBuffers
@@ -60,6 +61,7 @@ class SideMetrics:
     prefetched_forwards: int = 0
     device_waits: int = 0  # forwards whose CPU part the device waited for itself (CpuDone), the host going on
     backward_device_waits: int = 0  # the same for backwards
+    moved_experts: int = 0  # experts whose forward ran on the CPU and whose backward runs on the GPU
 
 
 class HybridEngine(OffloadEngine):
@@ -188,7 +190,8 @@ class HybridEngine(OffloadEngine):
         ``cpu_experts`` / ``gpu_experts`` and ``cpu_pairs`` / ``gpu_pairs`` (summed over layer passes),
         ``cpu_wait_s``, ``both_sides_share`` (layer passes split between both sides), ``device_wait_share`` (of them,
         forwards whose CPU part the device waited for on its own: ``CpuDone``), ``backward_device_wait_share`` (the
-        same for backwards), ``prefetch_hit_rate`` and the
+        same for backwards), ``moved_experts`` (CPU experts in forward whose backward ran on the GPU, summed),
+        ``prefetch_hit_rate`` and the
         cost model's measured ``cpu_slowdown`` / ``copy_slowdown`` (measured over predicted seconds)."""
         out = super().counters_since_reset()
         s = self.sides
@@ -200,6 +203,7 @@ class HybridEngine(OffloadEngine):
             "prefetch_hit_rate": s.prefetch_hits / s.prefetched_forwards if s.prefetched_forwards else 0.0,
             "device_wait_share": s.device_waits / s.layer_passes if s.layer_passes else 0.0,
             "backward_device_wait_share": s.backward_device_waits / s.layer_passes if s.layer_passes else 0.0,
+            "moved_experts": float(s.moved_experts),
             "cpu_slowdown": self.trackers["forward"].cpu_scale if self.trackers else 1.0,
             "copy_slowdown": self.trackers["forward"].copy_scale if self.trackers else 1.0,
         })
@@ -220,6 +224,21 @@ class HybridEngine(OffloadEngine):
         # What the slot still holds from an earlier pass (the last backward's copies) cost this pass nothing.
         return plan_split(counts, self.costs("forward"), resident=cached | (present - copied), committed=copied,
                           then=self.costs("backward")).gpu
+
+    def backward_split(self, layer: HybridLayer, counts: list[int], gpu: tuple[int, ...]) -> tuple[int, ...]:
+        """The experts layer ``layer``'s backward will run on the GPU after a forward that ran ``gpu`` there:
+        those, plus CPU experts whose backward pays on the GPU (the CPU's backward costs about twice its forward,
+        the copies the same), which the GPU recomputes from the hidden states its own part saved. Only where the
+        GPU part has pairs (its saved hidden states) and the CPU backend can drop experts from its saved state."""
+        if not any(counts[e] for e in gpu if e < len(counts)) or not hasattr(self.cpu, "keep_experts"):
+            return gpu
+        if self.split_rule is not None:
+            chosen = {int(e) for e in self.split_rule(layer.index, counts, "backward")}
+        else:
+            cached = {e for e in range(len(counts))
+                      if self.cache is not None and self.cache.holds(layer.index, e, layer.revision())}
+            chosen = set(plan_split(counts, self.costs("backward"), resident=cached, required=gpu).gpu)
+        return tuple(sorted(chosen | set(gpu)))
 
     def _present(self, layer: HybridLayer) -> set[int]:
         slot = self.slots.get(layer.index)
@@ -429,6 +448,7 @@ class _Parts:
 
     gpu: tuple[int, ...] = ()
     cpu: tuple[int, ...] = ()
+    gpu_backward: tuple[int, ...] = ()  # ``gpu`` and the CPU experts whose backward moves to the GPU
     cpu_future: Future | None = None  # -> (host output, SavedState)
     cpu_saved: SavedState | None = None
     gpu_state: SavedState | ParkedState | None = None
@@ -505,6 +525,9 @@ class HybridExpertsFunction(torch.autograd.Function):
         on_gpu = set(gpu)
         cpu = tuple(e for e, n in enumerate(counts) if n > 0 and e not in on_gpu)
         parts.gpu, parts.cpu, parts.lora, parts.weights_host = gpu, cpu, lora, layer.weights
+        parts.gpu_backward = engine.backward_split(layer, counts, gpu) if cpu and call.keep else gpu
+        if parts.gpu_backward != gpu:
+            ctx.top_k_index = top_k_index  # the GPU recomputes the moved experts' forward from it in backward
         if cpu:  # first: the CPU starts as soon as the activations reach the host
             staged, parts.cpu_lora, ready = staged or _stage_cpu_inputs(engine, layer.index, hidden, top_k_index,
                                                                         top_k_weights, lora)
@@ -520,11 +543,11 @@ class HybridExpertsFunction(torch.autograd.Function):
                     raise
         slot = engine._timed_fetch("forward", layer, list(gpu)) if gpu else None
         if not call.recompute:
-            _record_forward(engine, layer, counts, gpu, cpu)
+            _record_forward(engine, layer, counts, gpu, cpu, parts.gpu_backward)
             engine.prefetch_forward(layer.index + 1)
         if gpu:
             out, parts.gpu_state, parts.math = _gpu_forward(engine, layer, slot, hidden, top_k_index, top_k_weights,
-                                                            lora, gpu, call)
+                                                            lora, gpu, call, sum(counts[e] for e in gpu))
         else:
             out = torch.zeros(hidden.shape, dtype=hidden.dtype, device=hidden.device)
         ctx.layer, ctx.parts, ctx.call, ctx.counts = layer, parts, call, counts
@@ -550,12 +573,17 @@ class HybridExpertsFunction(torch.autograd.Function):
             raise saved_state_gone("hybrid")
         engine.gap_ends("backward", layer.index)
         cpu_future = published = None
-        if parts.cpu:
-            counts = [ctx.counts[e] for e in parts.cpu]
+        moved = tuple(e for e in parts.gpu_backward if e not in set(parts.gpu))
+        cpu_experts = tuple(e for e in parts.cpu if e not in set(moved))
+        saved, parts.cpu_saved = parts.cpu_saved, None
+        if saved is not None and not cpu_experts:  # every CPU expert's backward moved to the GPU
+            getattr(engine.cpu, "release", lambda state: None)(saved)
+        elif cpu_experts:
+            counts = [ctx.counts[e] for e in cpu_experts]
             staged = engine.staging.to_host({"grad_out": grad_out.contiguous()})
-            published = _backward_publish_target(engine, layer, parts, grad_out, ctx.weights_shape, counts)
-            saved, parts.cpu_saved = parts.cpu_saved, None
-            job = (engine, layer.index, parts, saved, staged, counts)
+            published = _backward_publish_target(engine, layer, parts, grad_out, ctx.weights_shape, counts,
+                                                 cpu_experts)
+            job = (engine, layer.index, parts, saved, staged, counts, cpu_experts if moved else None)
             if published is None:
                 cpu_future = engine.run_cpu(_cpu_backward, *job)
             else:
@@ -565,11 +593,12 @@ class HybridExpertsFunction(torch.autograd.Function):
                     engine.cpu_done.publish(published[0])  # never run: no stream may wait for it
                     raise
                 engine.defer_backward(cpu_future)  # now: joined even where this call fails before its sums
-        slot = engine._timed_fetch("backward", layer, list(parts.gpu), parts.lora) if parts.gpu else None
+        slot = (engine._timed_fetch("backward", layer, list(parts.gpu_backward), parts.lora)
+                if parts.gpu_backward else None)
         if isinstance(parts.gpu_state, ParkedState):
             engine.parking.restore(parts.gpu_state)  # queued now unless the layer after prefetched it
-        _prefetch_backward(engine, layer, ctx.call)  # before this layer's compute, whose subset syncs the host
-        grads = _gpu_backward(engine, layer, parts, slot, grad_out) if parts.gpu else None
+        _prefetch_backward(engine, layer, ctx.call)  # queued before this layer's compute
+        grads = (_gpu_backward(engine, layer, parts, slot, grad_out, moved, ctx) if parts.gpu else None)
         if published is not None:
             number, bank, views, _ = published
             engine.cpu_done.wait(number)  # on the device's stream where it can, so this thread goes on
@@ -580,7 +609,7 @@ class HybridExpertsFunction(torch.autograd.Function):
             start = time.perf_counter()
             cpu_hidden, cpu_tokens, cpu_weights, cpu_lora = cpu_future.result()
             engine.sides.cpu_wait_s += time.perf_counter() - start
-            sources = _cpu_sources(cpu_hidden, cpu_tokens, cpu_weights, cpu_lora, parts.cpu, parts.lora)
+            sources = _cpu_sources(cpu_hidden, cpu_tokens, cpu_weights, cpu_lora, cpu_experts, parts.lora)
             grads = _add(engine.staging, grads, sources, "", parts.lora, grad_out, ctx.weights_shape)
             # Read: _add took copies of what it sums (index_select of the LoRA gradients' CPU expert blocks)
             for result in (cpu_hidden, *vars(cpu_lora).values()):
@@ -603,7 +632,8 @@ def _stage_cpu_inputs(engine: HybridEngine, index: int, hidden: torch.Tensor, to
     return (staged, *engine.host_lora(index, lora))
 
 
-def _record_forward(engine: HybridEngine, layer: HybridLayer, counts: list[int], gpu: tuple, cpu: tuple) -> None:
+def _record_forward(engine: HybridEngine, layer: HybridLayer, counts: list[int], gpu: tuple, cpu: tuple,
+                    gpu_backward: tuple) -> None:
     """Metrics and the forecast, once per real (not recomputed) forward of a layer."""
     s = engine.sides
     s.layer_passes += 1
@@ -619,34 +649,57 @@ def _record_forward(engine: HybridEngine, layer: HybridLayer, counts: list[int],
     engine.metrics.add_expert_counts(counts)
     engine.metrics.tokens_routed += sum(counts)
     engine.forecast.observe(layer.index, counts)
-    layer.last_gpu, layer.last_cpu = gpu, bool(cpu)
+    s.moved_experts += len(gpu_backward) - len(gpu)
+    layer.last_gpu, layer.last_cpu = gpu_backward, bool(cpu)
 
 
 def _gpu_forward(engine: HybridEngine, layer: HybridLayer, slot, hidden, top_k_index, top_k_weights, lora, gpu,
-                 call):
+                 call, pairs: int):
+    # The subset's size from the host's counts: sized by a sync, it kept the host waiting for this layer's copies
+    grouping = group_by_expert(top_k_index, layer.weights.num_experts,
+                               _mask(gpu, layer.weights.num_experts, engine.staging), num_pairs=pairs)
     engine.use(slot)
     begun = engine.compute_begins()
     device_lora = engine.device_lora(slot, lora)
     math = device_backend(engine.compute)
     with record_function("moecc.hybrid.gpu_forward"):
         out, saved = math.forward(layer.device_weights(slot), hidden, top_k_index, top_k_weights, *device_lora,
-                                  expert_mask=_mask(gpu, layer.weights.num_experts, engine.staging))
+                                  grouping=grouping)
     engine.done_with(slot)
     engine.compute_ends(begun, backward=False)
     return out, engine.keep_for_backward(call, saved), math
 
 
-def _gpu_backward(engine: HybridEngine, layer: HybridLayer, parts: _Parts, slot, grad_out):
+def _gpu_backward(engine: HybridEngine, layer: HybridLayer, parts: _Parts, slot, grad_out, moved: tuple, ctx):
+    """The GPU part's gradients: its own forward's experts from their saved state, and the ``moved`` experts
+    (whose forward ran on the CPU) from their forward recomputed here on the hidden states that state holds."""
     state, parts.gpu_state = parts.gpu_state, None
     engine.use(slot)
     saved = engine.unpark(state)
     begun = engine.compute_begins()
     device_lora = engine.device_lora(slot, parts.lora)
+    weights = layer.device_weights(slot)
     with record_function("moecc.hybrid.gpu_backward"):
-        result = parts.math.backward(layer.device_weights(slot), saved, grad_out, *device_lora)
+        if moved:  # before the saved state's backward, which may free its hidden states
+            num_experts = layer.weights.num_experts
+            grouping = group_by_expert(ctx.top_k_index, num_experts, _mask(moved, num_experts, engine.staging),
+                                       num_pairs=sum(ctx.counts[e] for e in moved))
+            with torch.no_grad():
+                _, again = parts.math.forward(weights, saved.hidden, ctx.top_k_index, saved.top_k_weights,
+                                              *device_lora, grouping=grouping)
+        result = parts.math.backward(weights, saved, grad_out, *device_lora)
+        if moved:
+            result = _summed(result, parts.math.backward(weights, again, grad_out, *device_lora))
     engine.done_with(slot)
     engine.compute_ends(begun, backward=True)
     return result
+
+
+def _summed(first: tuple, second: tuple) -> tuple:
+    """(grad_hidden, grad_top_k_weights, LoraGrads) of two parts over different experts, added."""
+    grads = [None if a is None else (a if b is None else a + b)
+             for a, b in zip(vars(first[2]).values(), vars(second[2]).values())]
+    return first[0] + second[0], first[1] + second[1], LoraGrads(*grads)
 
 
 def _prefetch_backward(engine: HybridEngine, layer: HybridLayer, call) -> None:

@@ -114,7 +114,12 @@ def _cpu_forward_published(published: tuple, engine: HybridEngine, *job):
         engine.cpu_done.publish(number)
 
 
-def _cpu_backward(engine: HybridEngine, index: int, parts: _Parts, saved: SavedState, staged, counts: list[int]):
+def _cpu_backward(engine: HybridEngine, index: int, parts: _Parts, saved: SavedState, staged, counts: list[int],
+                  kept: tuple[int, ...] | None = None):
+    """The backward of a forward's CPU part; of its ``kept`` experts alone where given (the others' backward
+    moved to the GPU)."""
+    if kept is not None:
+        saved = engine.cpu.keep_experts(parts.weights_host, saved, kept)
     views = staged.wait()
     began_ns, start = time.time_ns(), time.perf_counter()
     args = (parts.weights_host, saved, views["grad_out"], *parts.cpu_lora)
@@ -129,11 +134,12 @@ def _cpu_backward(engine: HybridEngine, index: int, parts: _Parts, saved: SavedS
 
 
 def _backward_publish_target(engine: HybridEngine, layer: HybridLayer, parts: _Parts, grad_out: torch.Tensor,
-                             weights_shape: torch.Size, counts: list[int]) -> tuple | None:
+                             weights_shape: torch.Size, counts: list[int],
+                             cpu_experts: tuple[int, ...]) -> tuple | None:
     """(number, staging views by role) the backward's CPU part writes its results into and then publishes, where
     the device can wait for that itself (``_may_publish``, and rows per pair: ``rows_pay``); None where the
-    caller waits. The views: the input gradient's rows and their tokens, the routing-weight gradient, the CPU
-    experts' ids and, per LoRA factor ``w``, those experts' blocks of its gradient (``_grouped_shape``). Layers
+    caller waits. The views: the input gradient's rows and their tokens, the routing-weight gradient, the ids of
+    the ``cpu_experts`` (whose ``counts`` these are) and, per LoRA factor ``w``, those experts' blocks of its gradient (``_grouped_shape``). Layers
     alternate between two banks of roles, so the next layer's views are not ones the device may still read."""
     factors = lora_tensors(parts.lora)
     pairs = sum(counts)
@@ -141,14 +147,14 @@ def _backward_publish_target(engine: HybridEngine, layer: HybridLayer, parts: _P
             or pairs >= weights_shape.numel() or not rows_pay(pairs, grad_out.shape[0])):
         return None
     bank = f"backward{layer.index % 2}_"
-    staging, num_experts, cpu = engine.staging, layer.weights.num_experts, len(parts.cpu)
+    staging, num_experts, cpu = engine.staging, layer.weights.num_experts, len(cpu_experts)
     shapes = {"grad_hidden": ((pairs, grad_out.shape[1]), torch.float32), "grad_tokens": ((pairs,), torch.int64),
               "grad_weights": (tuple(weights_shape), torch.float32), "lora_index": ((cpu,), torch.int64)}
     for which, factor in enumerate(factors):
         if factor is not None:
             shapes[f"lora_blocks{which}"] = (_grouped_shape(factor.shape, num_experts, which, cpu), torch.float32)
     views = {bank + role: staging.view(bank + role, shape, dtype) for role, (shape, dtype) in shapes.items()}
-    views[bank + "lora_index"].copy_(torch.tensor(parts.cpu, dtype=torch.int64))
+    views[bank + "lora_index"].copy_(torch.tensor(cpu_experts, dtype=torch.int64))
     return engine.cpu_done.issue(), bank, views, num_experts
 
 

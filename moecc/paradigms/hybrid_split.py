@@ -69,21 +69,22 @@ class Split:
 
 
 def plan_split(counts: Sequence[int], costs: SideCosts, resident: Iterable[int] = (),
-               committed: Iterable[int] = (), then: SideCosts | None = None) -> Split:
+               committed: Iterable[int] = (), then: SideCosts | None = None, required: Iterable[int] = ()) -> Split:
     """The GPU set minimising max(serial + max(CPU, GPU), copy) seconds (+ ``both_sides_s`` when both work) for a
     pass whose experts get ``counts[e]`` tokens. ``resident`` experts are on the GPU already (cached: no copy);
     ``committed`` ones were copied for this pass already (a prefetch): their copies are charged whatever runs
     where, since the copy engine spent that time on this layer, and they run on the GPU first. ``then``: the
     costs of a later pass that runs the same split (backward after forward, copying its GPU experts again), whose
-    seconds are added to the score; the returned seconds are the first pass's.
+    seconds are added to the score; the returned seconds are the first pass's. ``required`` experts run on the GPU
+    whatever they cost (a backward's experts whose forward ran there: the CPU holds no state of theirs).
 
     O(E log E): experts sorted by tokens (resident and committed ones first, they cost no further copy), every
     prefix scored at once from cumulative sums (numpy: this runs on every layer call's critical path).
     """
-    resident = set(resident)
+    resident, required = set(resident), set(required)
     committed = set(committed) - resident
     order = sorted((e for e, n in enumerate(counts) if n > 0),
-                   key=lambda e: (e not in resident, e not in committed, -counts[e], e))
+                   key=lambda e: (e not in required, e not in resident, e not in committed, -counts[e], e))
     tokens = np.array([counts[e] for e in order], dtype=np.float64)
     in_resident = np.array([e in resident for e in order], dtype=bool)
     in_committed = np.array([e in committed for e in order], dtype=bool)
@@ -94,6 +95,7 @@ def plan_split(counts: Sequence[int], costs: SideCosts, resident: Iterable[int] 
         parts = _prefix_parts(c, tokens, copied, 0.0 if later else len(committed) * c.copy_expert_s)
         total += parts[0]
         first = parts if first is None else first
+    total[:sum(1 for e in order if e in required)] = np.inf  # prefixes that leave a required expert on the CPU
     m = int(np.lexsort((np.arange(total.size), first[1], total))[0])  # ties: the smaller CPU part, then fewer
     return Split(tuple(sorted(order[:m])), *(float(part[m]) for part in first))
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moecc.experts import group_by_expert
-from moecc.experts.grouping import _sort_grouping
+from moecc.experts.grouping import _sort_grouping, kept_pairs
 
 EXPERTS, TOP_K = 6, 2
 
@@ -40,3 +40,21 @@ def test_subset_keeps_its_experts_pairs_in_order(tokens):
     assert group_by_expert(index, EXPERTS, mask).order.tolist() == part.order.tolist()
     with pytest.raises(ValueError, match=r"expert_mask must be bool \[6\]"):
         full.subset(torch.ones(5, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 40])
+@pytest.mark.parametrize("kept", [(), (0,), (0, 2, 3, 5), tuple(range(EXPERTS))])
+def test_sized_subset_gathers_the_same_pairs(tokens, kept):
+    """The subset of a size the caller gives (the GPU's path, no host sync) has the same pairs as the sized-by-
+    sync one, and a size that does not match the kept experts' pairs is refused where it can be checked."""
+    index = _index(tokens, seed=2)
+    full = _sort_grouping(index, EXPERTS)
+    mask = torch.zeros(EXPERTS, dtype=torch.bool)
+    mask[list(kept)] = True
+    want = full.subset(mask)
+    counts = full.counts() * mask
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    assert kept_pairs(full, offsets, want.num_pairs).tolist() == want.order.tolist()
+    assert full.subset(mask, want.num_pairs).order.tolist() == want.order.tolist()
+    with pytest.raises(ValueError, match=rf"have {want.num_pairs} pairs, not num_pairs={want.num_pairs + 1}"):
+        full.subset(mask, want.num_pairs + 1)

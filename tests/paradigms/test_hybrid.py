@@ -37,8 +37,15 @@ def _unrouted_on_gpu(layer, counts, phase):
     return [e for e, n in enumerate(counts) if n == 0]
 
 
+def _moved_in_backward(layer, counts, phase):
+    """Alternating in forward; in backward also every other CPU expert, whose backward then runs on the GPU from
+    its forward recomputed there (the CPU keeps the rest of its saved state)."""
+    gpu = set(range(layer % 2, len(counts), 2))
+    return gpu | set(range((layer + 1) % 2, len(counts), 4)) if phase == "backward" else gpu
+
+
 RULES = {"all_cpu": _all_cpu, "all_gpu": _all_gpu, "alternating": _alternating, "random": _random(3),
-         "unrouted_on_gpu": _unrouted_on_gpu}
+         "unrouted_on_gpu": _unrouted_on_gpu, "moved_in_backward": _moved_in_backward}
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
@@ -61,8 +68,10 @@ def test_hybrid_trains_like_hf_peft_whatever_the_split(family, rule):
         assert metrics["gpu_pairs"] == 0 and metrics["cpu_pairs"] > 0
     if rule in ("all_gpu", "unrouted_on_gpu"):
         assert metrics["gpu_pairs"] == (metrics["cpu_pairs"] + metrics["gpu_pairs"]) * (rule == "all_gpu")
-    if rule in ("alternating", "random"):
+    if rule in ("alternating", "random", "moved_in_backward"):
         assert metrics["gpu_pairs"] > 0 and metrics["cpu_pairs"] > 0 and metrics["both_sides_share"] > 0
+    if rule != "random":  # random draws the backward's GPU set anew, moving some experts or none
+        assert (metrics["moved_experts"] > 0) == (rule == "moved_in_backward")
 
 
 def test_hybrid_own_split_matches_hf_peft_in_bf16_with_native_kernels():
@@ -73,6 +82,19 @@ def test_hybrid_own_split_matches_hf_peft_in_bf16_with_native_kernels():
     reference, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
                                    backend="auto")
     _assert_bf16_as_accurate_as_hf_peft(reference, engine)
+
+
+def test_native_cpu_part_keeps_its_other_experts_when_some_backward_moves_to_the_gpu():
+    """With the native kernels on the CPU side, a backward that moves some of the forward's CPU experts to the GPU
+    (their saved rows dropped from the CPU's state, their forward recomputed on the GPU) is as accurate in bf16
+    as HF + PEFT, like the engine that moves none."""
+    from .test_offload import _assert_bf16_as_accurate_as_hf_peft
+
+    reference, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
+                                   backend="auto")
+    engine.moecc.engine.split_rule = _moved_in_backward
+    _assert_bf16_as_accurate_as_hf_peft(reference, engine)
+    assert engine.moecc.engine.metrics_since_reset()["moved_experts"] > 0
 
 
 def test_cpu_lora_gradients_given_back_to_the_native_pool_change_no_gradient():
@@ -227,7 +249,7 @@ def test_hybrid_is_registered_and_reports_its_sides():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rule", ["own", "all_cpu", "all_gpu", "alternating", "random"])
+@pytest.mark.parametrize("rule", ["own", "all_cpu", "all_gpu", "alternating", "random", "moved_in_backward"])
 def test_hybrid_on_cuda_matches_hf_peft(rule):
     """On a GPU: pinned experts and LoRA, copies on the copy stream, the CPU part on the worker, both summed on
     the device; logits and gradients against HF + PEFT in float32 (TF32 off)."""

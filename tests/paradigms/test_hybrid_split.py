@@ -174,3 +174,19 @@ def test_tracker_follows_measured_gaps():
     assert tracker.costs().serial_s == pytest.approx(4e-3)
     tracker.observe_serial(2e-3)
     assert tracker.costs().serial_s == pytest.approx(3e-3)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_required_experts_stay_on_the_gpu_and_the_rest_is_the_best_completion(seed):
+    """A backward's split keeps the forward's GPU experts there (``required``) and picks the best of every
+    completion of them by the other routed experts."""
+    rng = random.Random(seed)
+    counts = [rng.choice([0, 1, 3, 10, 40, 200]) for _ in range(8)]
+    required = set(rng.sample([e for e in range(8) if counts[e] > 0], 2)) if sum(n > 0 for n in counts) > 2 else set()
+    costs = replace(COSTS, copy_expert_s=3e-3)  # copies dear: unconstrained, the CPU would take most
+    split = plan_split(counts, costs, required=required)
+    assert required <= set(split.gpu)
+    others = [e for e in range(8) if counts[e] > 0 and e not in required]
+    best = min(forced_split(counts, required | set(extra), costs).predicted_s
+               for m in range(len(others) + 1) for extra in itertools.combinations(others, m))
+    assert split.predicted_s == pytest.approx(best, rel=1e-12, abs=1e-15)
