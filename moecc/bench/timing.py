@@ -160,7 +160,8 @@ def _breakdown(records: list[tuple[float, dict]]) -> dict:
         "gpu_other_s": max(0.0, step_s - cpu_wait_s - copy_wait_s - expert_gpu_s),
         "h2d_gb": median("h2d_gb"), "d2h_gb": median("d2h_gb"),
         "h2d_gbps_while_copying": median("h2d_gb") / copy_s if copy_s > 0 else 0.0,
-        # hybrid: the layer passes whose CPU part the device waited for itself, forward and backward
-        **{key: median(key) for key in ("device_wait_share", "backward_device_wait_share")
+        # hybrid: the layer passes whose CPU part the device waited for itself, forward and backward, and the
+        # experts whose forward ran on the CPU and whose backward ran on the GPU, per step
+        **{key: median(key) for key in ("device_wait_share", "backward_device_wait_share", "moved_experts")
            if any(key in r[1] for r in records)},
     }
