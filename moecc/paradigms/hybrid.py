@@ -2,12 +2,15 @@
 computes the cold ones in place, both at once; the layer's output and every gradient are the two parts' sums.
 
 Forward, layer i: the router's counts come to the host (one sync, which the CPU side needs anyway). Every routed
-expert whose weights are in layer i's device slot runs on the GPU (``moecc.experts`` subset, ``expert_mask``);
+expert whose weights are in layer i's device slot runs on the GPU (``moecc.experts`` subset, sized from those
+counts: no second sync);
 every other routed expert runs on the CPU (the native kernels, on a worker thread). The slot was filled a layer
 ahead from a forecast of layer i's routing (recent passes, ``RoutingForecast``), planned by ``plan_split`` to
 balance CPU seconds against copy and GPU seconds; layer i's forward queues layer i+1's copies the same way.
-Backward, where routing is known from forward: each layer runs the same split as its forward (each side holds its
-own saved state), and layer i's backward prefetches layer i-1's GPU experts and parked activations.
+Backward, where routing is known from forward: each layer runs its forward's split (each side holds its own saved
+state), plus, where ``backward_split`` finds it pays, some of the forward's CPU experts on the GPU: it recomputes
+their forward from the hidden states its part saved, and the CPU drops them from its state (``keep_experts``).
+Layer i's backward prefetches layer i-1's GPU experts and parked activations.
 
 One set of LoRA factors: on the GPU where they fit (the CPU part reads pinned host mirrors, copied once per pass),
 else host parameters read in place by the CPU and copied to the device once per pass; their gradient is the sum of
