@@ -6,6 +6,10 @@ with the coldest experts of each layer on the CPU; prints one line per case with
 experts and pairs, the CPU and copy seconds, the waits, the prefetch hit rate and the fitted CPU costs.
 
     python benchmarks/profile_hybrid.py --layers 16 --tokens 512,2048,8192
+    python benchmarks/profile_hybrid.py --layers 16 --tokens 512,2048 --rules own:2,own:3 --rounds 3 --warmup 3 --fresh
+
+``NAME:N`` sets the engine's slots at run time, past the budget check ``prepare`` makes (4 slots ran out of memory
+under 24 GB at 8192 tokens); ``--rounds`` interleaves the cases, since the host's speed drifts between runs.
 """
 from __future__ import annotations
 
@@ -18,9 +22,11 @@ import torch
 
 from moecc.bench import runner, timing
 from moecc.losses import chunked_causal_lm_loss
+from moecc.paradigms.hybrid import default_costs
+from moecc.paradigms.hybrid_split import CostTracker
 
 KEYS = ("cpu_experts_s", "copy_s", "cpu_wait_s", "gpu_wait_s", "cpu_experts", "gpu_experts", "cpu_pairs",
-        "gpu_pairs", "prefetch_hit_rate", "h2d_gb")
+        "gpu_pairs", "moved_experts", "both_sides_share", "prefetch_hit_rate", "h2d_gb")
 
 
 def coldest_on_cpu(count: int):
@@ -32,12 +38,12 @@ RULES = {"own": None, "all_gpu": lambda layer, counts, phase: range(len(counts))
          "all_cpu": lambda layer, counts, phase: (), "coldest32_cpu": coldest_on_cpu(32)}
 
 
-def time_case(model, optimizer, ids, device, steps: int) -> tuple[list[float], dict]:
-    """Median (forward, backward, optimizer) seconds over ``steps`` steps after one warm-up, and the last step's
-    engine metrics."""
+def time_case(model, optimizer, ids, device, steps: int, warmup: int = 1) -> tuple[list[float], dict]:
+    """Median (forward, backward, optimizer) seconds over ``steps`` steps after ``warmup`` steps, and the last
+    step's engine metrics."""
     engine = model.moecc.engine
     parts, metrics = [], {}
-    for step in range(steps + 1):
+    for step in range(steps + warmup):
         engine.reset_metrics()
         timing.synchronize(device)
         marks = [time.perf_counter()]
@@ -52,7 +58,7 @@ def time_case(model, optimizer, ids, device, steps: int) -> tuple[list[float], d
         timing.synchronize(device)
         marks.append(time.perf_counter())
         metrics = engine.counters_since_reset()  # CUDA's names on any device, as the columns say
-        if step:
+        if step >= warmup:
             parts.append([b - a for a, b in zip(marks, marks[1:])])
     return [statistics.median(p[i] for p in parts) for i in range(3)], metrics
 
@@ -63,7 +69,8 @@ def describe(tokens: int, rule: str, parts: list[float], metrics: dict, engine) 
     return (f"{tokens:>6} tokens {rule:<14} step {1e3 * sum(parts):7.1f} ms (forward {1e3 * parts[0]:.1f}, backward "
             f"{1e3 * parts[1]:.1f}, optimizer {1e3 * parts[2]:.1f}); {shown}; CPU fit forward "
             f"{1e3 * forward.cpu_fixed_s:.1f} ms + {forward.cpu_scale:.2f}x, backward {1e3 * backward.cpu_fixed_s:.1f}"
-            f" ms + {backward.cpu_scale:.2f}x; copies {forward.copy_scale:.2f}x")
+            f" ms + {backward.cpu_scale:.2f}x; copies {forward.copy_scale:.2f}x; serial forward "
+            f"{1e3 * (forward.serial_s or 0):.1f} ms, backward {1e3 * (backward.serial_s or 0):.1f} ms")
 
 
 def main() -> None:
@@ -73,20 +80,33 @@ def main() -> None:
     parser.add_argument("--tokens", default="512,2048,8192")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--gpu-budget", type=float, default=24.0)
-    parser.add_argument("--rules", default=",".join(RULES), help=f"comma-separated, of {', '.join(RULES)}")
+    parser.add_argument("--rules", default=",".join(RULES),
+                        help=f"comma-separated, of {', '.join(RULES)}; NAME:N runs it with N device slots (layers of "
+                             "experts: the copies run N - 1 layers ahead)")
+    parser.add_argument("--rounds", type=int, default=1, help="the rules again, interleaved (host drift)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps before each case's")
+    parser.add_argument("--fresh", action="store_true", help="each case starts from the first costs again")
     args = parser.parse_args()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     model, _, _ = runner.build_for_timing(args.preset, args.layers, "hybrid", device, args.gpu_budget, "off")
     optimizer = timing.adamw(model.parameters())
     engine = model.moecc.engine
-    for tokens in (int(t) for t in args.tokens.split(",")):
-        seq = min(tokens, 2048)
-        ids = torch.randint(0, model.config.vocab_size, (max(1, tokens // seq), seq), device=device)
-        for rule in args.rules.split(","):
-            engine.split_rule = RULES[rule]
-            parts, metrics = time_case(model, optimizer, ids, device, args.steps)
-            print(describe(tokens, rule, parts, metrics, engine), flush=True)
-        engine.split_rule = None
+    capacity = engine.capacity
+    for round_ in range(args.rounds):
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            seq = min(tokens, 2048)
+            ids = torch.randint(0, model.config.vocab_size, (max(1, tokens // seq), seq), device=device)
+            for case in args.rules.split(","):
+                rule, _, slots = case.partition(":")  # rule:slots, the device slots (layers of experts)
+                engine.capacity = int(slots) if slots else capacity
+                engine.split_rule = RULES.get(rule)
+                if args.fresh:
+                    engine.trackers = {p: CostTracker(c) for p, c in zip(("forward", "backward"),
+                                                                        default_costs(engine))}
+                    engine._cpu_seen.clear()
+                parts, metrics = time_case(model, optimizer, ids, device, args.steps, args.warmup)
+                print(f"round {round_} " + describe(tokens, case, parts, metrics, engine), flush=True)
+            engine.split_rule = None
 
 
 if __name__ == "__main__":

@@ -84,8 +84,12 @@ def test_sgd_steps_then_saved_adapters_match(family, dtype, paradigm, tmp_path):
     assert saved_ref.keys() == saved_eng.keys()
     assert any(k.endswith("mlp.experts.base_layer.lora_A.weight") for k in saved_eng)
     assert any(k.endswith("mlp.experts.lora_B.weight") for k in saved_eng)
+    # The trained adapters carry that rounding through four updates of a zero B: gpt-oss in bf16 reached 3.0% on
+    # an AVX2-only Zen 3 (torch's bf16 kernels without AVX-512 round elsewhere; under 2% on AVX-512 CPUs), so bf16
+    # adapters get twice the losses' tolerance.
+    adapter_tol = tol * (2.0 if dtype == torch.bfloat16 else 1.0)
     for key, value in saved_ref.items():
-        assert rel_err(saved_eng[key], value) <= tol, key
+        assert rel_err(saved_eng[key], value) <= adapter_tol, key
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -247,6 +247,12 @@ class HybridEngine(OffloadEngine):
         slot = self.slots.get(layer.index)
         return set(slot.present) if slot is not None and slot.revision == layer.revision() else set()
 
+    @property
+    def prefetch_depth(self) -> int:
+        """Layers whose experts are copied ahead of the one computing: every slot but its own. One layer ahead
+        leaves the copy engine idle whenever a layer's CPU part outlasts the next layer's copies."""
+        return self.capacity - 1
+
     def prefetch_forward(self, index: int) -> None:
         """Queues layer ``index``'s forecast GPU experts (after this layer's own copies)."""
         if not 0 <= index < len(self.layers) or self.split_rule is not None:
@@ -547,7 +553,8 @@ class HybridExpertsFunction(torch.autograd.Function):
         slot = engine._timed_fetch("forward", layer, list(gpu)) if gpu else None
         if not call.recompute:
             _record_forward(engine, layer, counts, gpu, cpu, parts.gpu_backward)
-            engine.prefetch_forward(layer.index + 1)
+            for ahead in range(1, engine.prefetch_depth + 1):
+                engine.prefetch_forward(layer.index + ahead)
         if gpu:
             out, parts.gpu_state, parts.math = _gpu_forward(engine, layer, slot, hidden, top_k_index, top_k_weights,
                                                             lora, gpu, call, sum(counts[e] for e in gpu))
@@ -706,13 +713,12 @@ def _summed(first: tuple, second: tuple) -> tuple:
 
 
 def _prefetch_backward(engine: HybridEngine, layer: HybridLayer, call) -> None:
-    """Queues the layer before's GPU experts (known exactly from its forward) and its parked activations."""
-    if layer.index == 0:
-        return
-    previous = engine.layers[layer.index - 1]
-    if previous.last_gpu:
-        engine._timed_fetch("backward", previous, list(previous.last_gpu))
-    engine.parking.prefetch((call.key[0], previous.index))
+    """Queues the GPU experts (known exactly from their forward) and parked activations of the layers before, as
+    many as the slots hold beside this one's."""
+    for previous in engine.layers[max(0, layer.index - engine.prefetch_depth):layer.index][::-1]:
+        if previous.last_gpu:
+            engine._timed_fetch("backward", previous, list(previous.last_gpu))
+        engine.parking.prefetch((call.key[0], previous.index))
 
 
 def _zero_grads(grad_out: torch.Tensor, weights_shape: torch.Size, lora: tuple) -> tuple:

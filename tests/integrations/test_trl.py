@@ -144,7 +144,10 @@ def test_dpo_matches_plain_peft(tmp_path):
                                     callbacks=callbacks)
         runs[name].train()
     assert hasattr(runs["moecc"].model, "moecc")
-    _assert_same_run(runs["moecc"], runs["plain"])
+    # DPO's first step leaves the zero-initialised lora_B barely off zero, so the attention lora_A gradients of
+    # the second are near zero in places and AdamW turns their float32 rounding into whole steps of lr: 3.1e-3
+    # on an AVX2-only Zen 3 (torch's float32 kernels there sum in another order), under 1e-3 on AVX-512 CPUs.
+    _assert_same_run(runs["moecc"], runs["plain"], param_tol=5e-3)
 
 
 def _reward_length(completions, **kwargs) -> list[float]:

@@ -249,15 +249,17 @@ def test_hybrid_is_registered_and_reports_its_sides():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rule", ["own", "all_cpu", "all_gpu", "alternating", "random", "moved_in_backward"])
-def test_hybrid_on_cuda_matches_hf_peft(rule):
-    """On a GPU: pinned experts and LoRA, copies on the copy stream, the CPU part on the worker, both summed on
-    the device; logits and gradients against HF + PEFT in float32 (TF32 off)."""
+@pytest.mark.parametrize("rule, slots", [("own", 2), ("own", 3), ("all_cpu", 2), ("all_gpu", 2), ("alternating", 2),
+                                         ("random", 3), ("moved_in_backward", 2)])
+def test_hybrid_on_cuda_matches_hf_peft(rule, slots):
+    """On a GPU: pinned experts and LoRA, copies on the copy stream (one layer ahead, or two with three slots),
+    the CPU part on the worker, both summed on the device; logits and gradients against HF + PEFT in float32
+    (TF32 off)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
     reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
-                                   device="cuda")
+                                   device="cuda", moecc_options={"offload_slots": slots}, num_hidden_layers=4)
     engine.moecc.engine.split_rule = None if rule == "own" else RULES[rule]
     expert_lora = [p for n, p in engine.named_parameters() if ".experts." in n and "lora_" in n]
     for batch in batches(256, 2, batch=3, seq=10, seed=5, pad=True):
@@ -657,3 +659,41 @@ def test_hybrid_on_cuda_with_device_waits_is_as_accurate_as_hf_peft_in_bf16(rule
     metrics = inner.metrics_since_reset()
     if rule == "alternating":
         assert metrics["device_wait_share"] > 0 and metrics["backward_device_wait_share"] > 0
+
+
+def test_three_slots_copy_two_layers_ahead_in_both_passes_and_train_like_hf_peft():
+    """With ``offload_slots=3`` every forward layer call queues the copies of the next two layers and every
+    backward layer call those of the two before; the model still trains like HF + PEFT."""
+    reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
+                                   moecc_options={"offload_slots": 3}, num_hidden_layers=4)
+    hybrid = engine.moecc.engine
+    assert hybrid.prefetch_depth == 2
+    forward_ahead, backward_fetches = [], []
+    plan, fetch = hybrid.prefetch_forward, hybrid._timed_fetch
+
+    def spy_plan(index):
+        forward_ahead.append(index)
+        return plan(index)
+
+    def spy_fetch(phase, layer, experts, lora=None):
+        if phase == "backward":
+            backward_fetches.append(layer.index)
+        return fetch(phase, layer, experts, lora)
+
+    hybrid.prefetch_forward, hybrid._timed_fetch = spy_plan, spy_fetch
+    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05)
+                  for m in (reference, engine)]
+    for batch in batches(256, 3, batch=2, seq=12, seed=4):
+        forward_ahead.clear()
+        backward_fetches.clear()
+        forward_backward_both(reference, engine, batch, TOLERANCE[torch.float32])
+        assert_grads_match(reference, engine, TOLERANCE[torch.float32])
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert forward_ahead == [1, 2, 2, 3, 3, 4, 4, 5]  # layer i asks for i+1 and i+2 (past the last: nothing)
+    # Backward, layer i: its own GPU experts, then those of layers i-1 and i-2 (layers whose forward had none
+    # fetch nothing: a forward all on the CPU)
+    on_gpu = {layer.index for layer in hybrid.layers if layer.last_gpu}
+    expected = [j for i in range(3, -1, -1) for j in (i, i - 1, i - 2) if j >= 0 and j in on_gpu]
+    assert on_gpu and backward_fetches == expected
