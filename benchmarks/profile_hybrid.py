@@ -9,7 +9,9 @@ experts and pairs, the CPU and copy seconds, the waits, the prefetch hit rate an
     python benchmarks/profile_hybrid.py --layers 16 --tokens 512,2048 --rules own:2,own:3 --rounds 3 --warmup 3 --fresh
 
 ``NAME:N`` sets the engine's slots at run time, past the budget check ``prepare`` makes (4 slots ran out of memory
-under 24 GB at 8192 tokens); ``--rounds`` interleaves the cases, since the host's speed drifts between runs.
+under 24 GB at 8192 tokens); ``NAME:N:n`` also turns the CPU probes off (``CostTracker.probe_after``: the cost fit
+then never comes back once it priced the CPU out); ``--rounds`` interleaves the cases, since the host's speed
+drifts between runs.
 """
 from __future__ import annotations
 
@@ -22,8 +24,7 @@ import torch
 
 from moecc.bench import runner, timing
 from moecc.losses import chunked_causal_lm_loss
-from moecc.paradigms.hybrid import default_costs
-from moecc.paradigms.hybrid_split import CostTracker
+from moecc.paradigms.hybrid import new_trackers
 
 KEYS = ("cpu_experts_s", "copy_s", "cpu_wait_s", "gpu_wait_s", "cpu_experts", "gpu_experts", "cpu_pairs",
         "gpu_pairs", "moved_experts", "both_sides_share", "prefetch_hit_rate", "h2d_gb")
@@ -97,13 +98,15 @@ def main() -> None:
             seq = min(tokens, 2048)
             ids = torch.randint(0, model.config.vocab_size, (max(1, tokens // seq), seq), device=device)
             for case in args.rules.split(","):
-                rule, _, slots = case.partition(":")  # rule:slots, the device slots (layers of experts)
+                rule, _, rest = case.partition(":")  # rule:slots[:options], slots: device slots (layers of experts)
+                slots, _, options = rest.partition(":")
                 engine.capacity = int(slots) if slots else capacity
                 engine.split_rule = RULES.get(rule)
                 if args.fresh:
-                    engine.trackers = {p: CostTracker(c) for p, c in zip(("forward", "backward"),
-                                                                        default_costs(engine))}
+                    engine.trackers = new_trackers(engine)
                     engine._cpu_seen.clear()
+                for tracker in engine.trackers.values():
+                    tracker.probe_after = 0 if "n" in options else len(engine.layers)  # n: no CPU probes
                 parts, metrics = time_case(model, optimizer, ids, device, args.steps, args.warmup)
                 print(f"round {round_} " + describe(tokens, case, parts, metrics, engine), flush=True)
             engine.split_rule = None

@@ -123,7 +123,7 @@ class HybridEngine(OffloadEngine):
         self.place_lora(expert_lora_params(self.layers))
         self.cpu.prepare_layers([layer.weights for layer in self.layers])
         if self.trackers is None and self.layers:
-            self.trackers = {p: CostTracker(c) for p, c in zip(("forward", "backward"), default_costs(self))}
+            self.trackers = new_trackers(self)
 
     def gpu_bytes(self, config: MoeccConfig) -> int:
         return offload_gpu_bytes(self.layers, self._slots_config(config), self.lora_on_device)
@@ -166,6 +166,7 @@ class HybridEngine(OffloadEngine):
         self._learn_copy_rates()
 
     def costs(self, phase: str) -> SideCosts:
+        """The costs ``phase``'s splits are planned with."""
         with self.measure_lock:
             return self.trackers[phase].costs()
 
@@ -418,6 +419,13 @@ def default_costs(engine: HybridEngine) -> tuple[SideCosts, SideCosts]:
     return (physical_costs(hidden, inter, rank, **rates), physical_costs(hidden, inter, rank, backward=True, **rates))
 
 
+def new_trackers(engine: HybridEngine) -> dict[str, CostTracker]:
+    """Cost trackers (forward, backward) from the first costs, probing the CPU after a step's worth of layer passes
+    without it."""
+    return {phase: CostTracker(costs, probe_after=len(engine.layers))
+            for phase, costs in zip(("forward", "backward"), default_costs(engine))}
+
+
 class HybridLayer(OffloadLayer):
     """One MoE layer's routed experts, split per pass between the GPU (copied weights) and the CPU (in place)."""
 
@@ -659,6 +667,10 @@ def _record_forward(engine: HybridEngine, layer: HybridLayer, counts: list[int],
     engine.metrics.add_expert_counts(counts)
     engine.metrics.tokens_routed += sum(counts)
     engine.forecast.observe(layer.index, counts)
+    if engine.trackers is not None and any(counts):
+        with engine.measure_lock:
+            engine.trackers["forward"].ran(bool(cpu))
+            engine.trackers["backward"].ran(bool(set(cpu) - set(gpu_backward)))
     s.moved_experts += len(gpu_backward) - len(gpu)
     layer.last_gpu, layer.last_cpu = gpu_backward, bool(cpu)
 

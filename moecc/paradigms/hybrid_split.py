@@ -172,13 +172,28 @@ class CostTracker:
     copy_scale: float = 1.0
     serial_s: float | None = None  # measured SideCosts.serial_s; None until a pass measured it
     samples: int = 0
+    # Layer passes without a CPU part since the last one with (``ran``)
+    idle_passes: int = 0
+    probe_after: int = 0  # 0: never
     _sums: list = field(default_factory=lambda: [0.0] * 5)  # weight, x, y, x*x, x*y of the CPU fit
 
     def costs(self) -> SideCosts:
+        """The fitted costs."""
         b = self.base
         return replace(b, cpu_expert_s=b.cpu_expert_s * self.cpu_scale, cpu_token_s=b.cpu_token_s * self.cpu_scale,
                        cpu_call_s=b.cpu_call_s + self.cpu_fixed_s, copy_expert_s=b.copy_expert_s * self.copy_scale,
                        serial_s=b.serial_s if self.serial_s is None else self.serial_s)
+
+    def ran(self, cpu_part: bool) -> None:
+        """A layer pass ran with or without a CPU part. After ``probe_after`` passes without, the CPU fit starts
+        over from its slope alone (fixed part and samples dropped): the next plans take a CPU part where the slope
+        allows one, and its samples fit the costs again, where passes without a CPU part teach it nothing."""
+        if cpu_part:
+            self.idle_passes = 0
+            return
+        self.idle_passes += 1
+        if self.idle_passes == self.probe_after:
+            self.cpu_fixed_s, self._sums = 0.0, [0.0] * 5
 
     def observe_serial(self, seconds: float) -> None:
         """One measured gap between a layer's expert result and the next layer's expert inputs on the GPU."""

@@ -3,6 +3,7 @@ per layer and pass, experts with no tokens on either side), and its own split, m
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -138,6 +139,32 @@ def test_split_follows_the_forecast_and_prefetches_the_next_layer():
     metrics = hybrid.metrics_since_reset()
     assert metrics["cpu_pairs"] + metrics["gpu_pairs"] == 3 * 2 * 16 * 2 * len(hybrid.layers)  # T*k per layer
     assert 0.0 <= metrics["prefetch_hit_rate"] <= 1.0
+
+
+@pytest.mark.parametrize("probe", [True, False])
+def test_a_cost_fit_that_priced_the_cpu_out_gets_it_back_after_a_step(probe):
+    """A CPU fit whose fixed part prices the CPU out of every split runs each layer wholly on the GPU; after a
+    step's worth of layer passes without a CPU part the fit starts over and the next step has CPU parts again.
+    Without probes (``probe_after=0``) the CPU stays out for good: nothing in a pass without it corrects the fit."""
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
+                           num_hidden_layers=4)  # more layers than slots: what a slot held is copied again
+    hybrid = engine.moecc.engine
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def step() -> float:
+        hybrid.reset_metrics()
+        engine(input_ids=ids, labels=ids).loss.backward()
+        return hybrid.metrics_since_reset()["cpu_experts"]
+
+    for tracker in hybrid.trackers.values():  # copies dearer than any CPU part here: the CPU takes experts
+        tracker.base = replace(tracker.base, copy_expert_s=1.0)
+        tracker.probe_after = len(hybrid.layers) if probe else 0
+    assert step() > 0 and step() > 0
+    for tracker in hybrid.trackers.values():
+        tracker.cpu_fixed_s = 100.0  # what a fit that learnt a slow CPU part holds
+    assert step() == 0
+    later = [step() for _ in range(2)]
+    assert (later[0] > 0) == probe and (later[1] > 0) == probe
 
 
 def test_gaps_between_layers_are_measured_per_pass():

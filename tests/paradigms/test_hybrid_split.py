@@ -99,6 +99,40 @@ def test_cost_tracker_separates_the_cpu_parts_fixed_cost_from_its_slope():
     assert costs.cpu_s([0, 0]) == 0.0
 
 
+def test_a_fit_that_priced_the_cpu_out_starts_over_and_relearns():
+    """A fit that learnt a fixed cost too large for any split keeps the CPU out, and passes without a CPU part
+    teach it nothing. After ``probe_after`` such passes the fit starts over from its slope: the plan takes a CPU
+    part again, and that part's sample sets the costs."""
+    counts = [200, 150, 90, 40, 30, 20, 10, 5]
+    costs = replace(COSTS, copy_expert_s=2e-3)
+    tracker = CostTracker(costs, decay=0.5, probe_after=3)
+    rng = random.Random(1)
+    for _ in range(30):  # samples that put a 50 ms fixed cost on every CPU part
+        part = [rng.randint(1, 50) for _ in range(rng.randint(1, 6))]
+        tracker.observe(part, 0.05 + costs.cpu_s(part), 0, 0.0)
+    assert tracker.cpu_fixed_s > 0.03  # (each sample's pull is bounded: the fit approaches it)
+    assert plan_split(counts, tracker.costs()).side == "gpu"
+    for _ in range(2):
+        tracker.ran(cpu_part=False)
+    assert plan_split(counts, tracker.costs()).side == "gpu"
+    tracker.ran(cpu_part=False)
+    probe = plan_split(counts, tracker.costs())
+    assert probe.side == "both"
+    cpu = [n for e, n in enumerate(counts) if e not in probe.gpu]
+    tracker.observe(cpu, 1.2 * costs.cpu_s(cpu), 0, 0.0)  # the CPU part costs what the first costs said, +20%
+    tracker.ran(cpu_part=True)
+    assert tracker.costs().cpu_s(cpu) == pytest.approx(1.2 * costs.cpu_s(cpu), rel=1e-6)
+    for _ in range(2):  # fewer passes without the CPU than probe_after: the fit stays
+        tracker.ran(cpu_part=False)
+    assert tracker.costs().cpu_s(cpu) == pytest.approx(1.2 * costs.cpu_s(cpu), rel=1e-6)
+    never = CostTracker(costs, probe_after=0)
+    never.observe([5], 0.05, 0, 0.0)
+    fitted = never.costs()
+    for _ in range(100):
+        never.ran(cpu_part=False)
+    assert never.costs() == fitted
+
+
 def test_physical_costs_for_qwen3_shape_match_the_host_model():
     """DESIGN.md: a Qwen3-30B-A3B layer's experts (128 x 3 x 2048 x 768 bf16) take 21.8 ms over 55 GB/s and about
     9.7 ms from DRAM at 125 GB/s."""
