@@ -86,10 +86,17 @@ def dram_read_gbps(gigabytes: float = 1.0) -> float:
     return data.nbytes / best_of(lambda: data.sum()) / 1e9
 
 
-def cpu_matmul_tflops(rows: int = 1024, size: int = 2048) -> float:
-    """torch's bf16 matmul on the CPU, for the non-expert work where there is no GPU."""
+def cpu_matmul_tflops(rows: int = 1024, size: int = 2048, budget_s: float = 0.05) -> float:
+    """torch's bf16 matmul on the CPU, for the non-expert work where there is no GPU. Fewer rows where one product
+    of 16 rows says the full one would take over ``budget_s``: on CPUs without bf16 instructions torch's bf16
+    matmul ran at 0.3 GFLOP/s, and five products of 1024 rows took 115 s."""
     a, b = torch.randn(rows, size).bfloat16(), torch.randn(size, size).bfloat16()
-    return 2 * rows * size * size / best_of(lambda: a @ b) / 1e12
+    start = time.perf_counter()
+    a[:16] @ b
+    per_row = (time.perf_counter() - start) / 16
+    rows = max(16, min(rows, int(budget_s / max(per_row, 1e-12))))
+    x = a[:rows]
+    return 2 * rows * size * size / best_of(lambda: x @ b) / 1e12
 
 
 def host_optimizer_ns_per_param(params: int = 8_000_000) -> float:
