@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import moecc  # noqa: F401  (before torch: its OpenMP threads sleep between ops, as moecc runs them)
@@ -120,6 +121,39 @@ def summary(lanes: dict[str, list], window: tuple[float, float]) -> dict[str, fl
     return {key: round(value, 3) for key, value in out.items()}
 
 
+CHAIN_STEPS = {"inputs_wait_ms": ("submitted", "started"), "compute_ms": ("started", "computed"),
+               "results_out_ms": ("computed", "done")}
+
+
+def chain(marks: list) -> dict[str, dict[str, float]]:
+    """Per pass, medians over the layers (ms) of each CPU part's steps (``CHAIN_STEPS``: submitted to the worker,
+    inputs on the host, computed, results written and published) and of the chain from one layer's part to the
+    next layer's in pass order (forward: up, backward: down), which waits for the first's results on the device:
+    ``host_gap_ms`` (the part done to the next one submitted) and ``chain_gap_ms`` (to the next one's inputs on the
+    host), with ``cycle_ms`` (one part's start to the next's)."""
+    times: dict[tuple[str, int], dict[str, int]] = {}
+    for phase, index, name, ns in marks:
+        times.setdefault((phase, index), {})[name] = ns  # the last of a layer's parts in the step
+    out = {}
+    for phase, step in (("forward", 1), ("backward", -1)):
+        rows: dict[str, list[float]] = {}
+        for (p, index), t in times.items():
+            if p != phase:
+                continue
+            for key, (a, b) in CHAIN_STEPS.items():
+                if a in t and b in t:
+                    rows.setdefault(key, []).append((t[b] - t[a]) / 1e6)
+            before = times.get((phase, index - step), {})
+            if "done" in before and "submitted" in t and "started" in t:
+                rows.setdefault("host_gap_ms", []).append((t["submitted"] - before["done"]) / 1e6)
+                rows.setdefault("chain_gap_ms", []).append((t["started"] - before["done"]) / 1e6)
+                rows.setdefault("cycle_ms", []).append((t["started"] - before["started"]) / 1e6)
+        if rows:
+            out[phase] = {key: round(statistics.median(v), 3) for key, v in rows.items()}
+            out[phase]["parts"] = len(rows.get("compute_ms", []))
+    return out
+
+
 def plot(lanes: dict[str, list], windows: dict[str, tuple[float, float]], path: Path, title: str) -> None:
     import matplotlib
 
@@ -170,12 +204,12 @@ def main() -> None:
     for _ in range(args.warmup):
         step()
     engine = model.moecc.engine
-    engine.cpu_spans = []
+    engine.cpu_spans, engine.cpu_marks = [], []
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         step()
     events = prof.events()
     lanes, layers, origin_us = collect(events, engine.cpu_spans, prof.profiler.kineto_results.trace_start_ns())
-    engine.cpu_spans = None
+    marks, engine.cpu_spans, engine.cpu_marks = engine.cpu_marks, None, None
     windows = {phase: w for phase in LAYER_MARKS if (w := layer_window(layers, phase)) is not None}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -183,12 +217,15 @@ def main() -> None:
                f"{args.tokens} --warmup {args.warmup} --gpu-budget {args.gpu_budget}")
     report = {"command": command, "device": str(device), "lanes": lanes, "layer_calls": layers,
               "zoomed": {phase: {"window": list(w), **summary(lanes, w)} for phase, w in windows.items()},
-              "host_ops": {phase: host_ops(events, w, origin_us) for phase, w in windows.items()}}
+              "host_ops": {phase: host_ops(events, w, origin_us) for phase, w in windows.items()},
+              "chain": chain(marks)}
     (out / "timeline.json").write_text(json.dumps(report))
     plot(lanes, windows, out / "timeline.png", f"hybrid, {args.preset}, {args.layers} layers, {args.tokens} tokens")
     for phase, numbers in report["zoomed"].items():
         print(json.dumps({"pass": phase, **numbers}), flush=True)
         print(json.dumps({"pass": phase, "host_ops": report["host_ops"][phase]}), flush=True)
+    for phase, numbers in report["chain"].items():
+        print(json.dumps({"pass": phase, "chain": numbers}), flush=True)
     print(f"wrote {out / 'timeline.json'} and {out / 'timeline.png'}")
 
 

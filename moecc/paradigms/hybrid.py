@@ -86,6 +86,9 @@ class HybridEngine(OffloadEngine):
         self.sides = SideMetrics()
         self._cpu_seen: set[tuple[str, int]] = set()  # (pass, layer) with a CPU part measured
         self.cpu_spans: list | None = None  # timelines set a list: (pass, start, end) of each CPU part, Unix ns
+        # Timelines set a list: (pass, layer, "submitted" | "done", Unix ns) of each CPU part, for the chain
+        # between one layer's part and the next's
+        self.cpu_marks: list | None = None
         self._bytes_mark_staging = (0, 0)
         self.measure_lock = threading.Lock()  # the worker's CPU timings against the caller's reads and resets
         self._copy_samples: list[tuple[str, int, object]] = []  # (pass, experts copied, (begin, end) | seconds)
@@ -177,6 +180,9 @@ class HybridEngine(OffloadEngine):
         with self.measure_lock:
             if self.cpu_spans is not None:
                 self.cpu_spans.append((phase, began_ns, began_ns + int(seconds * 1e9)))
+            if self.cpu_marks is not None:
+                self.cpu_marks += [(phase, index, "started", began_ns),
+                                   (phase, index, "computed", began_ns + int(seconds * 1e9))]
             self.sides.cpu_s += seconds
             first = (phase, index) not in self._cpu_seen
             self._cpu_seen.add((phase, index))
@@ -326,8 +332,19 @@ class HybridEngine(OffloadEngine):
             with self.measure_lock:
                 self.trackers[phase].observe((), 0.0, experts, seconds)
 
-    def run_cpu(self, fn, *args) -> Future:
-        return self.worker.submit(fn, *args)
+    def run_cpu(self, fn, *args, mark: tuple[str, int] | None = None) -> Future:
+        """``fn(*args)`` on the CPU part's worker; ``mark`` (pass, layer) names it in ``cpu_marks``."""
+        marks = self.cpu_marks
+        if marks is None or mark is None:
+            return self.worker.submit(fn, *args)
+        marks.append((*mark, "submitted", time.time_ns()))
+
+        def marked():
+            try:
+                return fn(*args)
+            finally:
+                marks.append((*mark, "done", time.time_ns()))
+        return self.worker.submit(marked)
 
     def defer(self, layer_index: int, parts: _Parts) -> None:
         """The CPU part of layer ``layer_index``'s ``parts`` is joined by this thread's next layer call
@@ -551,10 +568,11 @@ class HybridExpertsFunction(torch.autograd.Function):
             job = (engine, layer, staged, parts.weights_host, parts.cpu_lora, ready, cpu, counts)
             parts.published = _publish_target(engine, layer, call, hidden, top_k_index, counts, cpu)
             if parts.published is None:
-                parts.cpu_future = engine.run_cpu(_cpu_forward, *job)
+                parts.cpu_future = engine.run_cpu(_cpu_forward, *job, mark=("forward", layer.index))
             else:
                 try:
-                    parts.cpu_future = engine.run_cpu(_cpu_forward_published, parts.published, *job)
+                    parts.cpu_future = engine.run_cpu(_cpu_forward_published, parts.published, *job,
+                                                      mark=("forward", layer.index))
                 except BaseException:
                     engine.cpu_done.publish(parts.published[0])  # never run: no stream may wait for it
                     raise
@@ -603,10 +621,11 @@ class HybridExpertsFunction(torch.autograd.Function):
                                                  cpu_experts)
             job = (engine, layer.index, parts, saved, staged, counts, cpu_experts if moved else None)
             if published is None:
-                cpu_future = engine.run_cpu(_cpu_backward, *job)
+                cpu_future = engine.run_cpu(_cpu_backward, *job, mark=("backward", layer.index))
             else:
                 try:
-                    cpu_future = engine.run_cpu(_cpu_backward_published, published, *job)
+                    cpu_future = engine.run_cpu(_cpu_backward_published, published, *job,
+                                                mark=("backward", layer.index))
                 except BaseException:
                     engine.cpu_done.publish(published[0])  # never run: no stream may wait for it
                     raise

@@ -191,6 +191,35 @@ def test_gaps_between_layers_are_measured_per_pass():
     assert inner.trackers["forward"].serial_s is not None and inner.trackers["backward"].serial_s is None
 
 
+def test_cpu_part_marks_give_each_part_in_order_and_the_chain_between_layers():
+    """With ``cpu_marks`` set, each CPU part is marked submitted, started, computed and done in that order, and
+    the timeline's ``chain`` reads one part per layer and pass from them."""
+    import importlib.util
+    from pathlib import Path
+
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid")
+    hybrid = engine.moecc.engine
+    hybrid.split_rule = _all_cpu
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    hybrid.cpu_marks = []
+    engine(input_ids=ids, labels=ids).loss.backward()
+    marks, hybrid.cpu_marks = hybrid.cpu_marks, None
+    layers = len(hybrid.layers)
+    for phase in ("forward", "backward"):
+        for index in range(layers):
+            names = [name for p, i, name, _ in sorted(marks, key=lambda m: m[3]) if (p, i) == (phase, index)]
+            assert names == ["submitted", "started", "computed", "done"], (phase, index, names)
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "hybrid_timeline.py"
+    spec = importlib.util.spec_from_file_location("hybrid_timeline", script)
+    timeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timeline)
+    found = timeline.chain(marks)
+    for phase in ("forward", "backward"):
+        assert found[phase]["parts"] == layers
+        assert found[phase]["cycle_ms"] >= found[phase]["compute_ms"] > 0
+        assert found[phase]["chain_gap_ms"] >= found[phase]["host_gap_ms"]
+
+
 def test_slot_leftovers_of_an_earlier_pass_cost_no_copy():
     """What a layer's slot still holds from the last backward was copied in an earlier pass: the forward split
     takes it as resident, and only this pass's copies are charged."""
