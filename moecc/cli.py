@@ -120,7 +120,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
     rows: list[dict] = []
     for paradigm in tqdm(paradigms, desc="paradigms", unit="paradigm"):
         new_rows = run_case_isolated(args.preset, args.layers, paradigm, tokens, args.steps, args.rank, device,
-                                     args.gpu_budget, args.checkpointing, args.row_seconds)
+                                     args.gpu_budget, args.checkpointing, args.row_seconds, args.warmup)
         for row in new_rows:
             row["predicted_step_s"] = predict(args.preset, row.get("tokens_timed", row["tokens"]), rates, args.layers,
                                               args.rank, checkpointing=bool(row.get("checkpointing")),
@@ -202,7 +202,10 @@ def main(argv: list[str] | None = None) -> int:
                                    "GPU per layer), gpu (whole model on the GPU), "
                                    "hf-offload (PEFT + accelerate's CPU offload of the experts)")
     bench_parser.add_argument("--gpu-budget", type=positive_float, default=24.0, help="GPU memory budget in GB")
-    bench_parser.add_argument("--steps", type=positive_int, default=3, help="timed steps per row, after one warm-up step")
+    bench_parser.add_argument("--steps", type=positive_int, default=3, help="timed steps per row")
+    bench_parser.add_argument("--warmup", type=positive_int, default=4,
+                              help="untimed steps before each row's (hybrid's split settles over its first steps; "
+                                   "fewer where they take longer than --row-seconds)")
     bench_parser.add_argument("--row-seconds", type=positive_float, default=20.0,
                               help="time fewer steps (at least one) where --steps of them would take longer")
     bench_parser.add_argument("--checkpointing", default="auto", choices=["auto", "on", "off"],

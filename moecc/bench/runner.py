@@ -124,17 +124,18 @@ def build_for_timing(preset: str, layers: int | None, paradigm: str, device: tor
 
 
 def time_with_checkpointing(model: torch.nn.Module, device: torch.device, count: int, steps: int, state: dict,
-                            max_seconds: float | None = None, profile_gpu: bool = True):
+                            max_seconds: float | None = None, profile_gpu: bool = True, warmup: int = 1):
     """:func:`time_training`, falling back to gradient checkpointing as :func:`_fall_back_to_checkpointing`
     says (``state`` from :func:`build_for_timing`)."""
     return _fall_back_to_checkpointing(
-        model, state, lambda: time_training(model, device, count, steps, max_seconds=max_seconds,
+        model, state, lambda: time_training(model, device, count, steps, warmup=warmup, max_seconds=max_seconds,
                                             profile_gpu=profile_gpu))
 
 
 def run_case(preset: str, layers: int | None, paradigm: str, tokens: list[int], steps: int, rank: int,
              device: torch.device, budget_gb: float | None, checkpointing: str = "auto",
-             max_seconds: float | None = None, on_row: Callable[[dict], None] | None = None) -> list[dict]:
+             max_seconds: float | None = None, on_row: Callable[[dict], None] | None = None,
+             warmup: int = 1) -> list[dict]:
     """One row per token count; a paradigm that cannot run gives rows with an ``error`` saying why.
 
     ``hf-offload`` records whatever the stock route raises; when it runs but its expert LoRA does not train,
@@ -142,7 +143,7 @@ def run_case(preset: str, layers: int | None, paradigm: str, tokens: list[int], 
     gradient checkpointing, or ``auto``: off until a token count runs out of GPU memory, then on (each row
     says which it ran with). ``max_seconds``: time fewer than ``steps`` steps for a token count whose steps
     would take longer than that (see :func:`time_training`). ``on_row`` is called with each timed row as soon
-    as it is done.
+    as it is done. ``warmup``: untimed steps before each token count's.
     """
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing must be one of {', '.join(CHECKPOINTING)}, got {checkpointing!r}")
@@ -159,7 +160,7 @@ def run_case(preset: str, layers: int | None, paradigm: str, tokens: list[int], 
             _check_whole_model_fits(preset_nbytes(preset, layers, _dtype(preset)), device, budget_gb)
         model, caveat, state = build_for_timing(preset, layers, paradigm, device, budget_gb, checkpointing, rank)
         for count in tokens:
-            timing = time_with_checkpointing(model, device, count, steps, state, max_seconds)
+            timing = time_with_checkpointing(model, device, count, steps, state, max_seconds, warmup=warmup)
             row = {"paradigm": paradigm, "tokens": count, **timing, "checkpointing": state["on"]}
             if paradigm == "offload":  # where the expert LoRA lives changes the step (see plan.predict)
                 row["lora_on_device"] = model.moecc.engine.lora_on_device
@@ -189,12 +190,13 @@ def _died(returncode: int) -> str:
 
 def run_case_isolated(preset: str, layers: int | None, paradigm: str, tokens: list[int], steps: int, rank: int,
                       device: torch.device, budget_gb: float | None, checkpointing: str = "auto",
-                      max_seconds: float | None = None) -> list[dict]:
+                      max_seconds: float | None = None, warmup: int = 1) -> list[dict]:
     """:func:`run_case` in a fresh Python process, so one paradigm's host memory (a 60 GB model, pinned buffers
     PyTorch keeps cached), GPU memory cap and CUDA state cannot slow down or break the next one. Rows finished
     before the process died are kept; the others say how it died."""
     case = dict(preset=preset, layers=layers, paradigm=paradigm, tokens=tokens, steps=steps, rank=rank,
-                device=str(device), budget_gb=budget_gb, checkpointing=checkpointing, max_seconds=max_seconds)
+                device=str(device), budget_gb=budget_gb, checkpointing=checkpointing, max_seconds=max_seconds,
+                warmup=warmup)
     with tempfile.TemporaryDirectory(prefix="moecc-bench-") as folder:
         result = Path(folder) / "rows.jsonl"
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY") or "PASSIVE"}  # see moecc/__init__

@@ -83,8 +83,9 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
     """Median step time and its breakdown over ``steps`` optimizer steps of ``tokens`` tokens each.
 
     The loss is :func:`moecc.losses.chunked_causal_lm_loss` for every paradigm, so no paradigm pays for the full
-    logits tensor (15 GB at 8192 tokens for Qwen3's vocabulary). With ``max_seconds``, fewer steps are timed
-    (at least one) when ``steps`` of them would take longer than that. On CUDA, unless ``profile_gpu`` is False,
+    logits tensor (15 GB at 8192 tokens for Qwen3's vocabulary). ``warmup`` untimed steps come first. With
+    ``max_seconds``, fewer steps are timed (at least one) when ``steps`` of them would take longer than that,
+    and fewer warm-up steps run (at least one) once they took longer than that. On CUDA, unless ``profile_gpu`` is False,
     one more step (of up to 10 s) runs under the profiler for ``gpu_kernels_s``, the time the GPU spent
     computing (copies excluded): a step close to it, or to the copy time, leaves nothing to hide.
     """
@@ -118,9 +119,12 @@ def _timed_steps(train_step, model: torch.nn.Module, device: torch.device, warmu
         torch.cuda.reset_peak_memory_stats(device)
     records: list[tuple[float, dict]] = []
     retries_before = 0
+    warm_s = 0.0
     for step in range(warmup + steps):
         if step == warmup and device.type == "cuda":
             retries_before = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+        if 0 < step < warmup and max_seconds is not None and warm_s > max_seconds:
+            continue  # warm-up steps past max_seconds (at least one runs)
         if records and max_seconds is not None and sum(r[0] for r in records) * (1 + 1 / len(records)) > max_seconds:
             break  # the next step would take the timed ones past max_seconds
         if engine is not None:
@@ -133,6 +137,8 @@ def _timed_steps(train_step, model: torch.nn.Module, device: torch.device, warmu
         metrics = engine.counters_since_reset() if engine is not None else {}  # one set of names on any device
         if step >= warmup:
             records.append((step_s, metrics))
+        else:
+            warm_s += step_s
     # cudaMalloc calls that failed and were retried after freeing the allocator's cache (each synchronises the
     # device): a budget cap that the step presses against shows here before it shows as out of memory.
     retries = (torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries_before

@@ -97,7 +97,7 @@ def cli_args(out):
 
     return argparse.Namespace(preset="tiny", layers=None, tokens=[16, 64], paradigms=["cocompute", "offload", "gpu"],
                               gpu_budget=None, steps=1, rank=4, out=str(out), checkpointing="auto",
-                              row_seconds=None)
+                              row_seconds=None, warmup=1)
 
 
 def test_gpu_paradigm_over_budget_is_refused_before_building_the_model(monkeypatch):
@@ -117,6 +117,22 @@ def test_max_seconds_times_fewer_steps():
     model = random_model("tiny", layers=1, dtype=torch.float32)
     assert time_training(model, torch.device("cpu"), 16, steps=4, max_seconds=0.0)["steps_timed"] == 1
     assert time_training(model, torch.device("cpu"), 16, steps=3, max_seconds=1e6)["steps_timed"] == 3
+
+
+def test_warmup_steps_run_untimed_and_fewer_of_them_past_max_seconds():
+    import time
+
+    from moecc.bench.timing import _timed_steps
+
+    calls = []
+    model, cpu = torch.nn.Linear(1, 1), torch.device("cpu")
+    records, _ = _timed_steps(lambda: calls.append(1), model, cpu, warmup=4, steps=2, max_seconds=None)
+    assert len(calls) == 6 and len(records) == 2
+
+    calls.clear()
+    slow = lambda: (calls.append(1), time.sleep(0.02))  # noqa: E731
+    records, _ = _timed_steps(slow, model, cpu, warmup=4, steps=3, max_seconds=0.01)
+    assert len(calls) == 2 and len(records) == 1  # one warm-up step, one timed: each alone past max_seconds
 
 
 def test_isolated_case_reports_how_its_process_died():
@@ -148,7 +164,7 @@ def test_auto_checkpointing_retries_an_out_of_memory_step(monkeypatch):
 
     calls = []
 
-    def fake_time_training(model, device, count, steps, max_seconds=None, profile_gpu=True):
+    def fake_time_training(model, device, count, steps, warmup=1, max_seconds=None, profile_gpu=True):
         on = bool(getattr(model, "is_gradient_checkpointing", False))
         calls.append((count, on))
         if count >= 64 and not on:
