@@ -4,7 +4,9 @@ native kernels on the worker thread), host-to-device copies, device-to-host copi
 Builds the ``moecc bench`` model under ``paradigm="hybrid"``, runs warm-up steps (the split's costs settle), then
 profiles one step and writes ``timeline.json`` (every interval per lane, ms from the step's start),
 ``timeline.png`` (the whole step, and one layer's forward and backward zoomed in) and prints, per zoomed layer, how
-long each lane was busy and how long the CPU part and the copies were busy together.
+long each lane was busy and how long the CPU part and the copies were busy together; then, per pass, the medians
+over the layers of each CPU part's chain (``chain``: waiting for its inputs, computing, writing its results out,
+and the gap from the part of the layer before it in pass order).
 
     python benchmarks/hybrid_timeline.py --layers 16 --tokens 2048 --out benchmarks/results/hybrid_timeline
 """
