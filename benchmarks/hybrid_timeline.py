@@ -59,12 +59,24 @@ def host_ops(events, window: tuple[float, float], origin_us: float, top: int = 1
     return [[name, round(ms, 3), calls] for name, ms, calls in sorted(totals.values(), key=lambda e: -e[1])[:top]]
 
 
+def cpu_lane(marks: list) -> list[tuple[int, int]]:
+    """(start, end) Unix ns of each CPU part's compute, from the engine's ``cpu_marks`` (one worker: a layer's
+    "started" comes before its "computed")."""
+    starts, spans = {}, []
+    for phase, index, name, ns in marks:
+        if name == "started":
+            starts[(phase, index)] = ns
+        elif name == "computed":
+            spans.append((starts.pop((phase, index)), ns))
+    return spans
+
+
 def collect(events, cpu_spans: list, trace_start_ns: int) -> tuple[dict[str, list], dict[str, list], float]:
     """(lane -> sorted [start, end] in ms, pass -> sorted [start, end] of each layer call, the origin in us) from
     profiler events and the engine's CPU parts (Unix ns: the profiler records the calling thread only, not the
     engine's worker), all relative to the earliest interval."""
     lanes: dict[str, list] = {lane: [] for lane in LANES}
-    lanes["CPU experts"] = [[(a - trace_start_ns) / 1e6, (b - trace_start_ns) / 1e6] for _, a, b in cpu_spans]
+    lanes["CPU experts"] = [[(a - trace_start_ns) / 1e6, (b - trace_start_ns) / 1e6] for a, b in cpu_spans]
     layers: dict[str, list] = {phase: [] for phase in LAYER_MARKS}
     marks = {name: phase for phase, name in LAYER_MARKS.items()}
     for event in events:
@@ -206,12 +218,12 @@ def main() -> None:
     for _ in range(args.warmup):
         step()
     engine = model.moecc.engine
-    engine.cpu_spans, engine.cpu_marks = [], []
+    engine.cpu_marks = []
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         step()
     events = prof.events()
-    lanes, layers, origin_us = collect(events, engine.cpu_spans, prof.profiler.kineto_results.trace_start_ns())
-    marks, engine.cpu_spans, engine.cpu_marks = engine.cpu_marks, None, None
+    marks, engine.cpu_marks = engine.cpu_marks, None
+    lanes, layers, origin_us = collect(events, cpu_lane(marks), prof.profiler.kineto_results.trace_start_ns())
     windows = {phase: w for phase in LAYER_MARKS if (w := layer_window(layers, phase)) is not None}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -85,9 +85,10 @@ def time_training(model: torch.nn.Module, device: torch.device, tokens: int, ste
     The loss is :func:`moecc.losses.chunked_causal_lm_loss` for every paradigm, so no paradigm pays for the full
     logits tensor (15 GB at 8192 tokens for Qwen3's vocabulary). ``warmup`` untimed steps come first. With
     ``max_seconds``, fewer steps are timed (at least one) when ``steps`` of them would take longer than that,
-    and fewer warm-up steps run (at least one) once they took longer than that. On CUDA, unless ``profile_gpu`` is False,
-    one more step (of up to 10 s) runs under the profiler for ``gpu_kernels_s``, the time the GPU spent
-    computing (copies excluded): a step close to it, or to the copy time, leaves nothing to hide.
+    and fewer warm-up steps run (at least one) once they took longer than that. On CUDA, unless
+    ``profile_gpu`` is False, one more step (of up to 10 s) runs under the profiler for ``gpu_kernels_s``, the
+    time the GPU spent computing (copies excluded): a step close to it, or to the copy time, leaves nothing to
+    hide.
     """
     optimizer = adamw(model.parameters())
     seq = min(tokens, SEQUENCE)

@@ -85,9 +85,8 @@ class HybridEngine(OffloadEngine):
         self.planned: dict[int, tuple[int, ...]] = {}  # layer -> GPU experts its forward prefetch planned
         self.sides = SideMetrics()
         self._cpu_seen: set[tuple[str, int]] = set()  # (pass, layer) with a CPU part measured
-        self.cpu_spans: list | None = None  # timelines set a list: (pass, start, end) of each CPU part, Unix ns
-        # Timelines set a list: (pass, layer, "submitted" | "done", Unix ns) of each CPU part, for the chain
-        # between one layer's part and the next's
+        # Timelines set a list: (pass, layer, "submitted" | "started" | "computed" | "done", Unix ns) of each CPU
+        # part, for its lane and the chain between one layer's part and the next's
         self.cpu_marks: list | None = None
         self._bytes_mark_staging = (0, 0)
         self.measure_lock = threading.Lock()  # the worker's CPU timings against the caller's reads and resets
@@ -178,8 +177,6 @@ class HybridEngine(OffloadEngine):
         first CPU part of each pass kind is not fitted: it fills the backend's buffer pools (page faults), and a
         fit that learnt it kept the CPU out of every later split, where no sample could correct it."""
         with self.measure_lock:
-            if self.cpu_spans is not None:
-                self.cpu_spans.append((phase, began_ns, began_ns + int(seconds * 1e9)))
             if self.cpu_marks is not None:
                 self.cpu_marks += [(phase, index, "started", began_ns),
                                    (phase, index, "computed", began_ns + int(seconds * 1e9))]

@@ -213,6 +213,8 @@ def test_cpu_part_marks_give_each_part_in_order_and_the_chain_between_layers():
     spec = importlib.util.spec_from_file_location("hybrid_timeline", script)
     timeline = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(timeline)
+    lane = timeline.cpu_lane(marks)
+    assert len(lane) == 2 * layers and all(start <= end for start, end in lane)
     found = timeline.chain(marks)
     for phase in ("forward", "backward"):
         assert found[phase]["parts"] == layers
