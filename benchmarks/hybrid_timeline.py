@@ -59,6 +59,37 @@ def host_ops(events, window: tuple[float, float], origin_us: float, top: int = 1
     return [[name, round(ms, 3), calls] for name, ms, calls in sorted(totals.values(), key=lambda e: -e[1])[:top]]
 
 
+def device_ops(events, window: tuple[float, float], origin_us: float, top: int = 15) -> list:
+    """The GPU kernels within ``window`` by name: [name (cut to 90 characters), ms, launches], longest first."""
+    totals: dict[str, list] = {}
+    for event in events:
+        if lane_of(event) != "GPU kernels":
+            continue
+        start, end = (event.time_range.start - origin_us) / 1e3, (event.time_range.end - origin_us) / 1e3
+        if start >= window[0] and end <= window[1]:
+            entry = totals.setdefault(event.name[:90], [event.name[:90], 0.0, 0])
+            entry[1] += end - start
+            entry[2] += 1
+    return [[name, round(ms, 3), n] for name, ms, n in sorted(totals.values(), key=lambda e: -e[1])[:top]]
+
+
+def host_waits(events, window: tuple[float, float], origin_us: float, least_ms: float = 0.2) -> list:
+    """Where the threads that queue the GPU work blocked within ``window``: each synchronize call of the CUDA
+    runtime at least ``least_ms`` long, as [start ms, ms, its outermost op's name, thread], in time order."""
+    out = []
+    for event in events:
+        if event.device_type != DeviceType.CPU or "Synchronize" not in event.name:
+            continue
+        start, end = (event.time_range.start - origin_us) / 1e3, (event.time_range.end - origin_us) / 1e3
+        if start < window[0] or end > window[1] or end - start < least_ms:
+            continue
+        outer = event
+        while outer.cpu_parent is not None:
+            outer = outer.cpu_parent
+        out.append([round(start, 3), round(end - start, 3), f"{outer.name} > {event.name}", event.thread])
+    return sorted(out)
+
+
 def cpu_lane(marks: list) -> list[tuple[int, int]]:
     """(start, end) Unix ns of each CPU part's compute, from the engine's ``cpu_marks`` (one worker: a layer's
     "started" comes before its "computed")."""
@@ -232,12 +263,15 @@ def main() -> None:
     report = {"command": command, "device": str(device), "lanes": lanes, "layer_calls": layers,
               "zoomed": {phase: {"window": list(w), **summary(lanes, w)} for phase, w in windows.items()},
               "host_ops": {phase: host_ops(events, w, origin_us) for phase, w in windows.items()},
+              "device_ops": {phase: device_ops(events, w, origin_us) for phase, w in windows.items()},
+              "host_waits": {phase: host_waits(events, w, origin_us) for phase, w in windows.items()},
               "chain": chain(marks)}
     (out / "timeline.json").write_text(json.dumps(report))
     plot(lanes, windows, out / "timeline.png", f"hybrid, {args.preset}, {args.layers} layers, {args.tokens} tokens")
     for phase, numbers in report["zoomed"].items():
         print(json.dumps({"pass": phase, **numbers}), flush=True)
-        print(json.dumps({"pass": phase, "host_ops": report["host_ops"][phase]}), flush=True)
+        for key in ("host_ops", "device_ops", "host_waits"):
+            print(json.dumps({"pass": phase, key: report[key][phase]}), flush=True)
     for phase, numbers in report["chain"].items():
         print(json.dumps({"pass": phase, "chain": numbers}), flush=True)
     print(f"wrote {out / 'timeline.json'} and {out / 'timeline.png'}")

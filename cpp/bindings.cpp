@@ -104,6 +104,8 @@ void bind_kernel_arguments(py::module_& m) {
   address(backward, "grad_down_b", &BackwardIo::grad_down_b);
   address(backward, "inner_gate_up", &BackwardIo::inner_gate_up);
   address(backward, "inner_down", &BackwardIo::inner_down);
+  address(backward, "lora_grad_slots", &BackwardIo::lora_grad_slots);
+  backward.def_readwrite("lora_grad_experts", &BackwardIo::lora_grad_experts);
 
   py::class_<GemmTuning>(m, "GemmTuning", "Prefetch settings of the panel products (panel_gemm.h).")
       .def(py::init<>())

@@ -347,10 +347,10 @@ def _output(given: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dty
 
 
 def _lora_grad_outputs(given: tuple | None, gate_up_lora: tuple | None, down_lora: tuple | None,
-                       grad_hidden: torch.Tensor) -> list:
-    """Per projection ``(dA [E, r, in], dB [out, r*E])`` float32 (None without LoRA): the caller's tensors where
-    given, else new ones. A's gradient is accumulated into by the kernel, so it is zeroed here; B's is written
-    whole."""
+                       grad_hidden: torch.Tensor, blocks: int | None = None) -> list:
+    """Per projection ``(dA [E, r, in], dB [out, r*E])`` float32 (None without LoRA), of ``blocks`` experts
+    instead of E where given: the caller's tensors where given, else new ones. A's gradient is accumulated into
+    by the kernel, so it is zeroed here; B's is written whole."""
     given = (None, None) if given is None else tuple(given)
     if len(given) != 2:
         raise ValueError(f"lora_grads must be ((dA_gu, dB_gu), (dA_down, dB_down)), got {len(given)} entries")
@@ -362,8 +362,11 @@ def _lora_grad_outputs(given: tuple | None, gate_up_lora: tuple | None, down_lor
                 raise ValueError(f"a {name} LoRA gradient was given for a projection without LoRA; pass None")
             outputs.append(None)
             continue
-        outputs.append((_output(pair[0], tuple(lora[0].shape), torch.float32, f"{name} LoRA A gradient"),
-                        _output(pair[1], tuple(lora[1].shape), torch.float32, f"{name} LoRA B gradient")))
+        a_shape, b_shape = tuple(lora[0].shape), tuple(lora[1].shape)
+        if blocks is not None:
+            a_shape, b_shape = (blocks, *a_shape[1:]), (b_shape[0], a_shape[1] * blocks)
+        outputs.append((_output(pair[0], a_shape, torch.float32, f"{name} LoRA A gradient"),
+                        _output(pair[1], b_shape, torch.float32, f"{name} LoRA B gradient")))
     grads = [grad for pair in outputs if pair is not None for grad in pair]
     others = [grad_hidden] + [factor for lora in (gate_up_lora, down_lora) if lora is not None for factor in lora[:2]]
     if any(_overlap(a, b) for i, a in enumerate(grads) for b in grads[i + 1:] + others):
@@ -373,6 +376,21 @@ def _lora_grad_outputs(given: tuple | None, gate_up_lora: tuple | None, down_lor
         if pair is not None:
             pair[0].zero_()
     return outputs
+
+
+def _lora_grad_slots(lora_experts: torch.Tensor, experts: int) -> torch.Tensor:
+    """``[E]`` int64: the block of each of ``lora_experts`` (its position), -1 for the other experts."""
+    if (lora_experts.dtype != torch.int64 or lora_experts.dim() != 1 or lora_experts.device.type != "cpu"
+            or lora_experts.numel() > experts):
+        raise ValueError(f"lora_experts must be a 1-D int64 CPU tensor of at most {experts} expert ids, got "
+                         f"{lora_experts.dtype} {list(lora_experts.shape)} on {lora_experts.device}")
+    if lora_experts.numel() and (int(lora_experts.min()) < 0 or int(lora_experts.max()) >= experts
+                                 or lora_experts.unique().numel() != lora_experts.numel()):
+        raise ValueError(f"lora_experts must hold distinct expert ids in [0, {experts}), got "
+                         f"{lora_experts.tolist()}")
+    slots = torch.full((experts,), -1, dtype=torch.int64)
+    slots[lora_experts] = torch.arange(lora_experts.numel(), dtype=torch.int64)
+    return slots
 
 
 def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int], top_k: int,
@@ -426,13 +444,15 @@ def expert_ffn_backward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sh
                         gate_up_lora: tuple | None, down_lora: tuple | None, gate_up_out: torch.Tensor,
                         grad_out: torch.Tensor, grad_hidden: torch.Tensor | None = None,
                         lora_inner: tuple | None = None, tuning: KernelTuning | None = None,
-                        lora_grads: tuple | None = None) -> tuple:
+                        lora_grads: tuple | None = None, lora_experts: torch.Tensor | None = None) -> tuple:
     """Backward of :func:`expert_ffn_forward` with ``grad_out [T, H]`` float32 or bf16 (``grad_hidden``
     written into the given tensor when passed: float32, or bf16 rounded once in the kernel). ``lora_inner``: what
     the forward wrote there, reused instead of recomputed (the same LoRA factors, or the gradients are wrong).
     ``tuning`` as for the forward. ``lora_grads`` (optional, ``((dA_gu, dB_gu), (dA_down, dB_down))``, any entry
     None): tensors to write the LoRA gradients into, float32 in the layouts below; the A gradients are zeroed
-    here first (the kernel accumulates into them), so any reused buffer will do.
+    here first (the kernel accumulates into them), so any reused buffer will do. ``lora_experts`` (optional, int64
+    ``[n]``, distinct expert ids): the LoRA gradients hold those experts' blocks alone, in that order (E becomes n
+    in their layouts below); every expert with routed pairs must be among them.
 
     Returns ``(grad_hidden [T, H], grad_routing [T*k], (dA_gu, dB_gu) or None, (dA_down, dB_down) or None)``,
     float32 but for a bf16 ``grad_hidden``, LoRA gradients as ``A [E, r, in]``, ``B [out, r*E]`` (PEFT's
@@ -445,8 +465,12 @@ def expert_ffn_backward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sh
     grad_hidden = _output(grad_hidden, (tokens, hidden_size), _io_dtype(grad_hidden, "grad_hidden"), "grad_hidden")
     grad_out_dtype = _io_dtype(grad_out, "grad_out")
     grad_routing = torch.empty(pairs, dtype=torch.float32)
-    lora_grads = _lora_grad_outputs(lora_grads, gate_up_lora, down_lora, grad_hidden)
+    slots = None if lora_experts is None else _lora_grad_slots(lora_experts, experts)
+    lora_grads = _lora_grad_outputs(lora_grads, gate_up_lora, down_lora, grad_hidden,
+                                    None if slots is None else lora_experts.numel())
     io = _C.BackwardIo()
+    if slots is not None:
+        io.lora_grad_slots, io.lora_grad_experts = slots.data_ptr(), lora_experts.numel()
     io.hidden = _address(hidden, "hidden", torch.bfloat16, tokens * hidden_size)
     io.gate_up_out = _address(gate_up_out, "gate_up_out", torch.bfloat16, pairs * 2 * inter)
     grad_out_address = _address(grad_out, "grad_out", grad_out_dtype, tokens * hidden_size)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from moecc import _ops
+from moecc.experts.types import PairGrads
 from moecc.native_experts import NativeExperts
 from moecc.reference import ExpertLora, ExpertWeights, experts_autograd, experts_backward, experts_forward
 
@@ -866,3 +867,60 @@ def test_grouped_lora_rows_agree_with_one_call_a_row(op, rank, n):
             assert ((grouped - per_row).abs() <= per_row.abs() * 2.0**-7).all()
         else:
             assert rel_err(grouped, per_row) < 1e-6
+
+
+def _pairs_problem(isa, seed=5):
+    """A 6-expert problem and the backward of its forward_pairs subset of experts 1, 3 and 4, as backward_pairs
+    returns it: (problem, mask, grad_out, (rows, tokens, grad_weights, LoraGrads))."""
+    problem = _problem(40, 6, 64, 32, 2, 4, seed=seed)
+    weights, x, index, w, gate_up, down = problem
+    mask = _subset_mask(6, (1, 3, 4))
+    grad_out = torch.randn(40, 64, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    native = NativeExperts(isa)
+    _, tokens, saved = native.forward_pairs(weights, x, index, w, gate_up, down, expert_mask=mask)
+    assert tokens is not None  # rows per pair: what backward_pairs_into needs
+    return problem, mask, grad_out, native.backward_pairs(weights, saved, grad_out, gate_up, down)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_backward_pairs_into_writes_backward_pairs_results_with_the_blocks_of_the_experts_named(isa):
+    """The kernels write the rows, tokens and routing gradient backward_pairs returns, and of the LoRA gradients
+    only the blocks of ``lora_experts``, in that order (here not sorted, and with expert 0, routed to but
+    outside the subset, whose blocks are zero), into NaN-filled buffers, bit for bit."""
+    problem, mask, grad_out, (rows, tokens, grad_w, grads) = _pairs_problem(isa)
+    weights, x, index, w, gate_up, down = problem
+    experts = torch.tensor([4, 0, 1, 3])
+    full = list(vars(grads).values())
+    lora = (gate_up, gate_up, down, down)
+    blocks = tuple(torch.full((4, 4, g.shape[1]) if which % 2 == 0 else (g.shape[0], 4, 4), float("nan"))
+                   for which, g in enumerate(full))
+    out = PairGrads(torch.full(rows.shape, float("nan")), torch.full(tokens.shape, -1),
+                    torch.full(grad_w.shape, float("nan")), experts, blocks)
+    native = NativeExperts(isa)
+    _, _, saved = native.forward_pairs(weights, x, index, w, gate_up, down, expert_mask=mask)
+    assert native.backward_pairs_into(weights, saved, grad_out, gate_up, down, out=out) is None
+    assert torch.equal(out.rows, rows) and torch.equal(out.tokens, tokens) and torch.equal(out.grad_weights, grad_w)
+    for which, (block, grad) in enumerate(zip(blocks, full)):
+        want = (grad.view(6, 4, -1)[experts] if which % 2 == 0 else grad.view(-1, 4, 6)[:, :, experts])
+        assert torch.equal(block, want), which
+        assert not block.select(0 if which % 2 == 0 else 2, 1).any() and lora[which].num_experts == 6
+
+
+def test_lora_gradient_blocks_refuse_experts_they_cannot_hold():
+    """lora_experts that leave out a routed expert, repeat one or name one past E are refused with what was
+    wrong, before the kernels write anything."""
+    weights, x, index, w, gate_up, down = _problem(20, 4, 32, 16, 2, 2, seed=0)
+    matrices, shape = (weights.gate_up, weights.down), (4, 32, 16)
+    offsets, order = _ops.group_tokens_by_expert(index, 4)
+    routing = w.reshape(-1).contiguous()
+    factors = [(lora.A.reshape(4, 2, -1).contiguous(), lora.B, lora.scaling) for lora in (gate_up, down)]
+    _, gate_up_out = _ops.expert_ffn_forward("portable", matrices, shape, 2, x, offsets, order, routing, *factors)
+    grad_out = torch.randn(20, 32, generator=torch.Generator().manual_seed(1))
+    assert [e for e in range(4) if offsets[e + 1] > offsets[e]] == [0, 1, 2]  # expert 3 gets no pairs
+    cases = [(torch.tensor([0, 1]), "routed expert 2 has block -1 of 2"),
+             (torch.tensor([0, 1, 1, 3]), "distinct expert ids"), (torch.tensor([0, 1, 2, 4]), r"in \[0, 4\)"),
+             (torch.tensor([0, 1, 2, 3], dtype=torch.int32), "1-D int64")]
+    for experts, message in cases:
+        with pytest.raises(ValueError, match=message):
+            _ops.expert_ffn_backward("portable", matrices, shape, 2, x, offsets, order, routing, *factors,
+                                     gate_up_out, grad_out, lora_experts=experts)

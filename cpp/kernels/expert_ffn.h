@@ -80,6 +80,11 @@ struct BackwardIo {
   float* grad_down_b = nullptr;             // [H, r*E] (PEFT's layout) or null; written
   const float* inner_gate_up = nullptr;     // ForwardIo's, when the caller saved them; null: recomputed
   const float* inner_down = nullptr;
+  // [E] or null: the LoRA gradients hold blocks of lora_grad_experts experts only (A [n, r, in], B [out, r*n]),
+  // expert e's in block lora_grad_slots[e] (-1: none, for experts without routed rows), so a caller
+  // differentiating a few experts gets their blocks without writing and then selecting all E.
+  const int64_t* lora_grad_slots = nullptr;
+  int64_t lora_grad_experts = 0;
 };
 
 // Shape of the product tasks and which outputs leave with non-temporal stores, passed in with every call. The

@@ -12,6 +12,8 @@
 // scratch (expert_ffn_common.h).
 #include <algorithm>
 #include <mutex>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "aligned_buffer.h"
@@ -57,6 +59,8 @@ class Backward {
   void lora_factor_grads() const;
   void lay_back_lora_b() const;
   void sum_slots_per_token() const;
+  // Expert e's block of the LoRA gradients (BackwardIo::lora_grad_slots).
+  int64_t block(int64_t e) const { return io_.lora_grad_slots ? io_.lora_grad_slots[e] : e; }
 
  private:
   void swiglu_backward_group(const Task& task, int64_t g0, int64_t count, float* grad_act, int64_t ld,
@@ -325,7 +329,7 @@ void Backward::factor_grad(const FactorTask& t) const {
   if (t.which == 0) {  // dA_down[r][i] = sum_g w (s dy B)[g][r] act[g][i]
     const int64_t r = down_lora_.rank;
     rank_outer_accumulate(grad_inner_down_ + begin * r, row_weight_ + begin, 1.0f, act_ + begin * d.ld_act, d.ld_act,
-                          count, r, t.c0, t.c1, io_.grad_down_a + e * r * d.I, d.I);
+                          count, r, t.c0, t.c1, io_.grad_down_a + block(e) * r * d.I, d.I);
   } else if (t.which == 1) {  // dB_down^T[r][h] = s sum_g w (act A)[g][r] dy[g][h]
     // dy from the token rows when they are bf16 (the same values as the grouped copy): k pairs share each, so
     // they are read from cache, where the grouped copy (a row per pair) comes from DRAM.
@@ -342,7 +346,7 @@ void Backward::factor_grad(const FactorTask& t) const {
   } else if (t.which == 2) {  // dA_gu[r][h] = sum_g (s dG B)[g][r] x[g][h]
     const int64_t r = gate_up_lora_.rank;
     rank_outer_accumulate_gathered(grad_inner_gu_ + begin * r, nullptr, 1.0f, io_.hidden, d.H, order, d.k, count, r,
-                                   t.c0, t.c1, io_.grad_gate_up_a + e * r * d.H, d.H);
+                                   t.c0, t.c1, io_.grad_gate_up_a + block(e) * r * d.H, d.H);
   } else {  // dB_gu^T[r][c] = s sum_g (x A)[g][r] dG[g][c]
     const int64_t r = gate_up_lora_.rank;
     rank_outer_accumulate(inner_gu_ + begin * r, nullptr, gate_up_lora_.scaling, grad_gu_bf16_ + begin * d.ld_dgu,
@@ -354,15 +358,33 @@ void Backward::lay_back_lora_b() const {
   const Dims& d = d_;
   if (io_peft_.grad_gate_up_b) {
     rows_to_peft_b(io_.grad_gate_up_b, 2 * d.I, gate_up_lora_.rank, d.E, routing_.offsets, io_peft_.grad_gate_up_b,
-                   pool_);
+                   pool_, io_.lora_grad_slots, io_.lora_grad_experts);
   }
   if (io_peft_.grad_down_b) {
-    rows_to_peft_b(io_.grad_down_b, d.H, down_lora_.rank, d.E, routing_.offsets, io_peft_.grad_down_b, pool_);
+    rows_to_peft_b(io_.grad_down_b, d.H, down_lora_.rank, d.E, routing_.offsets, io_peft_.grad_down_b, pool_,
+                   io_.lora_grad_slots, io_.lora_grad_experts);
   }
 }
 
 void Backward::sum_slots_per_token() const {
   sum_slots(d_, per_pair_, nullptr, io_.grad_hidden, io_.grad_hidden_bf16, pool_);
+}
+
+// Every expert with routed rows has a block of its own among the lora_grad_experts: a shared or missing one would
+// race two experts' accumulations, or write past the caller's buffers.
+void check_lora_grad_slots(const ExpertShapes& shapes, const Routing& routing, const BackwardIo& io) {
+  if (io.lora_grad_slots == nullptr) return;
+  std::vector<char> taken(static_cast<size_t>(std::max<int64_t>(io.lora_grad_experts, 0)), 0);
+  for (int64_t e = 0; e < shapes.experts; ++e) {
+    if (routing.offsets[e + 1] == routing.offsets[e]) continue;
+    const int64_t slot = io.lora_grad_slots[e];
+    if (slot < 0 || slot >= io.lora_grad_experts || taken[static_cast<size_t>(slot)]) {
+      throw std::invalid_argument("LoRA gradient blocks: routed expert " + std::to_string(e) + " has block " +
+                                  std::to_string(slot) + " of " + std::to_string(io.lora_grad_experts) +
+                                  " (each routed expert needs a distinct block in range)");
+    }
+    taken[static_cast<size_t>(slot)] = 1;
+  }
 }
 
 }  // namespace
@@ -371,6 +393,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
                          const LoraFactors& gate_up_peft, const LoraFactors& down_peft, const Routing& routing,
                          const BackwardIo& io, const KernelTuning& tuning, moecc::pool::ThreadPool& pool) {
   check_tuning(tuning);
+  check_lora_grad_slots(shapes, routing, io);
   Scratch& scratch = shared_scratch();
   std::lock_guard<std::mutex> lock(scratch.mutex);
   PhaseClock clock(/*backward=*/true);

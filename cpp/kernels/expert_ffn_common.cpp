@@ -199,8 +199,24 @@ void relayout_b(const float* from, int64_t out, int64_t rank, int64_t experts, c
 }  // namespace
 
 void rows_to_peft_b(const float* b_t, int64_t out, int64_t rank, int64_t experts, const int64_t* offsets, float* b,
-                    moecc::pool::ThreadPool& pool) {
-  relayout_b<false>(b_t, out, rank, experts, offsets, b, pool);
+                    moecc::pool::ThreadPool& pool, const int64_t* slots, int64_t blocks) {
+  if (slots == nullptr) {
+    relayout_b<false>(b_t, out, rank, experts, offsets, b, pool);
+    return;
+  }
+  const int64_t columns = rank * blocks;
+  pool.run((out + kRelayoutRows - 1) / kRelayoutRows, [&](int64_t block, int) {
+    const int64_t o0 = block * kRelayoutRows, o1 = std::min(out, o0 + kRelayoutRows);
+    std::fill(b + o0 * columns, b + o1 * columns, 0.0f);
+    for (int64_t j = 0; j < rank; ++j) {
+      for (int64_t e = 0; e < experts; ++e) {
+        if (!has_rows(offsets, e)) continue;
+        const float* src = b_t + (e * rank + j) * out;
+        float* dst = b + j * blocks + slots[e];
+        for (int64_t o = o0; o < o1; ++o) dst[o * columns] = src[o];
+      }
+    }
+  });
 }
 
 LoraFactors with_rows_of_b(const LoraFactors& lora, int64_t out, int64_t experts, const int64_t* offsets,

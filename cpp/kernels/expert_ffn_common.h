@@ -73,9 +73,10 @@ void sum_slots(const Dims& d, const uint16_t* per_pair, const float* weights, fl
                moecc::pool::ThreadPool& pool);
 
 // B^T [E, r, out] -> PEFT's B [out, r*E]; the columns of experts without routed rows (offsets [E+1]) are zero
-// and their B^T rows are not read.
+// and their B^T rows are not read. With `slots` ([E], BackwardIo::lora_grad_slots): B [out, r*n] of n = `blocks`
+// experts, expert e in column j*n + slots[e]; columns no routed expert fills are zero.
 void rows_to_peft_b(const float* b_t, int64_t out, int64_t rank, int64_t experts, const int64_t* offsets, float* b,
-                    moecc::pool::ThreadPool& pool);
+                    moecc::pool::ThreadPool& pool, const int64_t* slots = nullptr, int64_t blocks = 0);
 
 // The factors with B re-laid into `b_t` (scratch) as rows of B^T, as the products' loops read them; only the
 // rows of experts with routed rows (offsets [E+1]) are written.

@@ -24,7 +24,7 @@ import torch
 from .. import _ops
 from ..errors import MoeccError, UnsupportedModelError
 from .grouping import Grouping, is_full, kept_rows, resolve
-from .types import ExpertLora, ExpertWeights, LoraGrads, SavedState
+from .types import ExpertLora, ExpertWeights, LoraGrads, PairGrads, SavedState
 
 
 def _kernel_lora(lora: ExpertLora | None) -> tuple | None:
@@ -403,6 +403,29 @@ class NativeExperts:
             return grad_hidden, None, grad_weights, grads
         return self._subset_grad_rows(weights, saved, grad_out, gate_up_lora, down_lora)
 
+    def backward_pairs_into(self, weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor,
+                            gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None, out: PairGrads) -> None:
+        """:meth:`backward_pairs` of a subset whose input gradient leaves as rows, written into ``out`` (the
+        caller's host tensors: staging buffers the device reads, say). The kernels write the rows and the LoRA
+        gradients' blocks of ``out.lora_experts`` there themselves: nothing is copied or selected afterwards, and
+        the other experts' blocks are never written. Every expert of ``saved`` must be among ``lora_experts``."""
+        if not isinstance(saved, _SubsetState) or not rows_pay(saved.pair_ids.numel(), saved.routing_shape[0]):
+            raise ValueError("backward_pairs_into needs the saved state of a forward_pairs subset whose output left "
+                             "as rows; use backward_pairs")
+        num_tokens, top_k = saved.routing_shape
+        pairs = saved.pair_ids.numel()
+        if (tuple(out.tokens.shape) != (pairs,) or out.tokens.dtype != torch.int64
+                or tuple(out.grad_weights.shape) != (num_tokens, top_k) or out.grad_weights.dtype != torch.float32
+                or not out.grad_weights.is_contiguous()):
+            raise ValueError(f"backward_pairs_into: tokens must be int64 [{pairs}] and grad_weights float32 "
+                             f"[{num_tokens}, {top_k}], got {out.tokens.dtype} {list(out.tokens.shape)} and "
+                             f"{out.grad_weights.dtype} {list(out.grad_weights.shape)}")
+        pair_ids = saved.pair_ids
+        torch.div(pair_ids, top_k, rounding_mode="floor", out=out.tokens)
+        _, grad_routing, _ = self._backward(weights, saved, grad_out[out.tokens], gate_up_lora, down_lora,
+                                            rows=True, into=out)
+        out.grad_weights.zero_().view(-1).index_copy_(0, pair_ids, grad_routing.view(-1))
+
     def _backward_subset(self, weights: ExpertWeights, saved: _SubsetState, grad_out: torch.Tensor,
                          gate_up_lora: ExpertLora | None,
                          down_lora: ExpertLora | None) -> tuple[torch.Tensor, torch.Tensor, LoraGrads]:
@@ -428,8 +451,10 @@ class NativeExperts:
 
     def _backward(self, weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor,
                   gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None,
-                  rows: bool = False) -> tuple[torch.Tensor, torch.Tensor, LoraGrads]:
-        """``rows``: the input gradient is the float32 scratch buffer itself, which the caller gives back."""
+                  rows: bool = False, into: PairGrads | None = None) -> tuple[torch.Tensor, torch.Tensor, LoraGrads]:
+        """``rows``: the input gradient is the float32 scratch buffer itself, which the caller gives back, or
+        ``into.rows`` where ``into`` is given; the LoRA gradients then go to ``into``'s blocks (and come back
+        None)."""
         if saved.gate_up_out is None:
             raise RuntimeError("moecc: this forward's saved state was already used by a backward (its buffers are "
                                "reused); run the forward again to differentiate it again")
@@ -443,18 +468,26 @@ class NativeExperts:
                      else self._scratch.take(tuple(grad_out.shape), torch.float32).copy_(grad_out))
         copied_in = kernel_in.dtype != grad_out.dtype
         direct = grad_out.dtype == torch.bfloat16 and not rows
-        grad_in = (self._results.take(tuple(saved.hidden.shape), torch.bfloat16) if direct
-                   else self._scratch.take(tuple(saved.hidden.shape), torch.float32))
-        lora_grads = [self._lora_grad_buffers(lora) for lora in (gate_up_lora, down_lora)]
+        if into is not None:
+            grad_in = into.rows
+            blocks = into.lora_blocks
+            kernel_grads = [None if lora is None else (blocks[2 * i].view(-1, lora.rank, lora.A.shape[-1]),
+                                                       blocks[2 * i + 1].view(blocks[2 * i + 1].shape[0], -1))
+                            for i, lora in enumerate((gate_up_lora, down_lora))]
+        else:
+            grad_in = (self._results.take(tuple(saved.hidden.shape), torch.bfloat16) if direct
+                       else self._scratch.take(tuple(saved.hidden.shape), torch.float32))
+            lora_grads = [self._lora_grad_buffers(lora) for lora in (gate_up_lora, down_lora)]
+            kernel_grads = [_kernel_grads(g, lora) for g, lora in zip(lora_grads, (gate_up_lora, down_lora))]
         try:
             grad_in, grad_routing, _, _ = _ops.expert_ffn_backward(
                 self.isa, matrices, shape, saved.top_k_weights.shape[1], saved.hidden, saved.offsets, saved.order,
                 routing, _kernel_lora(gate_up_lora), _kernel_lora(down_lora), saved.gate_up_out, kernel_in,
                 grad_hidden=grad_in, lora_inner=_inner_for(saved, gate_up_lora, down_lora), tuning=self.tuning,
-                lora_grads=[_kernel_grads(g, lora) for g, lora in zip(lora_grads, (gate_up_lora, down_lora))])
+                lora_grads=kernel_grads, lora_experts=None if into is None else into.lora_experts)
             grad_hidden = grad_in if direct or rows else grad_in.to(grad_out.dtype, copy=True)
         except BaseException:
-            if not direct:
+            if not direct and into is None:
                 self._scratch.give(grad_in)
             raise
         finally:
@@ -463,6 +496,8 @@ class NativeExperts:
         if not direct and not rows:
             self._scratch.give(grad_in)
         self._give_back(saved)  # SavedState is single-use: backward drops it after this
+        if into is not None:
+            return grad_hidden, grad_routing.view(saved.top_k_weights.shape), None
         grads = LoraGrads(*(lora_grads[0] or (None, None)), *(lora_grads[1] or (None, None)))
         return grad_hidden, grad_routing.view(saved.top_k_weights.shape), grads
 

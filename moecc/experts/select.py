@@ -46,6 +46,11 @@ class PerLayerExperts:
         grad_hidden, grad_weights, grads = reference.backward(weights, *args)
         return grad_hidden, None, grad_weights, grads
 
+    def backward_pairs_into(self, weights: ExpertWeights, *args, **kwargs) -> None:
+        """``NativeExperts.backward_pairs_into``: only for a :meth:`forward_pairs` that returned rows, which only
+        the native kernels do (``returns_rows``)."""
+        self.native.backward_pairs_into(weights, *args, **kwargs)
+
     def returns_rows(self, weights: ExpertWeights) -> bool:
         """Whether :meth:`forward_pairs` can return rows per pair for this layer (only the native kernels do)."""
         return self.native.supports(weights)

@@ -118,6 +118,21 @@ class LoraGrads:
         return cls(zeros(gate_up_lora, "A"), zeros(gate_up_lora, "B"), zeros(down_lora, "A"), zeros(down_lora, "B"))
 
 
+@dataclass
+class PairGrads:
+    """Host tensors a subset's backward writes its results into (``NativeExperts.backward_pairs_into``): the input
+    gradient as float32 rows ``[P, H]`` with their tokens ``[P]`` int64 (summed at those tokens it is the
+    subset's ``grad_hidden``), the routing-weight gradient ``[T, k]`` float32, and the LoRA gradients of the
+    experts ``lora_experts`` (``[n]`` int64, distinct) alone, in that order: per factor (gate/up A, B, down A, B;
+    None where a projection has no LoRA) A's blocks ``[n, r, in]`` and B's ``[out, r, n]``, float32."""
+
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    grad_weights: torch.Tensor
+    lora_experts: torch.Tensor
+    lora_blocks: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
 class ExpertBackend(Protocol):
     """What every expert-math backend provides (``moecc.experts.reference``, ``.grouped``, ``.native``).
 

@@ -634,7 +634,7 @@ class HybridExpertsFunction(torch.autograd.Function):
         _prefetch_backward(engine, layer, ctx.call)  # queued before this layer's compute
         grads = (_gpu_backward(engine, layer, parts, slot, grad_out, moved, ctx) if parts.gpu else None)
         if published is not None:
-            number, bank, views, _ = published
+            number, bank, views = published
             engine.cpu_done.wait(number)  # on the device's stream where it can, so this thread goes on
             engine.sides.backward_device_waits += engine.cpu_done.on_device
             with torch.no_grad():

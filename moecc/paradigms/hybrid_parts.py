@@ -16,6 +16,7 @@ import torch
 from torch.profiler import record_function
 
 from ..experts import LoraGrads, SavedState
+from ..experts.types import PairGrads
 from ..experts.native import rows_pay
 from ..lora import lora_tensors
 from ..staging import StagingBuffers
@@ -115,16 +116,19 @@ def _cpu_forward_published(published: tuple, engine: HybridEngine, *job):
 
 
 def _cpu_backward(engine: HybridEngine, index: int, parts: _Parts, saved: SavedState, staged, counts: list[int],
-                  kept: tuple[int, ...] | None = None):
+                  kept: tuple[int, ...] | None = None, into: PairGrads | None = None):
     """The backward of a forward's CPU part; of its ``kept`` experts alone where given (the others' backward
-    moved to the GPU)."""
+    moved to the GPU). ``into``: where the backend writes the results itself (``backward_pairs_into``; None
+    comes back)."""
     if kept is not None:
         saved = engine.cpu.keep_experts(parts.weights_host, saved, kept)
     views = staged.wait()
     began_ns, start = time.time_ns(), time.perf_counter()
     args = (parts.weights_host, saved, views["grad_out"], *parts.cpu_lora)
     with record_function("moecc.hybrid.cpu_backward"):
-        if hasattr(engine.cpu, "backward_pairs"):  # (grad rows, their tokens, ...), summed on the device
+        if into is not None:
+            result = engine.cpu.backward_pairs_into(*args, out=into)
+        elif hasattr(engine.cpu, "backward_pairs"):  # (grad rows, their tokens, ...), summed on the device
             result = engine.cpu.backward_pairs(*args)
         else:
             grad_hidden, grad_weights, grads = engine.cpu.backward(*args)
@@ -136,14 +140,16 @@ def _cpu_backward(engine: HybridEngine, index: int, parts: _Parts, saved: SavedS
 def _backward_publish_target(engine: HybridEngine, layer: HybridLayer, parts: _Parts, grad_out: torch.Tensor,
                              weights_shape: torch.Size, counts: list[int],
                              cpu_experts: tuple[int, ...]) -> tuple | None:
-    """(number, staging views by role) the backward's CPU part writes its results into and then publishes, where
-    the device can wait for that itself (``_may_publish``, and rows per pair: ``rows_pay``); None where the
-    caller waits. The views: the input gradient's rows and their tokens, the routing-weight gradient, the ids of
-    the ``cpu_experts`` (whose ``counts`` these are) and, per LoRA factor ``w``, those experts' blocks of its gradient (``_grouped_shape``). Layers
-    alternate between two banks of roles, so the next layer's views are not ones the device may still read."""
+    """(number, bank, staging views by role) the backward's CPU part writes its results into (the backend's
+    ``backward_pairs_into``) and then publishes, where the device can wait for that itself (``_may_publish``, and
+    rows per pair: ``rows_pay``); None where the caller waits. The views: the input gradient's rows and their
+    tokens, the routing-weight gradient, the ids of the ``cpu_experts`` (whose ``counts`` these are) and, per LoRA
+    factor, those experts' blocks of its gradient (``_grouped_shape``). Layers alternate between two banks of
+    roles, so the next layer's views are not ones the device may still read."""
     factors = lora_tensors(parts.lora)
     pairs = sum(counts)
-    if (current_graph_task() == -1 or not _may_publish(engine, layer, factors, backward=True)
+    if (current_graph_task() == -1 or not hasattr(engine.cpu, "backward_pairs_into")
+            or not _may_publish(engine, layer, factors, backward=True)
             or pairs >= weights_shape.numel() or not rows_pay(pairs, grad_out.shape[0])):
         return None
     bank = f"backward{layer.index % 2}_"
@@ -155,39 +161,28 @@ def _backward_publish_target(engine: HybridEngine, layer: HybridLayer, parts: _P
             shapes[f"lora_blocks{which}"] = (_grouped_shape(factor.shape, num_experts, which, cpu), torch.float32)
     views = {bank + role: staging.view(bank + role, shape, dtype) for role, (shape, dtype) in shapes.items()}
     views[bank + "lora_index"].copy_(torch.tensor(cpu_experts, dtype=torch.int64))
-    return engine.cpu_done.issue(), bank, views, num_experts
+    return engine.cpu_done.issue(), bank, views
 
 
 def _cpu_backward_published(published: tuple, engine: HybridEngine, *job):
-    """:func:`_cpu_backward` that writes its results into the staging views of ``published`` and then publishes
-    its number (also when it fails, so no stream waits for ever; the error reaches the join)."""
-    number, bank, views, experts = published
+    """:func:`_cpu_backward` whose backend writes its results into the staging views of ``published`` itself
+    (``backward_pairs_into``), then publishes its number (also when it fails, so no stream waits for ever; the
+    error reaches the join)."""
+    number, bank, views = published
     try:
-        grad_rows, tokens, grad_weights, grads = _cpu_backward(engine, *job)
-        rows = views[bank + "grad_hidden"]
-        if tokens is None or tuple(grad_rows.shape) != tuple(rows.shape):
-            raise RuntimeError(f"hybrid: the CPU part's backward returned {tuple(grad_rows.shape)} rows for "
-                               f"{tuple(rows.shape)} routed pairs (a bug: please report it)")
-        rows.copy_(grad_rows)
-        views[bank + "grad_tokens"].copy_(tokens)
-        views[bank + "grad_weights"].copy_(grad_weights)
-        index = views[bank + "lora_index"]
-        for which, grad in enumerate(_lora_grad_list(grads)):
-            if grad is not None:
-                blocks = views[bank + f"lora_blocks{which}"]
-                if _grouped_shape(grad.shape, experts, which, index.numel()) != tuple(blocks.shape):
-                    raise RuntimeError(f"hybrid: the CPU part's LoRA gradient {which} is {tuple(grad.shape)}, not "
-                                       f"blocks of {tuple(blocks.shape)} (a bug: please report it)")
-                _select_blocks(grad, experts, which, index, out=blocks)
-        for result in (grad_rows, *vars(grads).values()):
-            if result is not None:
-                engine.cpu.release_result(result)
+        _cpu_backward(engine, *job, into=_pair_grads(views, bank))
     except BaseException:
         for view in views.values():  # in bounds for the device: tokens and expert ids 0, with zero rows and blocks
             view.zero_()
         raise
     finally:
         engine.cpu_done.publish(number)
+
+
+def _pair_grads(views: dict[str, torch.Tensor], bank: str) -> PairGrads:
+    """The staging views of ``_backward_publish_target`` as the outputs of ``backward_pairs_into``."""
+    return PairGrads(views[bank + "grad_hidden"], views[bank + "grad_tokens"], views[bank + "grad_weights"],
+                     views[bank + "lora_index"], tuple(views.get(bank + f"lora_blocks{which}") for which in range(4)))
 
 
 def _lora_grad_list(grads: LoraGrads) -> tuple:
@@ -220,12 +215,9 @@ def _blocks_matrix(blocks: torch.Tensor, which: int) -> torch.Tensor:
     return blocks.view(-1, blocks.shape[2]) if which % 2 else blocks.view(blocks.shape[0], -1)
 
 
-def _select_blocks(grad: torch.Tensor, experts: int, which: int, index: torch.Tensor,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """The blocks of the ``index`` experts of factor ``which``'s gradient, ``_grouped_shape`` long (into ``out``,
-    contiguous, where given)."""
-    if out is None:
-        out = grad.new_empty(_grouped_shape(grad.shape, experts, which, index.numel()))
+def _select_blocks(grad: torch.Tensor, experts: int, which: int, index: torch.Tensor) -> torch.Tensor:
+    """The blocks of the ``index`` experts of factor ``which``'s gradient, ``_grouped_shape`` long."""
+    out = grad.new_empty(_grouped_shape(grad.shape, experts, which, index.numel()))
     torch.index_select(_grouped(grad, experts, which), _expert_dim(which), index, out=_blocks_matrix(out, which))
     return out
 

@@ -464,12 +464,12 @@ def _fail_cpu_part(monkeypatch, phase: str, failing: int, message: str) -> list[
     run = getattr(hybrid_parts, name)
     ran = []
 
-    def fails(engine, layer, *rest):
+    def fails(engine, layer, *rest, **options):
         index = layer if isinstance(layer, int) else layer.index  # forward jobs get the layer, backward its index
         ran.append(index)
         if index == failing:
             raise RuntimeError(message)
-        return run(engine, layer, *rest)
+        return run(engine, layer, *rest, **options)
 
     for module in (hybrid_module, hybrid_parts):  # the waiting path's job, and the published one's inner call
         monkeypatch.setattr(module, name, fails)
