@@ -77,6 +77,7 @@ class _Groups:
         self.ends = offsets[1:].to(torch.int32)  # [E], grouped_mm's offs
         self.grouped = grouped  # torch._grouped_mm, else a per-expert loop
         self._bounds: list[int] | None = None
+        self._routed: torch.Tensor | None = None  # [E, 1, 1] bool: experts with rows, for sum_outer
 
     def _host_bounds(self) -> list[int]:
         """The offsets on the host, for the loop (a sync, which the grouped path never needs)."""
@@ -106,8 +107,11 @@ class _Groups:
         if self.grouped:
             # a^T as a column-major view: the operand order for which the kernel accepts empty groups.
             out = torch._grouped_mm(a.contiguous().T, b.contiguous(), offs=self.ends)
-            # Idle experts' blocks are zeroed here rather than trusting every kernel to write them.
-            return torch.where((self.offsets.diff() > 0)[:, None, None], out, 0)
+            # Idle experts' blocks are zeroed here rather than trusting every kernel to write them. The mask is
+            # made once per grouping: each op queued costs the host thread that queues the GPU part's work.
+            if self._routed is None:
+                self._routed = (self.offsets.diff() > 0)[:, None, None]
+            return torch.where(self._routed, out, 0)
         bounds = self._host_bounds()
         out = a.new_zeros(len(bounds) - 1, a.shape[1], b.shape[1])
         for expert in range(len(bounds) - 1):

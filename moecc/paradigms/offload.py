@@ -42,6 +42,7 @@ from ..lora import lora_tensors
 from ..staging import HostBufferPool
 from .base import (BUDGET_SLACK, Engine, ExpertLayer, Pending, Ready, expert_lora_params, node_gradients,
                    resident_weight_bytes, routed_counts, saved_state_gone)
+from .driver_copies import DriverCopies, run_copies
 from .event_spans import EventSpans
 from .expert_cache import ExpertCache
 
@@ -232,8 +233,16 @@ def _runs(experts: list[int], sources: dict) -> list[tuple[int, int, tuple | Non
 
 
 def _copy_runs(slot: _Slot, host: ExpertWeights, runs: list[tuple[int, int, tuple | None]],
-               stream: torch.cuda.Stream | None) -> None:
-    """Copies each run into the slot (on the current stream: ``stream``, the copy stream, on CUDA)."""
+               stream: torch.cuda.Stream | None, driver: DriverCopies | None = None) -> None:
+    """Copies each run into the slot (on the current stream: ``stream``, the copy stream, on CUDA); the runs from
+    host memory through ``driver`` where it is usable and the slot and weights are contiguous (``driver_copies``:
+    a fraction of torch's host time per copy)."""
+    plain = [(start, stop) for start, stop, cached in runs if cached is None]
+    if (driver is not None and driver.usable and stream is not None and plain
+            and all(t.is_contiguous() for t in (slot.gate_up, slot.down, host.gate_up, host.down))):
+        copies = run_copies(slot.gate_up, host.gate_up, plain) + run_copies(slot.down, host.down, plain)
+        if driver.queue(stream, copies):
+            runs = [run for run in runs if run[2] is not None]
     for start, stop, cached in runs:
         if cached is None:
             gate_up, down = host.gate_up[start:stop], host.down[start:stop]
@@ -262,6 +271,7 @@ class OffloadEngine(Engine):
         self.capacity = max(1, slots)
         self.compute = default_device_backend(device) if compute in (None, "auto") else compute
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.driver_copies = DriverCopies(device) if device.type == "cuda" else None
         self.slots: OrderedDict[int, _Slot] = OrderedDict()
         # Park each layer's saved state in host memory between its forward and its backward (see the module
         # docstring); False keeps it on the device. On the CPU the same path runs with plain host copies.
@@ -419,7 +429,7 @@ class OffloadEngine(Engine):
                     begin = _timed_event(self.copy_stream)
                     if stale_lora:  # first: small, and the layer's compute needs them as soon as the weights
                         self._stage_lora(slot, factors)
-                    _copy_runs(slot, host, runs, self.copy_stream)
+                    _copy_runs(slot, host, runs, self.copy_stream, self.driver_copies)
                     slot.ready = _timed_event(self.copy_stream)
                     self._copy_events.add(begin, slot.ready)
         self.h2d_bytes += copied * (host.gate_up[0].nbytes + host.down[0].nbytes)
