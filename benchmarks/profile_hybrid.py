@@ -10,7 +10,8 @@ experts and pairs, the CPU and copy seconds, the waits, the prefetch hit rate an
 
 ``NAME:N`` sets the engine's slots at run time, past the budget check ``prepare`` makes (4 slots ran out of memory
 under 24 GB at 8192 tokens); ``NAME:N:n`` also turns the CPU probes off (``CostTracker.probe_after``: the cost fit
-then never comes back once it priced the CPU out); ``--rounds`` interleaves the cases, since the host's speed
+then never comes back once it priced the CPU out), ``NAME:N:t`` queues the expert copies through torch instead of
+the CUDA driver (``moecc.paradigms.driver_copies``); ``--rounds`` interleaves the cases, since the host's speed
 drifts between runs.
 """
 from __future__ import annotations
@@ -92,7 +93,7 @@ def main() -> None:
     model, _, _ = runner.build_for_timing(args.preset, args.layers, "hybrid", device, args.gpu_budget, "off")
     optimizer = timing.adamw(model.parameters())
     engine = model.moecc.engine
-    capacity = engine.capacity
+    capacity, driver = engine.capacity, engine.driver_copies
     for round_ in range(args.rounds):
         for tokens in (int(t) for t in args.tokens.split(",")):
             seq = min(tokens, 2048)
@@ -102,6 +103,7 @@ def main() -> None:
                 slots, _, options = rest.partition(":")
                 engine.capacity = int(slots) if slots else capacity
                 engine.split_rule = RULES.get(rule)
+                engine.driver_copies = None if "t" in options else driver  # t: copies through torch
                 if args.fresh:
                     engine.trackers = new_trackers(engine)
                     engine._cpu_seen.clear()
