@@ -54,3 +54,16 @@ def test_read_on_device_kernels_read_the_values_in_place(dtype, device):
 def test_device_alias_refuses_pageable_memory():
     with pytest.raises(ValueError, match="pinned"):
         device_alias(torch.zeros(4), torch.device("cuda"))
+
+
+@pytest.mark.gpu
+def test_a_roles_views_read_through_its_buffers_alias_made_again_when_the_buffer_grows():
+    """Views of one role, smaller and then larger than its buffer, are read in place with the right values; the
+    alias follows the buffer the role holds now."""
+    staging = StagingBuffers(torch.device("cuda", torch.cuda.current_device()))
+    for shape, dtype in [((8, 4), torch.float32), ((2, 3), torch.bfloat16), ((64, 64), torch.float32)]:
+        host = torch.randn(shape).to(dtype)
+        got = staging.read_on_device({"x": host}, lambda x: (x.data_ptr(), (x + 0).cpu()))
+        buffer = staging._mine()[0]["x"]
+        assert got[0] == buffer.data_ptr() and torch.equal(got[1], host)
+        assert staging._local.aliases["x"][0] is buffer
