@@ -612,9 +612,9 @@ def test_lora_grads_not_released_are_never_reused():
     assert len(native._results._lent) == 0 and native._results._free == []
 
 
-def test_kernel_lora_grad_outputs_are_checked_and_a_is_zeroed():
-    """lora_grads passed to the kernels: written in place, A zeroed first (NaN-filled buffers give the values of
-    fresh ones), and refused with the tensor's name when they cannot take the result."""
+def _kernel_problem():
+    """A 4-expert problem's forward through the kernels, for calling their backward directly: (matrices, shape,
+    x, offsets, order, routing, factors, gate_up_out, grad_out)."""
     weights, x, index, w, gate_up, down = _problem(20, 4, 32, 16, 2, 2, seed=0)
     matrices, shape = (weights.gate_up, weights.down), (4, 32, 16)
     offsets, order = _ops.group_tokens_by_expert(index, 4)
@@ -622,6 +622,13 @@ def test_kernel_lora_grad_outputs_are_checked_and_a_is_zeroed():
     factors = [(lora.A.reshape(4, 2, -1).contiguous(), lora.B, lora.scaling) for lora in (gate_up, down)]
     _, gate_up_out = _ops.expert_ffn_forward("portable", matrices, shape, 2, x, offsets, order, routing, *factors)
     grad_out = torch.randn(20, 32, generator=torch.Generator().manual_seed(1))
+    return matrices, shape, x, offsets, order, routing, factors, gate_up_out, grad_out
+
+
+def test_kernel_lora_grad_outputs_are_checked_and_a_is_zeroed():
+    """lora_grads passed to the kernels: written in place, A zeroed first (NaN-filled buffers give the values of
+    fresh ones), and refused with the tensor's name when they cannot take the result."""
+    matrices, shape, x, offsets, order, routing, factors, gate_up_out, grad_out = _kernel_problem()
 
     def backward(lora_grads, lora=factors):
         return _ops.expert_ffn_backward("portable", matrices, shape, 2, x, offsets, order, routing, *lora,
@@ -909,13 +916,7 @@ def test_backward_pairs_into_writes_backward_pairs_results_with_the_blocks_of_th
 def test_lora_gradient_blocks_refuse_experts_they_cannot_hold():
     """lora_experts that leave out a routed expert, repeat one or name one past E are refused with what was
     wrong, before the kernels write anything."""
-    weights, x, index, w, gate_up, down = _problem(20, 4, 32, 16, 2, 2, seed=0)
-    matrices, shape = (weights.gate_up, weights.down), (4, 32, 16)
-    offsets, order = _ops.group_tokens_by_expert(index, 4)
-    routing = w.reshape(-1).contiguous()
-    factors = [(lora.A.reshape(4, 2, -1).contiguous(), lora.B, lora.scaling) for lora in (gate_up, down)]
-    _, gate_up_out = _ops.expert_ffn_forward("portable", matrices, shape, 2, x, offsets, order, routing, *factors)
-    grad_out = torch.randn(20, 32, generator=torch.Generator().manual_seed(1))
+    matrices, shape, x, offsets, order, routing, factors, gate_up_out, grad_out = _kernel_problem()
     assert [e for e in range(4) if offsets[e + 1] > offsets[e]] == [0, 1, 2]  # expert 3 gets no pairs
     cases = [(torch.tensor([0, 1]), "routed expert 2 has block -1 of 2"),
              (torch.tensor([0, 1, 1, 3]), "distinct expert ids"), (torch.tensor([0, 1, 2, 4]), r"in \[0, 4\)"),
