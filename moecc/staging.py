@@ -60,6 +60,7 @@ class StagingBuffers:
             size = max(nbytes, 2 * buffer.numel() if buffer is not None else 0)
             buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
             buffers[role] = buffer
+            self._local.aliases.pop(role, None)  # the old buffer's, which it would keep alive
         return buffer[:nbytes].view(dtype).view(shape)
 
     def to_host(self, tensors: dict[str, torch.Tensor]) -> HostCopy:

@@ -905,6 +905,10 @@ def test_backward_pairs_into_writes_backward_pairs_results_with_the_blocks_of_th
                     torch.full(grad_w.shape, float("nan")), experts, blocks)
     native = NativeExperts(isa)
     _, _, saved = native.forward_pairs(weights, x, index, w, gate_up, down, expert_mask=mask)
+    missing = PairGrads(out.rows, out.tokens, out.grad_weights, experts, (*blocks[:3], None))
+    with pytest.raises(ValueError, match="the down projection has LoRA but no gradient blocks"):
+        native.backward_pairs_into(weights, saved, grad_out, gate_up, down, out=missing)
+    _, _, saved = native.forward_pairs(weights, x, index, w, gate_up, down, expert_mask=mask)
     assert native.backward_pairs_into(weights, saved, grad_out, gate_up, down, out=out) is None
     assert torch.equal(out.rows, rows) and torch.equal(out.tokens, tokens) and torch.equal(out.grad_weights, grad_w)
     for which, (block, grad) in enumerate(zip(blocks, full)):

@@ -471,8 +471,12 @@ class NativeExperts:
         if into is not None:
             grad_in = into.rows
             blocks = into.lora_blocks
-            kernel_grads = [None if lora is None else (blocks[2 * i].view(-1, lora.rank, lora.A.shape[-1]),
-                                                       blocks[2 * i + 1].view(blocks[2 * i + 1].shape[0], -1))
+            for i, (name, lora) in enumerate((("gate_up", gate_up_lora), ("down", down_lora))):
+                if lora is not None and (blocks[2 * i] is None or blocks[2 * i + 1] is None):
+                    raise ValueError(f"backward_pairs_into: the {name} projection has LoRA but no gradient "
+                                     "blocks were given for it; pass its A and B blocks")
+            # A's blocks [n, r, in] as the kernels take them; B's [out, r, n] as PEFT's [out, r*n]
+            kernel_grads = [None if lora is None else (blocks[2 * i], blocks[2 * i + 1].flatten(1))
                             for i, lora in enumerate((gate_up_lora, down_lora))]
         else:
             grad_in = (self._results.take(tuple(saved.hidden.shape), torch.bfloat16) if direct

@@ -239,6 +239,7 @@ def _copy_runs(slot: _Slot, host: ExpertWeights, runs: list[tuple[int, int, tupl
     a fraction of torch's host time per copy)."""
     plain = [(start, stop) for start, stop, cached in runs if cached is None]
     if (driver is not None and driver.usable and stream is not None and plain
+            and host.gate_up.device.type == "cpu" and host.down.device.type == "cpu"
             and all(t.is_contiguous() for t in (slot.gate_up, slot.down, host.gate_up, host.down))):
         copies = run_copies(slot.gate_up, host.gate_up, plain) + run_copies(slot.down, host.down, plain)
         if driver.queue(stream, copies):
