@@ -22,7 +22,7 @@ export PYTHONUNBUFFERED=1
 if [[ "$part" == all || "$part" == tests ]]; then
   python -m moecc.cli info
   python -m pytest -q -p no:warnings -m "gpu or amx or not gpu" tests/test_native_experts.py \
-      tests/test_native_parity.py tests/experts tests/test_losses.py tests/paradigms tests/bench \
+      tests/test_native_parity.py tests/test_staging.py tests/experts tests/test_losses.py tests/paradigms tests/bench \
       2>&1 | tail -5
 fi
 if [[ "$part" == all || "$part" == kernels ]]; then
