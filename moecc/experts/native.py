@@ -420,11 +420,7 @@ class NativeExperts:
             raise ValueError(f"backward_pairs_into: tokens must be int64 [{pairs}] and grad_weights float32 "
                              f"[{num_tokens}, {top_k}], got {out.tokens.dtype} {list(out.tokens.shape)} and "
                              f"{out.grad_weights.dtype} {list(out.grad_weights.shape)}")
-        pair_ids = saved.pair_ids
-        torch.div(pair_ids, top_k, rounding_mode="floor", out=out.tokens)
-        _, grad_routing, _ = self._backward(weights, saved, grad_out[out.tokens], gate_up_lora, down_lora,
-                                            rows=True, into=out)
-        out.grad_weights.zero_().view(-1).index_copy_(0, pair_ids, grad_routing.view(-1))
+        self._subset_grad_rows(weights, saved, grad_out, gate_up_lora, down_lora, into=out)
 
     def _backward_subset(self, weights: ExpertWeights, saved: _SubsetState, grad_out: torch.Tensor,
                          gate_up_lora: ExpertLora | None,
@@ -437,15 +433,18 @@ class NativeExperts:
         return grad_hidden, grad_weights, grads
 
     def _subset_grad_rows(self, weights: ExpertWeights, saved: _SubsetState, grad_out: torch.Tensor,
-                          gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None) -> tuple:
-        """(grad rows [P, H] float32 from the scratch pool, their tokens, grad_top_k_weights [T, k], LoraGrads)."""
+                          gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None,
+                          into: PairGrads | None = None) -> tuple:
+        """(grad rows [P, H] float32 from the scratch pool, their tokens, grad_top_k_weights [T, k], LoraGrads), or
+        ``into``'s tensors holding them (LoraGrads None: ``into``'s blocks)."""
         num_tokens, top_k = saved.routing_shape
         pair_ids = saved.pair_ids
-        tokens = pair_ids // top_k
+        tokens = torch.div(pair_ids, top_k, rounding_mode="floor", out=None if into is None else into.tokens)
         # The rows go in as they come (bf16 or float32) and their gradients come out float32, for the sum
         grad_rows, grad_routing, grads = self._backward(weights, saved, grad_out[tokens], gate_up_lora, down_lora,
-                                                        rows=True)  # [P, H] float32 (scratch), [P, 1]
-        grad_weights = torch.zeros(num_tokens * top_k, dtype=torch.float32)
+                                                        rows=True, into=into)  # [P, H] float32 (scratch), [P, 1]
+        grad_weights = (torch.zeros(num_tokens * top_k, dtype=torch.float32) if into is None
+                        else into.grad_weights.zero_().view(-1))
         grad_weights.index_copy_(0, pair_ids, grad_routing.view(-1))
         return grad_rows, tokens, grad_weights.view(num_tokens, top_k), grads
 
