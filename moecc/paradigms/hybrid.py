@@ -9,7 +9,8 @@ ahead from a forecast of layer i's routing (recent passes, ``RoutingForecast``),
 balance CPU seconds against copy and GPU seconds; layer i's forward queues layer i+1's copies the same way.
 Backward, where routing is known from forward: each layer runs its forward's split (each side holds its own saved
 state), plus, where ``backward_split`` finds it pays, some of the forward's CPU experts on the GPU: it recomputes
-their forward from the hidden states its part saved, and the CPU drops them from its state (``keep_experts``).
+the forward of all its experts, those and its own, from the hidden states its part saved, and the CPU drops them
+from its state (``keep_experts``).
 Layer i's backward prefetches layer i-1's GPU experts and parked activations.
 
 One set of LoRA factors: on the GPU where they fit (the CPU part reads pinned host mirrors, copied once per pass),
@@ -709,8 +710,10 @@ def _gpu_forward(engine: HybridEngine, layer: HybridLayer, slot, hidden, top_k_i
 
 
 def _gpu_backward(engine: HybridEngine, layer: HybridLayer, parts: _Parts, slot, grad_out, moved: tuple, ctx):
-    """The GPU part's gradients: its own forward's experts from their saved state, and the ``moved`` experts
-    (whose forward ran on the CPU) from their forward recomputed here on the hidden states that state holds."""
+    """The GPU part's gradients: its own forward's experts from their saved state; with ``moved`` experts (whose
+    forward ran on the CPU) as well, every one of ``parts.gpu_backward`` from one forward recomputed on the hidden
+    states that state holds, and one backward: two parts' calls and their sum queued twice the host's ops, on a
+    host thread that paces the backward at small batches."""
     state, parts.gpu_state = parts.gpu_state, None
     engine.use(slot)
     saved = engine.unpark(state)
@@ -718,26 +721,18 @@ def _gpu_backward(engine: HybridEngine, layer: HybridLayer, parts: _Parts, slot,
     device_lora = engine.device_lora(slot, parts.lora)
     weights = layer.device_weights(slot)
     with record_function("moecc.hybrid.gpu_backward"):
-        if moved:  # before the saved state's backward, which may free its hidden states
+        if moved:
             num_experts = layer.weights.num_experts
-            grouping = group_by_expert(ctx.top_k_index, num_experts, _mask(moved, num_experts, engine.staging),
-                                       num_pairs=sum(ctx.counts[e] for e in moved))
+            experts = parts.gpu_backward
+            grouping = group_by_expert(ctx.top_k_index, num_experts, _mask(experts, num_experts, engine.staging),
+                                       num_pairs=sum(ctx.counts[e] for e in experts))
             with torch.no_grad():
-                _, again = parts.math.forward(weights, saved.hidden, ctx.top_k_index, saved.top_k_weights,
+                _, saved = parts.math.forward(weights, saved.hidden, ctx.top_k_index, saved.top_k_weights,
                                               *device_lora, grouping=grouping)
         result = parts.math.backward(weights, saved, grad_out, *device_lora)
-        if moved:
-            result = _summed(result, parts.math.backward(weights, again, grad_out, *device_lora))
     engine.done_with(slot)
     engine.compute_ends(begun, backward=True)
     return result
-
-
-def _summed(first: tuple, second: tuple) -> tuple:
-    """(grad_hidden, grad_top_k_weights, LoraGrads) of two parts over different experts, added."""
-    grads = [None if a is None else (a if b is None else a + b)
-             for a, b in zip(vars(first[2]).values(), vars(second[2]).values())]
-    return first[0] + second[0], first[1] + second[1], LoraGrads(*grads)
 
 
 def _prefetch_backward(engine: HybridEngine, layer: HybridLayer, call) -> None:

@@ -85,17 +85,42 @@ def test_hybrid_own_split_matches_hf_peft_in_bf16_with_native_kernels():
     _assert_bf16_as_accurate_as_hf_peft(reference, engine)
 
 
-def test_native_cpu_part_keeps_its_other_experts_when_some_backward_moves_to_the_gpu():
+def test_native_cpu_part_keeps_its_other_experts_when_some_backward_moves_to_the_gpu(monkeypatch):
     """With the native kernels on the CPU side, a backward that moves some of the forward's CPU experts to the GPU
     (their saved rows dropped from the CPU's state, their forward recomputed on the GPU) is as accurate in bf16
-    as HF + PEFT, like the engine that moves none."""
+    as HF + PEFT, like the engine that moves none; the GPU runs one backward per layer call, over its own experts
+    and the moved ones together."""
     from .test_offload import _assert_bf16_as_accurate_as_hf_peft
 
     reference, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
                                    backend="auto")
     engine.moecc.engine.split_rule = _moved_in_backward
+    calls = _count_device_backwards(monkeypatch)
     _assert_bf16_as_accurate_as_hf_peft(reference, engine)
     assert engine.moecc.engine.metrics_since_reset()["moved_experts"] > 0
+    assert calls and calls == [1] * len(calls), calls
+
+
+def _count_device_backwards(monkeypatch) -> list[int]:
+    """The device backend's backward calls within each hybrid layer backward call, one entry per layer call."""
+    calls, layer_backward, device_backend = [], hybrid_module.HybridExpertsFunction._backward, \
+        hybrid_module.device_backend
+
+    def counting_backend(compute):
+        math = device_backend(compute)
+
+        def backward(*args):
+            calls[-1] += 1
+            return math.backward(*args)
+        return type("Counted", (), {"forward": staticmethod(math.forward), "backward": staticmethod(backward)})
+
+    def counted_layer_backward(ctx, grad_out):
+        calls.append(0)
+        return layer_backward(ctx, grad_out)
+
+    monkeypatch.setattr(hybrid_module, "device_backend", counting_backend)
+    monkeypatch.setattr(hybrid_module.HybridExpertsFunction, "_backward", staticmethod(counted_layer_backward))
+    return calls
 
 
 def test_cpu_lora_gradients_given_back_to_the_native_pool_change_no_gradient():
