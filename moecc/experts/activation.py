@@ -31,25 +31,34 @@ def merge(gate: torch.Tensor, up: torch.Tensor, interleaved: bool) -> torch.Tens
     return torch.cat([gate, up], dim=1)
 
 
-def activate(gate: torch.Tensor, up: torch.Tensor, weights: ExpertWeights, dtype: torch.dtype) -> torch.Tensor:
-    """The gated activation, rounded after every elementwise step as the original computes it."""
+def _final(x: torch.Tensor, dtype: torch.dtype, as_dtype: bool) -> torch.Tensor:
+    """The last rounding of a result: ``x`` in ``dtype`` itself where the caller takes it so, else rounded float32
+    (a float copy the caller would convert back costs one more op on the thread that queues the device's)."""
+    return x.to(dtype) if as_dtype else round_to(x, dtype)
+
+
+def activate(gate: torch.Tensor, up: torch.Tensor, weights: ExpertWeights, dtype: torch.dtype,
+             as_dtype: bool = False) -> torch.Tensor:
+    """The gated activation, rounded after every elementwise step as the original computes it; in ``dtype`` with
+    ``as_dtype``, else float32."""
     if weights.swiglu_limit is None:
-        return round_to(round_to(F.silu(gate), dtype) * up, dtype)
+        return _final(round_to(F.silu(gate), dtype) * up, dtype, as_dtype)
     limit, alpha = weights.swiglu_limit, weights.swiglu_alpha
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     glu = round_to(gate * round_to(torch.sigmoid(round_to(gate * alpha, dtype)), dtype), dtype)
-    return round_to(round_to(up + 1, dtype) * glu, dtype)
+    return _final(round_to(up + 1, dtype) * glu, dtype, as_dtype)
 
 
 def activation_grads(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weights: ExpertWeights,
-                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(d gate, d up)`` of :func:`activate`, rounded where autograd of the rounded pipeline rounds."""
+                     dtype: torch.dtype, as_dtype: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d gate, d up)`` of :func:`activate`, rounded where autograd of the rounded pipeline rounds; in ``dtype``
+    with ``as_dtype``, else float32."""
     if weights.swiglu_limit is None:
         silu = round_to(F.silu(gate), dtype)
         sig = torch.sigmoid(gate)
-        grad_gate = round_to(round_to(grad * up, dtype) * sig * (1 + gate * (1 - sig)), dtype)
-        return grad_gate, round_to(grad * silu, dtype)
+        grad_gate = _final(round_to(grad * up, dtype) * sig * (1 + gate * (1 - sig)), dtype, as_dtype)
+        return grad_gate, _final(grad * silu, dtype, as_dtype)
     limit, alpha = weights.swiglu_limit, weights.swiglu_alpha
     gate_c = gate.clamp(max=limit)
     up_c = up.clamp(min=-limit, max=limit)
@@ -59,4 +68,4 @@ def activation_grads(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, w
     grad_glu = round_to(grad * round_to(up_c + 1, dtype), dtype)
     grad_t = round_to(round_to(grad_glu * gate_c, dtype) * sig * (1 - sig), dtype)
     grad_gate_c = round_to(round_to(grad_glu * sig, dtype) + round_to(grad_t * alpha, dtype), dtype)
-    return grad_gate_c * (gate <= limit), grad_up
+    return _final(grad_gate_c * (gate <= limit), dtype, as_dtype), _final(grad_up, dtype, as_dtype)

@@ -77,7 +77,7 @@ class _Groups:
         self.ends = offsets[1:].to(torch.int32)  # [E], grouped_mm's offs
         self.grouped = grouped  # torch._grouped_mm, else a per-expert loop
         self._bounds: list[int] | None = None
-        self._routed: torch.Tensor | None = None  # [E, 1, 1] bool: experts with rows, for sum_outer
+        self._idle: torch.Tensor | None = None  # [E, 1, 1] bool: experts without rows, for sum_outer
 
     def _host_bounds(self) -> list[int]:
         """The offsets on the host, for the loop (a sync, which the grouped path never needs)."""
@@ -109,9 +109,9 @@ class _Groups:
             out = torch._grouped_mm(a.contiguous().T, b.contiguous(), offs=self.ends)
             # Idle experts' blocks are zeroed here rather than trusting every kernel to write them. The mask is
             # made once per grouping: each op queued costs the host thread that queues the GPU part's work.
-            if self._routed is None:
-                self._routed = (self.offsets.diff() > 0)[:, None, None]
-            return torch.where(self._routed, out, 0)
+            if self._idle is None:
+                self._idle = (self.offsets.diff() == 0)[:, None, None]
+            return out.masked_fill_(self._idle, 0)
         bounds = self._host_bounds()
         out = a.new_zeros(len(bounds) - 1, a.shape[1], b.shape[1])
         for expert in range(len(bounds) - 1):
@@ -132,15 +132,21 @@ class _Factors:
 
 
 def _factors(lora: ExpertLora | None, dtype: torch.dtype) -> _Factors | None:
-    """PEFT's ``A [r*E, in]`` (expert-major) and ``B [out, r*E]`` (rank-major) regrouped per expert."""
+    """PEFT's ``A [r*E, in]`` (expert-major) and ``B [out, r*E]`` (rank-major) regrouped per expert. A rank that
+    needs no padding takes one conversion per factor (each op is host time on the thread that queues the GPU's)."""
     if lora is None:
         return None
     experts, rank = lora.num_experts, lora.rank
     padded = -(-rank // _RANK_MULTIPLE) * _RANK_MULTIPLE
+    a_e = lora.A.detach().view(experts, rank, -1)
+    b_e = lora.B.detach().view(-1, rank, experts).permute(2, 1, 0)  # B_e[o, j] = B[o, j*E + e]
+    if padded == rank:
+        b_t = torch.empty(b_e.shape, dtype=dtype, device=b_e.device).copy_(b_e)  # contiguous, whatever the dtype
+        return _Factors(a_e.to(dtype), b_t, lora.scaling, rank)
     a = torch.zeros(experts, padded, lora.A.shape[1], dtype=dtype, device=lora.A.device)
-    a[:, :rank] = lora.A.detach().view(experts, rank, -1)
+    a[:, :rank] = a_e
     b_t = torch.zeros(experts, padded, lora.B.shape[0], dtype=dtype, device=lora.B.device)
-    b_t[:, :rank] = lora.B.detach().view(-1, rank, experts).permute(2, 1, 0)  # B_e[o, j] = B[o, j*E + e]
+    b_t[:, :rank] = b_e
     return _Factors(a, b_t, lora.scaling, rank)
 
 
@@ -192,10 +198,10 @@ def _project_backward(groups: _Groups, grad_z: torch.Tensor, x: torch.Tensor, we
         return grad_x, None, None
     dtype = grad_z.dtype
     grad_u = groups.mm(grad_z, lora.b_t.transpose(1, 2)).float() * lora.scaling  # [P, r8]
-    grad_x += groups.mm(grad_u.to(dtype), lora.a).float()
+    grad_x.add_(groups.mm(grad_u.to(dtype), lora.a))  # float32 += the product's values, with no float copy
     if row_scale is not None:
         grad_u = grad_u * row_scale[:, None]
-        grad_z = (grad_z.float() * row_scale[:, None]).to(dtype)
+        grad_z = (grad_z * row_scale[:, None]).to(dtype)  # computed in float32 (type promotion)
     grad_a = groups.sum_outer(grad_u.to(dtype), x)  # [E, r8, in]
     grad_b_t = groups.sum_outer(_lora_input(groups, x, lora), grad_z).float() * lora.scaling  # [E, r8, out]
     return grad_x, grad_a, grad_b_t
@@ -226,7 +232,7 @@ def _bias_rows(bias: torch.Tensor | None, expert_ids: torch.Tensor | None) -> to
 def _activation(gate_up: torch.Tensor, weights: ExpertWeights, dtype: torch.dtype) -> torch.Tensor:
     """``[P, I]`` in ``dtype`` from the pre-activations ``[P, 2I]`` (their float32 copy is freed on return)."""
     gate, up = split(gate_up.float(), weights.interleaved)
-    return activate(gate, up, weights, dtype).to(dtype)
+    return activate(gate, up, weights, dtype, as_dtype=True)
 
 
 def _per_pair(rows: torch.Tensor, order: torch.Tensor, num_pairs: int) -> torch.Tensor:
@@ -296,20 +302,20 @@ def backward(weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor, 
     tokens = order // top_k
     routing = saved.top_k_weights.reshape(-1)[order]  # [P]
     gate, up = split(saved.gate_up_out.float(), weights.interleaved)
-    act = activate(gate, up, weights, dtype).to(dtype)  # [P, I]
+    act = activate(gate, up, weights, dtype, as_dtype=True)  # [P, I]
     grad_z = grad_out[tokens].to(dtype)  # [P, H], gradient of each pair's output before its routing weight
 
     grad_act, grad_down_a, grad_down_b_t = _project_backward(groups, grad_z, act, down_w.transpose(1, 2),
                                                              down_lora_e, row_scale=routing)  # [P, I]
     # d(w * y)/dw = grad_z . y, and grad_z . (act W_eff^T + b) = (grad_z W_eff) . act + grad_z . b.
-    grad_routing = (grad_act * act.float()).sum(-1)  # [P]
+    grad_routing = (grad_act * act).sum(-1)  # [P], float32
     if weights.down_bias is not None:
         down_bias = _bias_rows(weights.down_bias, groups.expert_ids(order.numel()))
         grad_routing = grad_routing + (grad_z.float() * down_bias).sum(-1)
     del act, grad_z  # done with: the gate/up projection's backward below is the peak
-    grad_gate, grad_up = activation_grads(grad_act * routing[:, None], gate, up, weights, dtype)
+    grad_gate, grad_up = activation_grads(grad_act * routing[:, None], gate, up, weights, dtype, as_dtype=True)
     del gate, up, grad_act
-    grad_gate_up = merge(grad_gate, grad_up, weights.interleaved).to(dtype)  # [P, 2I]
+    grad_gate_up = merge(grad_gate, grad_up, weights.interleaved)  # [P, 2I]
     del grad_gate, grad_up
 
     grad_x, grad_gate_up_a, grad_gate_up_b_t = _project_backward(

@@ -692,11 +692,19 @@ def _record_forward(engine: HybridEngine, layer: HybridLayer, counts: list[int],
     layer.last_gpu, layer.last_cpu = gpu_backward, bool(cpu)
 
 
+def _grouping(engine: HybridEngine, top_k_index: torch.Tensor, num_experts: int, experts: tuple[int, ...],
+              pairs: int):
+    """The grouping of ``experts``' routed pairs (``pairs`` of them, counted on the host): every pair's, with no
+    mask or subset (their ~15 ops), where those experts hold every routed pair."""
+    if pairs == top_k_index.numel():
+        return group_by_expert(top_k_index, num_experts)
+    return group_by_expert(top_k_index, num_experts, _mask(experts, num_experts, engine.staging), num_pairs=pairs)
+
+
 def _gpu_forward(engine: HybridEngine, layer: HybridLayer, slot, hidden, top_k_index, top_k_weights, lora, gpu,
                  call, pairs: int):
     # The subset's size from the host's counts: sized by a sync, it kept the host waiting for this layer's copies
-    grouping = group_by_expert(top_k_index, layer.weights.num_experts,
-                               _mask(gpu, layer.weights.num_experts, engine.staging), num_pairs=pairs)
+    grouping = _grouping(engine, top_k_index, layer.weights.num_experts, gpu, pairs)
     engine.use(slot)
     begun = engine.compute_begins()
     device_lora = engine.device_lora(slot, lora)
@@ -722,10 +730,9 @@ def _gpu_backward(engine: HybridEngine, layer: HybridLayer, parts: _Parts, slot,
     weights = layer.device_weights(slot)
     with record_function("moecc.hybrid.gpu_backward"):
         if moved:
-            num_experts = layer.weights.num_experts
             experts = parts.gpu_backward
-            grouping = group_by_expert(ctx.top_k_index, num_experts, _mask(experts, num_experts, engine.staging),
-                                       num_pairs=sum(ctx.counts[e] for e in experts))
+            grouping = _grouping(engine, ctx.top_k_index, layer.weights.num_experts, experts,
+                                 sum(ctx.counts[e] for e in experts))
             with torch.no_grad():
                 _, saved = parts.math.forward(weights, saved.hidden, ctx.top_k_index, saved.top_k_weights,
                                               *device_lora, grouping=grouping)
