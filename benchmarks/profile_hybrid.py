@@ -17,6 +17,10 @@ drifts between runs.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import json
+import pstats
 import statistics
 import time
 
@@ -40,12 +44,17 @@ RULES = {"own": None, "all_gpu": lambda layer, counts, phase: range(len(counts))
          "all_cpu": lambda layer, counts, phase: (), "coldest32_cpu": coldest_on_cpu(32)}
 
 
-def time_case(model, optimizer, ids, device, steps: int, warmup: int = 1) -> tuple[list[float], dict]:
+def time_case(model, optimizer, ids, device, steps: int, warmup: int = 1,
+              host_profile: int = 0) -> tuple[list[float], dict]:
     """Median (forward, backward, optimizer) seconds over ``steps`` steps after ``warmup`` steps, and the last
-    step's engine metrics."""
+    step's engine metrics. ``host_profile``: one more step under cProfile (the host thread that queues the GPU
+    work), whose ``host_profile`` costliest functions by own time, and moecc's by total time, are printed."""
     engine = model.moecc.engine
     parts, metrics = [], {}
-    for step in range(steps + warmup):
+    for step in range(steps + warmup + (1 if host_profile else 0)):
+        profiler = cProfile.Profile() if step == steps + warmup else None
+        if profiler is not None:
+            profiler.enable()
         engine.reset_metrics()
         timing.synchronize(device)
         marks = [time.perf_counter()]
@@ -59,6 +68,14 @@ def time_case(model, optimizer, ids, device, steps: int, warmup: int = 1) -> tup
         optimizer.zero_grad(set_to_none=True)
         timing.synchronize(device)
         marks.append(time.perf_counter())
+        if profiler is not None:
+            profiler.disable()
+            for order, only in (("tottime", ()), ("cumulative", ("/moecc/",))):  # all by own time; moecc's by total
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(*only, host_profile)
+                print(f"host profile by {order}:", *(line for line in text.getvalue().splitlines()[-host_profile - 2:]
+                                                    if line.strip()), sep="\n")
+            break
         metrics = engine.counters_since_reset()  # CUDA's names on any device, as the columns say
         if step >= warmup:
             parts.append([b - a for a, b in zip(marks, marks[1:])])
@@ -88,12 +105,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="the rules again, interleaved (host drift)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before each case's")
     parser.add_argument("--fresh", action="store_true", help="each case starts from the first costs again")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="one more step per case under cProfile: its N costliest functions on the host thread")
+    parser.add_argument("--samples", metavar="FILE", help="writes each case's CPU fit and its recent samples "
+                        "(first-cost and measured seconds per CPU part) as JSON")
     args = parser.parse_args()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     model, _, _ = runner.build_for_timing(args.preset, args.layers, "hybrid", device, args.gpu_budget, "off")
     optimizer = timing.adamw(model.parameters())
     engine = model.moecc.engine
     capacity, driver = engine.capacity, engine.driver_copies
+    fits = []
     for round_ in range(args.rounds):
         for tokens in (int(t) for t in args.tokens.split(",")):
             seq = min(tokens, 2048)
@@ -109,8 +131,14 @@ def main() -> None:
                     engine._cpu_seen.clear()
                 for tracker in engine.trackers.values():
                     tracker.probe_after = 0 if "n" in options else len(engine.layers)  # n: no CPU probes
-                parts, metrics = time_case(model, optimizer, ids, device, args.steps, args.warmup)
+                parts, metrics = time_case(model, optimizer, ids, device, args.steps, args.warmup, args.host_profile)
                 print(f"round {round_} " + describe(tokens, case, parts, metrics, engine), flush=True)
+                if args.samples:
+                    fits.append({"round": round_, "tokens": tokens, "case": case, "step_s": sum(parts), **{
+                        phase: {"fixed_s": t.cpu_fixed_s, "scale": t.cpu_scale, "recent": list(t.recent)}
+                        for phase, t in engine.trackers.items()}})
+                    with open(args.samples, "w") as f:
+                        json.dump(fits, f)
             engine.split_rule = None
 
 

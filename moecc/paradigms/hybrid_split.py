@@ -16,6 +16,7 @@ lost to plain streaming in other engines) is replaced by what this machine does 
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
@@ -162,8 +163,8 @@ def hit_rate(predicted_gpu: Iterable[int], counts: Sequence[int]) -> float:
 class CostTracker:
     """Costs corrected from what passes measured, so the split follows the rates this machine achieves with
     both sides running. CPU: measured seconds of each CPU part fitted as ``fixed + scale * predicted`` by
-    exponentially weighted least squares (the fixed part is per call: staging, gathers, the pool's start);
-    copies: a scale factor (measured / predicted seconds), exponentially averaged."""
+    exponentially weighted least squares (the fixed part is per call: staging, gathers, the pool's start), with
+    a prior on the scale (``_fit_line``); copies: a scale factor (measured / predicted seconds), exponentially averaged."""
 
     base: SideCosts
     decay: float = 0.3
@@ -176,6 +177,8 @@ class CostTracker:
     idle_passes: int = 0
     probe_after: int = 0  # 0: never
     _sums: list = field(default_factory=lambda: [0.0] * 5)  # weight, x, y, x*x, x*y of the CPU fit
+    # The last CPU samples fitted, (predicted by the first costs, measured) seconds beyond a call's: diagnostics
+    recent: deque = field(default_factory=lambda: deque(maxlen=512))
 
     def costs(self) -> SideCosts:
         """The fitted costs."""
@@ -215,16 +218,30 @@ class CostTracker:
         keep = 1 - self.decay / 4  # the fit keeps a longer memory than the copy scale: two unknowns, noisy
         predicted = self.cpu_fixed_s + self.cpu_scale * x
         y = min(max(y, predicted / 4), predicted * 4)  # one odd pass (a descheduled thread) moves the fit little
+        self.recent.append((x, y))
         self._sums = [keep * s + v for s, v in zip(self._sums, (1.0, x, y, x * x, x * y))]
-        w, sx, sy, sxx, sxy = self._sums
-        spread = w * sxx - sx * sx
-        if w >= 3 and spread > 1e-6 * w * sxx:  # several different sizes seen: fixed part and slope
-            scale = (w * sxy - sx * sy) / spread
-            fixed = (sy - scale * sx) / w
-            if scale > 0.05 and fixed >= 0:
-                self.cpu_scale, self.cpu_fixed_s = scale, fixed
-                return
-        self.cpu_scale, self.cpu_fixed_s = max(sy / sx, 0.05), 0.0  # one size so far: a pure ratio
+        self.cpu_fixed_s, self.cpu_scale = _fit_line(*self._sums)
+
+
+def _fit_line(w: float, sx: float, sy: float, sxx: float, sxy: float) -> tuple[float, float]:
+    """(fixed, scale) of ``y = fixed + scale * x`` by weighted least squares with a prior, of a tenth of a
+    sample's weight, that the scale is 1 (the first costs' slope), fixed >= 0 and scale >= 0.05. Parts of one size cannot tell
+    the two apart: the prior then puts their excess in the fixed part. Put in the slope, as a pure ratio did, it
+    priced larger CPU parts out of every plan, so no sample of another size ever came to correct it; in the
+    fixed part, the plans try larger parts, whose samples then fit the slope."""
+    if w <= 0 or sx <= 0:
+        return 0.0, 1.0
+    prior = 0.1 * (sx / w) ** 2  # the penalty's weight: a tenth of a sample at the mean size
+    # Normal equations: w f + sx s = sy;  sx f + (sxx + prior) s = sxy + prior
+    det = w * (sxx + prior) - sx * sx
+    fixed = (sy * (sxx + prior) - sx * (sxy + prior)) / det
+    scale = (w * (sxy + prior) - sx * sy) / det
+    if fixed < 0:
+        fixed, scale = 0.0, (sxy + prior) / (sxx + prior)
+    if scale < 0.05:
+        scale = 0.05
+        fixed = max(0.0, (sy - scale * sx) / w)
+    return fixed, scale
 
 
 def _blend(old: float, new: float, decay: float) -> float:

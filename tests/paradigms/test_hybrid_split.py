@@ -77,11 +77,31 @@ def test_cost_tracker_follows_measured_rates_under_contention():
     predicted = COSTS.cpu_s(counts)
     for _ in range(20):  # the CPU runs 2x slower while the link streams; the link at 80% of its rate
         tracker.observe(counts, 2 * predicted, copied_experts=4, copy_s=4 * COSTS.copy_expert_s / 0.8)
-    assert tracker.cpu_scale == pytest.approx(2.0, rel=1e-3)
     assert tracker.copy_scale == pytest.approx(1.25, rel=1e-3)
     assert tracker.costs().cpu_s(counts) == pytest.approx(2 * predicted, rel=1e-3)
-    tracker.observe(counts, 1000 * predicted, 0, 0.0)  # one wild pass moves the fit little
-    assert tracker.cpu_scale < 2.0 * 1.5
+    # One size cannot tell a fixed cost from a slope: the excess goes to the fixed part, so larger parts are not
+    # priced out before one of them was measured ...
+    assert tracker.cpu_scale == pytest.approx(1.0, rel=1e-3)
+    assert tracker.cpu_fixed_s == pytest.approx(predicted, rel=1e-3)
+    bigger = [200, 300]
+    for _ in range(3):  # ... and once one was, the slope follows
+        tracker.observe(bigger, 2 * COSTS.cpu_s(bigger), 0, 0.0)
+    assert tracker.cpu_scale > 1.7
+    assert tracker.costs().cpu_s(bigger) == pytest.approx(2 * COSTS.cpu_s(bigger), rel=0.1)
+    tracker.observe(counts, 1000 * predicted, 0, 0.0)  # one wild pass (clamped to 4x) moves the fit little
+    assert tracker.costs().cpu_s(counts) < 2 * predicted * 2
+
+
+def test_cost_tracker_fit_is_the_least_squares_line_where_sizes_differ():
+    """Against numpy's unweighted least squares on exact data: the prior moves a well-posed fit by little."""
+    tracker = CostTracker(COSTS, decay=0.0)  # keep = 1: every sample weighs the same
+    rng = random.Random(3)
+    for _ in range(40):
+        counts = [rng.randint(1, 80) for _ in range(rng.randint(1, 40))]
+        tracker.observe(counts, 0.004 + 0.6 * COSTS.cpu_s(counts), 0, 0.0)
+    assert tracker.cpu_fixed_s == pytest.approx(0.004, rel=0.02)
+    assert tracker.cpu_scale == pytest.approx(0.6, rel=0.02)
+    assert len(tracker.recent) == 40 and all(y > x * 0.6 for x, y in tracker.recent)
 
 
 def test_cost_tracker_separates_the_cpu_parts_fixed_cost_from_its_slope():
