@@ -11,8 +11,11 @@ experts and pairs, the CPU and copy seconds, the waits, the prefetch hit rate an
 ``NAME:N`` sets the engine's slots at run time, past the budget check ``prepare`` makes (4 slots ran out of memory
 under 24 GB at 8192 tokens); ``NAME:N:n`` also turns the CPU probes off (``CostTracker.probe_after``: the cost fit
 then never comes back once it priced the CPU out), ``NAME:N:t`` queues the expert copies through torch instead of
-the CUDA driver (``moecc.paradigms.driver_copies``); ``--rounds`` interleaves the cases, since the host's speed
-drifts between runs.
+the CUDA driver (``moecc.paradigms.driver_copies``), ``NAME:N:g`` runs the case with Python's thread switch
+interval at 0.2 ms instead of 5 (how long the CPU part's worker may wait for the GIL while the host thread queues
+GPU work); ``--rounds`` interleaves the cases, since the host's speed drifts between runs. Each line also gives the
+seconds spent inside the native kernel calls (``kernel_s``), which the CPU part's seconds exceed by its Python
+work and its waits for the GIL.
 """
 from __future__ import annotations
 
@@ -22,16 +25,19 @@ import io
 import json
 import pstats
 import statistics
+import sys
+import threading
 import time
 
 import moecc  # noqa: F401  (before torch: its OpenMP threads sleep between ops, as moecc runs them)
 import torch
 
+from moecc import _ops
 from moecc.bench import runner, timing
 from moecc.losses import chunked_causal_lm_loss
 from moecc.paradigms.hybrid import new_trackers
 
-KEYS = ("cpu_experts_s", "copy_s", "cpu_wait_s", "gpu_wait_s", "cpu_experts", "gpu_experts", "cpu_pairs",
+KEYS = ("cpu_experts_s", "kernel_forward_s", "kernel_backward_s", "copy_s", "cpu_wait_s", "gpu_wait_s", "cpu_experts", "gpu_experts", "cpu_pairs",
         "gpu_pairs", "moved_experts", "both_sides_share", "prefetch_hit_rate", "h2d_gb")
 
 
@@ -44,8 +50,33 @@ RULES = {"own": None, "all_gpu": lambda layer, counts, phase: range(len(counts))
          "all_cpu": lambda layer, counts, phase: (), "coldest32_cpu": coldest_on_cpu(32)}
 
 
-def time_case(model, optimizer, ids, device, steps: int, warmup: int = 1,
-              host_profile: int = 0) -> tuple[list[float], dict]:
+class KernelClock:
+    """Seconds inside the native expert kernels by pass, summed over every thread that calls them."""
+
+    def __init__(self) -> None:
+        self.seconds = {"forward": 0.0, "backward": 0.0}
+        self._lock = threading.Lock()
+        for phase in self.seconds:
+            name = f"expert_ffn_{phase}"
+            setattr(_ops._C, name, self._timed(phase, getattr(_ops._C, name)))
+
+    def _timed(self, phase: str, kernel):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return kernel(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.seconds[phase] += time.perf_counter() - start
+        return timed
+
+    def reset(self) -> None:
+        with self._lock:
+            self.seconds = dict.fromkeys(self.seconds, 0.0)
+
+
+def time_case(model, optimizer, ids, device, steps: int, warmup: int = 1, host_profile: int = 0,
+              clock: KernelClock | None = None) -> tuple[list[float], dict]:
     """Median (forward, backward, optimizer) seconds over ``steps`` steps after ``warmup`` steps, and the last
     step's engine metrics. ``host_profile``: one more step under cProfile (the host thread that queues the GPU
     work), whose ``host_profile`` costliest functions by own time, and moecc's by total time, are printed."""
@@ -56,6 +87,8 @@ def time_case(model, optimizer, ids, device, steps: int, warmup: int = 1,
         if profiler is not None:
             profiler.enable()
         engine.reset_metrics()
+        if clock is not None:
+            clock.reset()
         timing.synchronize(device)
         marks = [time.perf_counter()]
         loss = chunked_causal_lm_loss(model, ids, ids)
@@ -77,6 +110,8 @@ def time_case(model, optimizer, ids, device, steps: int, warmup: int = 1,
                                                     if line.strip()), sep="\n")
             break
         metrics = engine.counters_since_reset()  # CUDA's names on any device, as the columns say
+        if clock is not None:
+            metrics.update({f"kernel_{phase}_s": seconds for phase, seconds in clock.seconds.items()})
         if step >= warmup:
             parts.append([b - a for a, b in zip(marks, marks[1:])])
     return [statistics.median(p[i] for p in parts) for i in range(3)], metrics
@@ -115,7 +150,7 @@ def main() -> None:
     optimizer = timing.adamw(model.parameters())
     engine = model.moecc.engine
     capacity, driver = engine.capacity, engine.driver_copies
-    fits = []
+    fits, clock, interval = [], KernelClock(), sys.getswitchinterval()
     for round_ in range(args.rounds):
         for tokens in (int(t) for t in args.tokens.split(",")):
             seq = min(tokens, 2048)
@@ -126,12 +161,14 @@ def main() -> None:
                 engine.capacity = int(slots) if slots else capacity
                 engine.split_rule = RULES.get(rule)
                 engine.driver_copies = None if "t" in options else driver  # t: copies through torch
+                sys.setswitchinterval(2e-4 if "g" in options else interval)  # g: the GIL handed over sooner
                 if args.fresh:
                     engine.trackers = new_trackers(engine)
                     engine._cpu_seen.clear()
                 for tracker in engine.trackers.values():
                     tracker.probe_after = 0 if "n" in options else len(engine.layers)  # n: no CPU probes
-                parts, metrics = time_case(model, optimizer, ids, device, args.steps, args.warmup, args.host_profile)
+                parts, metrics = time_case(model, optimizer, ids, device, args.steps, args.warmup, args.host_profile,
+                                           clock)
                 print(f"round {round_} " + describe(tokens, case, parts, metrics, engine), flush=True)
                 if args.samples:
                     fits.append({"round": round_, "tokens": tokens, "case": case, "step_s": sum(parts), **{

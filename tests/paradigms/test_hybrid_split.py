@@ -92,13 +92,20 @@ def test_cost_tracker_follows_measured_rates_under_contention():
     assert tracker.costs().cpu_s(counts) < 2 * predicted * 2
 
 
-def test_cost_tracker_fit_is_the_least_squares_line_where_sizes_differ():
-    """Against numpy's unweighted least squares on exact data: the prior moves a well-posed fit by little."""
-    tracker = CostTracker(COSTS, decay=0.0)  # keep = 1: every sample weighs the same
-    rng = random.Random(3)
-    for _ in range(40):
+def _fitted(decay: float, fixed: float, slope: float, seed: int, samples: int) -> CostTracker:
+    """A tracker fed ``samples`` CPU parts of random sizes that cost exactly ``fixed + slope * predicted``."""
+    tracker = CostTracker(COSTS, decay=decay)
+    rng = random.Random(seed)
+    for _ in range(samples):
         counts = [rng.randint(1, 80) for _ in range(rng.randint(1, 40))]
-        tracker.observe(counts, 0.004 + 0.6 * COSTS.cpu_s(counts), 0, 0.0)
+        tracker.observe(counts, fixed + slope * COSTS.cpu_s(counts), 0, 0.0)
+    return tracker
+
+
+def test_cost_tracker_fit_is_the_least_squares_line_where_sizes_differ():
+    """Against unweighted least squares on exact data (decay 0: every sample weighs the same): the prior moves a
+    well-posed fit by little."""
+    tracker = _fitted(0.0, 0.004, 0.6, seed=3, samples=40)
     assert tracker.cpu_fixed_s == pytest.approx(0.004, rel=0.02)
     assert tracker.cpu_scale == pytest.approx(0.6, rel=0.02)
     assert len(tracker.recent) == 40 and all(y > x * 0.6 for x, y in tracker.recent)
@@ -107,11 +114,7 @@ def test_cost_tracker_fit_is_the_least_squares_line_where_sizes_differ():
 def test_cost_tracker_separates_the_cpu_parts_fixed_cost_from_its_slope():
     """CPU parts of several sizes that cost 10 ms each plus 1.5x the predicted work: the fit finds both, and the
     split then charges the fixed cost to any pass with a CPU part."""
-    tracker = CostTracker(COSTS, decay=0.5)
-    rng = random.Random(0)
-    for _ in range(60):
-        counts = [rng.randint(1, 50) for _ in range(rng.randint(1, 30))]
-        tracker.observe(counts, 0.01 + 1.5 * COSTS.cpu_s(counts), 0, 0.0)
+    tracker = _fitted(0.5, 0.01, 1.5, seed=0, samples=60)
     assert tracker.cpu_fixed_s == pytest.approx(0.01, rel=0.05)
     assert tracker.cpu_scale == pytest.approx(1.5, rel=0.05)
     costs = tracker.costs()
