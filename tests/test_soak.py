@@ -89,8 +89,11 @@ def test_soak_is_flat_after_warm_up(paradigm, tmp_path):
     assert figures["last_loss"] < figures["first_loss"]  # it trained
 
 
+# SIGINT gets Python's handler back: a run started in the background of a non-interactive shell (`cmd &`) inherits
+# SIGINT ignored, and its children would never see the Ctrl-C this test sends.
 _TRAIN_FOREVER = """
-import sys, torch, moecc
+import signal, sys, torch, moecc
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from moecc.tiny_models import tiny_model
 model = moecc.prepare(tiny_model("qwen3_moe", dtype=torch.bfloat16), device="cpu", paradigm=sys.argv[1])
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
