@@ -11,11 +11,10 @@ experts and pairs, the CPU and copy seconds, the waits, the prefetch hit rate an
 ``NAME:N`` sets the engine's slots at run time, past the budget check ``prepare`` makes (4 slots ran out of memory
 under 24 GB at 8192 tokens); ``NAME:N:n`` also turns the CPU probes off (``CostTracker.probe_after``: the cost fit
 then never comes back once it priced the CPU out), ``NAME:N:t`` queues the expert copies through torch instead of
-the CUDA driver (``moecc.paradigms.driver_copies``), ``NAME:N:g`` runs the case with Python's thread switch
-interval at 0.2 ms instead of 5 (how long the CPU part's worker may wait for the GIL while the host thread queues
-GPU work); ``--rounds`` interleaves the cases, since the host's speed drifts between runs. Each line also gives the
-seconds spent inside the native kernel calls (``kernel_s``), which the CPU part's seconds exceed by its Python
-work and its waits for the GIL.
+the CUDA driver (``moecc.paradigms.driver_copies``); ``--rounds`` interleaves the cases, since the host's speed
+drifts between runs. Each line also gives the seconds spent inside the native kernel calls per pass
+(``kernel_forward_s``, ``kernel_backward_s``), which the CPU parts' seconds exceed by their Python work around
+the call.
 """
 from __future__ import annotations
 
@@ -25,7 +24,6 @@ import io
 import json
 import pstats
 import statistics
-import sys
 import threading
 import time
 
@@ -37,8 +35,9 @@ from moecc.bench import runner, timing
 from moecc.losses import chunked_causal_lm_loss
 from moecc.paradigms.hybrid import new_trackers
 
-KEYS = ("cpu_experts_s", "kernel_forward_s", "kernel_backward_s", "copy_s", "cpu_wait_s", "gpu_wait_s", "cpu_experts", "gpu_experts", "cpu_pairs",
-        "gpu_pairs", "moved_experts", "both_sides_share", "prefetch_hit_rate", "h2d_gb")
+KEYS = ("cpu_experts_s", "kernel_forward_s", "kernel_backward_s", "copy_s", "cpu_wait_s", "gpu_wait_s",
+        "cpu_experts", "gpu_experts", "cpu_pairs", "gpu_pairs", "moved_experts", "both_sides_share",
+        "prefetch_hit_rate", "h2d_gb")
 
 
 def coldest_on_cpu(count: int):
@@ -150,7 +149,7 @@ def main() -> None:
     optimizer = timing.adamw(model.parameters())
     engine = model.moecc.engine
     capacity, driver = engine.capacity, engine.driver_copies
-    fits, clock, interval = [], KernelClock(), sys.getswitchinterval()
+    fits, clock = [], KernelClock()
     for round_ in range(args.rounds):
         for tokens in (int(t) for t in args.tokens.split(",")):
             seq = min(tokens, 2048)
@@ -161,7 +160,6 @@ def main() -> None:
                 engine.capacity = int(slots) if slots else capacity
                 engine.split_rule = RULES.get(rule)
                 engine.driver_copies = None if "t" in options else driver  # t: copies through torch
-                sys.setswitchinterval(2e-4 if "g" in options else interval)  # g: the GIL handed over sooner
                 if args.fresh:
                     engine.trackers = new_trackers(engine)
                     engine._cpu_seen.clear()
