@@ -1,9 +1,14 @@
 """What hybrid's CPU part costs alone: the native backend's forward and backward on the coldest m experts of a
 random top-k routing (``expert_mask``), against the whole layer, as hybrid runs it on a GPU machine (rows per pair,
-the pool on all CPUs but two). Prints one line per (tokens, experts): the subset's routed pairs and median forward
-/ backward ms.
+the pool on all CPUs but two). Prints one line per (tokens, experts, load): the subset's routed pairs, median
+forward / backward ms, and of those the ms inside the kernels' phases (the rest is Python and torch around them).
+
+``--loads`` runs each case under other work, interleaved: ``alone``; ``stream``, a thread copying pinned host memory
+to the GPU without pause (PCIe's share of DRAM, as hybrid's copies take it); ``host``, a Python thread queueing
+small GPU ops without pause (the host thread, which takes the GIL between the worker's torch calls); ``both``.
 
     python benchmarks/bench_cpu_subset.py --tokens 512,2048,8192 --experts 1,16,40,128
+    python benchmarks/bench_cpu_subset.py --tokens 512,2048 --experts 4,16,32 --loads alone,stream,host,both
 """
 from __future__ import annotations
 
@@ -14,7 +19,10 @@ import time
 import moecc  # noqa: F401  (before torch: its OpenMP threads sleep between ops, as moecc runs them)
 import torch
 
-from moecc import _ops
+import contextlib
+import threading
+
+from moecc import _C, _ops
 from moecc.experts.native import NativeExperts
 from moecc.experts.types import ExpertLora, ExpertWeights
 from moecc.paradigms.hybrid import configure_cpu_threads
@@ -32,9 +40,51 @@ def layer(experts: int, hidden: int, inter: int, rank: int, seed: int = 0):
     return weights, gate_up, down
 
 
+@contextlib.contextmanager
+def load(kind: str):
+    """Runs ``kind``'s other work (see the module docstring) on threads while the body runs."""
+    stop = threading.Event()
+
+    def stream() -> None:
+        source = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+        target = torch.empty_like(source, device="cuda")
+        copies = torch.cuda.Stream()
+        with torch.cuda.stream(copies):
+            while not stop.is_set():
+                target.copy_(source, non_blocking=True)
+                copies.synchronize()
+
+    def host() -> None:
+        x = torch.zeros(1024, device="cuda")
+        while not stop.is_set():
+            for _ in range(64):
+                x.add_(1.0)
+            torch.cuda.current_stream().synchronize()
+
+    jobs = {"alone": [], "stream": [stream], "host": [host], "both": [stream, host]}[kind]
+    if jobs and not torch.cuda.is_available():
+        raise SystemExit(f"--loads {kind} needs a CUDA GPU")
+    threads = [threading.Thread(target=job, daemon=True) for job in jobs]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.2 if jobs else 0.0)
+    try:
+        yield
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+
+
+def phases_s(backward: bool) -> float:
+    """Seconds in the phases of the latest native call of that direction."""
+    return sum(seconds for _, seconds in _C.last_phase_times(backward))
+
+
 def time_subset(backend: NativeExperts, weights, loras, tokens: int, top_k: int, coldest: int, reps: int,
-                seed: int = 0) -> tuple[int, float, float]:
-    """(routed pairs of the ``coldest`` experts, median forward s, median backward s) after two warm-up calls."""
+                seed: int = 0) -> tuple[int, float, float, float, float]:
+    """(routed pairs of the ``coldest`` experts, median forward s, median backward s, and the medians of their
+    kernels' phases) after two warm-up calls."""
     g = torch.Generator().manual_seed(seed)
     experts = weights.num_experts
     top_w, top_i = torch.topk(torch.randn(tokens, experts, generator=g).softmax(-1), top_k, dim=-1)
@@ -46,20 +96,24 @@ def time_subset(backend: NativeExperts, weights, loras, tokens: int, top_k: int,
         mask[chosen] = True
     hidden = torch.randn(tokens, weights.hidden_size, generator=g).bfloat16()
     grad_out = torch.randn(tokens, weights.hidden_size, generator=g).bfloat16()
-    forward, backward = [], []
+    forward, backward, forward_in, backward_in = [], [], [], []
     for rep in range(reps + 2):  # as hybrid calls it: rows per pair, every result given back
         start = time.perf_counter()
         out, _, saved = backend.forward_pairs(weights, hidden, top_i, top_w, *loras, expert_mask=mask)
         middle = time.perf_counter()
+        inside_forward = phases_s(False)
         grad_hidden, _, _, grads = backend.backward_pairs(weights, saved, grad_out, *loras)
         end = time.perf_counter()
+        inside_backward = phases_s(True)
         for result in (out, grad_hidden, *vars(grads).values()):
             if result is not None:
                 backend.release_result(result)
         if rep >= 2:
             forward.append(middle - start)
             backward.append(end - middle)
-    return int(counts[chosen].sum()), statistics.median(forward), statistics.median(backward)
+            forward_in.append(inside_forward)
+            backward_in.append(inside_backward)
+    return (int(counts[chosen].sum()), *(statistics.median(v) for v in (forward, backward, forward_in, backward_in)))
 
 
 def main() -> None:
@@ -70,6 +124,8 @@ def main() -> None:
     parser.add_argument("--shape", default="128,2048,768,8", help="experts,hidden,intermediate,top_k")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--loads", default="alone", help="comma-separated, of alone, stream, host, both "
+                                                          "(interleaved per case)")
     args = parser.parse_args()
     experts, hidden, inter, top_k = (int(v) for v in args.shape.split(","))
     threads = configure_cpu_threads()
@@ -79,10 +135,13 @@ def main() -> None:
           f"{args.shape}, rank {args.rank}", flush=True)
     for tokens in (int(t) for t in args.tokens.split(",")):
         for coldest in (min(int(m), experts) for m in args.experts.split(",")):
-            pairs, forward, backward = time_subset(backend, weights, (gate_up, down), tokens, top_k, coldest,
-                                                   args.reps)
-            print(f"tokens {tokens} experts {coldest} pairs {pairs}: forward {1e3 * forward:.2f} ms, backward "
-                  f"{1e3 * backward:.2f} ms", flush=True)
+            for kind in args.loads.split(","):
+                with load(kind):
+                    pairs, forward, backward, forward_in, backward_in = time_subset(
+                        backend, weights, (gate_up, down), tokens, top_k, coldest, args.reps)
+                print(f"tokens {tokens} experts {coldest} pairs {pairs} {kind}: forward {1e3 * forward:.2f} ms "
+                      f"({1e3 * forward_in:.2f} in the kernel's phases), backward {1e3 * backward:.2f} ms "
+                      f"({1e3 * backward_in:.2f})", flush=True)
 
 
 if __name__ == "__main__":

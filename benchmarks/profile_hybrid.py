@@ -37,7 +37,7 @@ from moecc.paradigms.hybrid import new_trackers
 
 KEYS = ("cpu_experts_s", "kernel_forward_s", "kernel_backward_s", "copy_s", "cpu_wait_s", "gpu_wait_s",
         "cpu_experts", "gpu_experts", "cpu_pairs", "gpu_pairs", "moved_experts", "both_sides_share",
-        "prefetch_hit_rate", "h2d_gb")
+        "prefetch_hit_rate", "device_wait_share", "backward_device_wait_share", "h2d_gb")
 
 
 def coldest_on_cpu(count: int):
@@ -50,28 +50,58 @@ RULES = {"own": None, "all_gpu": lambda layer, counts, phase: range(len(counts))
 
 
 class KernelClock:
-    """Seconds inside the native expert kernels by pass, summed over every thread that calls them."""
+    """Seconds inside the native expert kernels by pass, summed over every thread that calls them: around the call
+    (``seconds``), in the kernel's own phases (``phases``: what ``_C.last_phase_times`` reports right after the
+    call) and in the backend's methods around it (``backend``), with the calls counted."""
 
-    def __init__(self) -> None:
-        self.seconds = {"forward": 0.0, "backward": 0.0}
+    BACKEND = {"forward": ("forward", "forward_pairs"),
+               "backward": ("backward", "backward_pairs", "backward_pairs_into", "keep_experts")}
+
+    def __init__(self, backend=None) -> None:
+        self.reset()
         self._lock = threading.Lock()
         for phase in self.seconds:
             name = f"expert_ffn_{phase}"
-            setattr(_ops._C, name, self._timed(phase, getattr(_ops._C, name)))
+            setattr(_ops._C, name, self._timed(phase, getattr(_ops._C, name), kernel=True))
+            for method in self.BACKEND[phase] if backend is not None else ():
+                if hasattr(backend, method):
+                    setattr(backend, method, self._timed(phase, getattr(backend, method), kernel=False))
 
-    def _timed(self, phase: str, kernel):
+    def _timed(self, phase: str, function, kernel: bool):
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return kernel(*args, **kwargs)
+                return function(*args, **kwargs)
             finally:
+                seconds = time.perf_counter() - start
                 with self._lock:
-                    self.seconds[phase] += time.perf_counter() - start
+                    if kernel:
+                        self.seconds[phase] += seconds
+                        self.calls[phase] += 1
+                        for name, value in _ops._C.last_phase_times(phase == "backward"):
+                            self.phases[phase][name] = self.phases[phase].get(name, 0.0) + value
+                    else:
+                        self.backend[phase] += seconds
         return timed
 
     def reset(self) -> None:
-        with self._lock:
-            self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.seconds = {"forward": 0.0, "backward": 0.0}
+        self.backend = dict.fromkeys(self.seconds, 0.0)
+        self.calls = dict.fromkeys(self.seconds, 0)
+        self.phases = {phase: {} for phase in self.seconds}
+
+    def anatomy(self) -> str:
+        """Per pass: calls, ms per call in the backend's methods, around the kernel call, inside its phases, and
+        the phases' ms per call."""
+        lines = []
+        for phase in self.seconds:
+            calls = max(1, self.calls[phase])
+            inside = sum(self.phases[phase].values())
+            lines.append(f"  {phase}: {self.calls[phase]} kernel calls, ms per call: backend "
+                         f"{1e3 * self.backend[phase] / calls:.2f}, kernel call {1e3 * self.seconds[phase] / calls:.2f}"
+                         f", phases {1e3 * inside / calls:.2f} (" + ", ".join(
+                             f"{name} {1e3 * value / calls:.2f}" for name, value in self.phases[phase].items()) + ")")
+        return "\n".join(lines)
 
 
 def time_case(model, optimizer, ids, device, steps: int, warmup: int = 1, host_profile: int = 0,
@@ -87,7 +117,8 @@ def time_case(model, optimizer, ids, device, steps: int, warmup: int = 1, host_p
             profiler.enable()
         engine.reset_metrics()
         if clock is not None:
-            clock.reset()
+            with clock._lock:
+                clock.reset()
         timing.synchronize(device)
         marks = [time.perf_counter()]
         loss = chunked_causal_lm_loss(model, ids, ids)
@@ -149,7 +180,7 @@ def main() -> None:
     optimizer = timing.adamw(model.parameters())
     engine = model.moecc.engine
     capacity, driver = engine.capacity, engine.driver_copies
-    fits, clock = [], KernelClock()
+    fits, clock = [], KernelClock(engine.cpu)
     for round_ in range(args.rounds):
         for tokens in (int(t) for t in args.tokens.split(",")):
             seq = min(tokens, 2048)
@@ -168,6 +199,7 @@ def main() -> None:
                 parts, metrics = time_case(model, optimizer, ids, device, args.steps, args.warmup, args.host_profile,
                                            clock)
                 print(f"round {round_} " + describe(tokens, case, parts, metrics, engine), flush=True)
+                print(clock.anatomy(), flush=True)
                 if args.samples:
                     fits.append({"round": round_, "tokens": tokens, "case": case, "step_s": sum(parts), **{
                         phase: {"fixed_s": t.cpu_fixed_s, "scale": t.cpu_scale, "recent": list(t.recent)}

@@ -254,23 +254,48 @@ class NativeExperts:
             return out, None, saved
         return self._subset_rows(weights, hidden, top_k_weights, loras, grouping)
 
+    def forward_pairs_into(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor, gate_up_lora: ExpertLora | None,
+                           down_lora: ExpertLora | None, *, expert_mask: torch.Tensor, rows: torch.Tensor,
+                           tokens: torch.Tensor) -> SavedState:
+        """:meth:`forward_pairs` of a subset whose output leaves as rows, written into the caller's ``rows [P, H]``
+        float32 and ``tokens [P]`` int64 (staging buffers the device reads, say): the kernel writes the rows there
+        itself, so nothing is copied afterwards. Returns the saved state."""
+        grouping = resolve(top_k_index, weights.num_experts, expert_mask, None)
+        pairs = grouping.num_pairs
+        if is_full(grouping, top_k_index) or not rows_pay(pairs, top_k_index.shape[0]):
+            raise ValueError(f"forward_pairs_into needs a subset whose output leaves as rows; this one has {pairs} "
+                             f"of {top_k_index.numel()} pairs; use forward_pairs")
+        shape = (pairs, weights.hidden_size)
+        if (tuple(rows.shape) != shape or rows.dtype != torch.float32 or not rows.is_contiguous()
+                or tuple(tokens.shape) != (pairs,) or tokens.dtype != torch.int64 or not tokens.is_contiguous()):
+            raise ValueError(f"forward_pairs_into: rows must be float32 {list(shape)} and tokens int64 [{pairs}], "
+                             f"both contiguous; got {rows.dtype} {list(rows.shape)} and {tokens.dtype} "
+                             f"{list(tokens.shape)}")
+        return self._subset_rows(weights, hidden, top_k_weights, (gate_up_lora, down_lora), grouping,
+                                 into=(rows, tokens))[2]
+
     def _forward_subset(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_weights: torch.Tensor,
                         loras: tuple, grouping: Grouping) -> tuple[torch.Tensor, SavedState]:
         out_rows, tokens, saved = self._subset_rows(weights, hidden, top_k_weights, loras, grouping)
         return self._summed_rows(out_rows, tokens, tuple(hidden.shape), hidden.dtype), saved
 
     def _subset_rows(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_weights: torch.Tensor,
-                     loras: tuple, grouping: Grouping) -> tuple[torch.Tensor, torch.Tensor, SavedState]:
+                     loras: tuple, grouping: Grouping,
+                     into: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                      SavedState]:
         """The subset's pairs as tokens of one slot each, in grouped order (so the order is the identity):
-        (float32 rows [P, H] from the scratch pool, their tokens [P], saved)."""
+        (float32 rows [P, H] from the scratch pool, their tokens [P], saved); ``into``: (rows, tokens) to write
+        them into instead."""
         top_k = top_k_weights.shape[1]
         pair_ids = grouping.order  # [P]
-        tokens = pair_ids // top_k
+        tokens = torch.div(pair_ids, top_k, rounding_mode="floor", out=None if into is None else into[1])
         rows = self._saved_buffers.take((pair_ids.numel(), weights.hidden_size), torch.bfloat16)  # [P, H]
         torch.index_select(hidden.to(torch.bfloat16), 0, tokens, out=rows)
         routing = top_k_weights.reshape(-1)[pair_ids].view(-1, 1)  # [P, 1]
         local = Grouping(grouping.offsets, torch.arange(pair_ids.numel(), dtype=torch.int64))
-        out_rows, saved = self._forward(weights, rows, routing, loras, local, None, copy_hidden=False)
+        out_rows, saved = self._forward(weights, rows, routing, loras, local, None, copy_hidden=False,
+                                        into=None if into is None else into[0])
         saved = _SubsetState(**vars(saved), pair_ids=pair_ids, routing_shape=tuple(top_k_weights.shape))
         return out_rows, tokens, saved
 
@@ -287,11 +312,11 @@ class NativeExperts:
         return out
 
     def _forward(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_weights: torch.Tensor, loras: tuple,
-                 grouping: Grouping, out_dtype: torch.dtype | None,
-                 copy_hidden: bool) -> tuple[torch.Tensor, SavedState]:
+                 grouping: Grouping, out_dtype: torch.dtype | None, copy_hidden: bool,
+                 into: torch.Tensor | None = None) -> tuple[torch.Tensor, SavedState]:
         """The kernels on ``grouping`` (every pair of ``top_k_weights [T, k]``); ``copy_hidden``: ``hidden`` is the
         caller's buffer, so what backward keeps is a copy. ``out_dtype`` None: the float32 scratch buffer itself,
-        which the caller gives back."""
+        which the caller gives back, or ``into`` (float32 ``[T, H]``, the caller's) where given."""
         gate_up_lora, down_lora = loras
         matrices = self._matrices(weights)
         shape = (weights.num_experts, weights.hidden_size, weights.intermediate_size)
@@ -302,7 +327,7 @@ class NativeExperts:
         gate_up_out = self._saved_buffers.take((tokens * top_k, 2 * shape[2]), torch.bfloat16)
         # A bf16 output comes straight from the kernel; others through a float32 buffer.
         direct = out_dtype == torch.bfloat16
-        out = (self._results.take((tokens, shape[1]), torch.bfloat16) if direct
+        out = (into if into is not None else self._results.take((tokens, shape[1]), torch.bfloat16) if direct
                else self._scratch.take((tokens, shape[1]), torch.float32))
         # The caller's buffer (a staging view, reused by the next layer): backward gets a copy, which the kernel
         # makes as it reads the rows.

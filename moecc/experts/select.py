@@ -46,6 +46,10 @@ class PerLayerExperts:
         grad_hidden, grad_weights, grads = reference.backward(weights, *args)
         return grad_hidden, None, grad_weights, grads
 
+    def forward_pairs_into(self, weights: ExpertWeights, *args, **kwargs) -> SavedState:
+        """``NativeExperts.forward_pairs_into``: only where :meth:`forward_pairs` returns rows (``returns_rows``)."""
+        return self.native.forward_pairs_into(weights, *args, **kwargs)
+
     def backward_pairs_into(self, weights: ExpertWeights, *args, **kwargs) -> None:
         """``NativeExperts.backward_pairs_into``: only for a :meth:`forward_pairs` that returned rows, which only
         the native kernels do (``returns_rows``)."""

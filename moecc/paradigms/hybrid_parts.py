@@ -45,14 +45,20 @@ def _mask(experts: Iterable[int], num_experts: int, staging: StagingBuffers | No
 
 
 def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora: tuple, lora_ready,
-                 cpu: tuple[int, ...], counts: list[int]):
+                 cpu: tuple[int, ...], counts: list[int], into: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """(out or rows, their tokens or None, saved) of the CPU experts; ``into``: staging views (rows, tokens) the
+    backend writes the rows into itself (``forward_pairs_into``), which come back."""
     views = staged.wait()
     if lora_ready is not None:
         lora_ready.synchronize()
     began_ns, start = time.time_ns(), time.perf_counter()
     args = (weights, views["hidden"], views["top_k_index"], views["top_k_weights"], *lora)
     with record_function("moecc.hybrid.cpu_forward"):
-        if hasattr(engine.cpu, "forward_pairs"):  # rows per pair, summed on the device
+        if into is not None:
+            out, tokens = into
+            saved = engine.cpu.forward_pairs_into(*args, expert_mask=_mask(cpu, weights.num_experts), rows=out,
+                                                  tokens=tokens)
+        elif hasattr(engine.cpu, "forward_pairs"):  # rows per pair, summed on the device
             out, tokens, saved = engine.cpu.forward_pairs(*args, expert_mask=_mask(cpu, weights.num_experts))
         else:
             (out, saved), tokens = engine.cpu.forward(*args, expert_mask=_mask(cpu, weights.num_experts)), None
@@ -95,18 +101,12 @@ def _publish_target(engine: HybridEngine, layer: HybridLayer, call, hidden: torc
 
 
 def _cpu_forward_published(published: tuple, engine: HybridEngine, *job):
-    """:func:`_cpu_forward` that writes its rows into the staging views of ``published`` and then publishes its
-    number (also when it fails, so no stream waits for ever; the error reaches the next layer call's join)."""
+    """:func:`_cpu_forward` whose backend writes its rows into the staging views of ``published`` itself
+    (``forward_pairs_into``), then publishes its number (also when it fails, so no stream waits for ever; the error
+    reaches the next layer call's join)."""
     number, rows, tokens = published
     try:
-        out, out_tokens, saved = _cpu_forward(engine, *job)
-        if out_tokens is None or tuple(out.shape) != tuple(rows.shape):
-            raise RuntimeError(f"hybrid: the CPU part returned {tuple(out.shape)} rows for {tuple(rows.shape)} "
-                               "routed pairs (a bug: please report it)")
-        rows.copy_(out)
-        tokens.copy_(out_tokens)
-        engine.cpu.release_result(out)
-        return saved
+        return _cpu_forward(engine, *job, into=(rows, tokens))[2]
     except BaseException:
         rows.zero_()  # what the device reads must stay in bounds: an index past the output would break the device
         tokens.zero_()

@@ -176,6 +176,35 @@ def test_native_pairs_are_the_subset_rows_before_their_sum(backend, tokens):
             native.release_result(grad_rows)
 
 
+@pytest.mark.parametrize("backend", ["native", "per_layer"])
+def test_native_pairs_into_are_forward_pairs_written_in_place(backend):
+    """``forward_pairs_into`` writes the rows and tokens ``forward_pairs`` returns into the caller's tensors, bit
+    for bit, and its saved state differentiates the same; a full routing, too many pairs for rows or buffers of
+    the wrong shape are refused, naming the sizes."""
+    native = _native()
+    module = native if backend == "native" else PerLayerExperts(native)
+    problem = _problem(13, torch.bfloat16, seed=5)
+    weights, x, index, w, loras, grad_out = problem
+    mask = torch.arange(EXPERTS) % 3 == 0
+    pairs = int(mask[index].sum())
+    assert 0 < pairs <= 2 * 13
+    want_rows, want_at, saved = module.forward_pairs(weights, x, index, w, *loras, expert_mask=mask)
+    want_grads = module.backward_pairs(weights, saved, grad_out, *loras)
+    rows = torch.full((pairs, HIDDEN), float("nan"))
+    at = torch.full((pairs,), -1, dtype=torch.int64)
+    saved = module.forward_pairs_into(weights, x, index, w, *loras, expert_mask=mask, rows=rows, tokens=at)
+    assert torch.equal(rows, want_rows) and torch.equal(at, want_at)
+    grads = module.backward_pairs(weights, saved, grad_out, *loras)
+    for a, b in zip((grads[0], grads[1], grads[2], *vars(grads[3]).values()),
+                    (want_grads[0], want_grads[1], want_grads[2], *vars(want_grads[3]).values())):
+        assert (a is None and b is None) or torch.equal(a, b)
+    with pytest.raises(ValueError, match=f"rows must be float32 \\[{pairs}, {HIDDEN}\\]"):
+        module.forward_pairs_into(weights, x, index, w, *loras, expert_mask=mask, rows=rows[1:], tokens=at)
+    with pytest.raises(ValueError, match="use forward_pairs"):
+        module.forward_pairs_into(weights, x, index, w, *loras, expert_mask=torch.ones(EXPERTS, dtype=torch.bool),
+                                  rows=rows, tokens=at)
+
+
 def test_per_layer_pairs_of_a_layer_the_kernels_do_not_run_are_dense():
     module = PerLayerExperts(_native())
     problem = _problem(5, torch.float32, seed=4)
