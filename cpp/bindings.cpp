@@ -126,12 +126,34 @@ void bind_kernel_arguments(py::module_& m) {
       .def("check", &check_tuning, "Raises ValueError naming a field that is out of range.");
 }
 
+// The kernels index with the routing: its offsets must bound a partition of [0, T*k) and its order be a
+// permutation of the pair ids. Checked here, with the GIL released, rather than by a dozen torch ops in _ops.
+void check_routing(const moecc::kernels::ExpertShapes& shapes, const moecc::kernels::Routing& routing) {
+  const int64_t pairs = shapes.tokens * shapes.top_k;
+  const int64_t* offsets = routing.offsets;
+  bool rising = offsets[0] == 0 && offsets[shapes.experts] == pairs;
+  for (int64_t e = 0; rising && e < shapes.experts; ++e) rising = offsets[e] <= offsets[e + 1];
+  if (!rising) {
+    throw std::invalid_argument("offsets must rise from 0 to " + std::to_string(pairs) +
+                                " (the number of routed pairs)");
+  }
+  std::vector<uint8_t> seen(static_cast<size_t>(pairs), 0);
+  for (int64_t g = 0; g < pairs; ++g) {
+    const int64_t pair = routing.order[g];
+    if (pair < 0 || pair >= pairs || seen[static_cast<size_t>(pair)]) {
+      throw std::invalid_argument("order must be a permutation of the " + std::to_string(pairs) + " pair ids");
+    }
+    seen[static_cast<size_t>(pair)] = 1;
+  }
+}
+
 void bind_expert_ffn(py::module_& m) {
   using namespace moecc::kernels;
   m.def(
       "expert_ffn_forward",
       [](int isa, const ExpertShapes& shapes, const ExpertMatrices& weights, const LoraFactors& gate_up_lora,
          const LoraFactors& down_lora, const Routing& routing, const ForwardIo& io, const KernelTuning& tuning) {
+        check_routing(shapes, routing);
         expert_ffn_forward(static_cast<Isa>(isa), shapes, weights, gate_up_lora, down_lora, routing, io, tuning,
                            *moecc::pool::global_pool());
       },
@@ -142,6 +164,7 @@ void bind_expert_ffn(py::module_& m) {
       "expert_ffn_backward",
       [](int isa, const ExpertShapes& shapes, const ExpertMatrices& weights, const LoraFactors& gate_up_lora,
          const LoraFactors& down_lora, const Routing& routing, const BackwardIo& io, const KernelTuning& tuning) {
+        check_routing(shapes, routing);
         expert_ffn_backward(static_cast<Isa>(isa), shapes, weights, gate_up_lora, down_lora, routing, io, tuning,
                             *moecc::pool::global_pool());
       },
@@ -213,14 +236,15 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "group_tokens_by_expert",
       [](std::uintptr_t top_k_index, int64_t num_tokens, int64_t top_k, int64_t num_experts, std::uintptr_t offsets,
-         std::uintptr_t order) {
-        moecc::kernels::group_tokens_by_expert(as_pointer<const int64_t>(top_k_index), num_tokens, top_k,
-                                               num_experts, as_pointer<int64_t>(offsets), as_pointer<int64_t>(order),
-                                               *moecc::pool::global_pool());
+         std::uintptr_t order, std::uintptr_t keep) {
+        return moecc::kernels::group_tokens_by_expert(
+            as_pointer<const int64_t>(top_k_index), num_tokens, top_k, num_experts, as_pointer<int64_t>(offsets),
+            as_pointer<int64_t>(order), *moecc::pool::global_pool(), as_pointer<const uint8_t>(keep));
       },
       py::arg("top_k_index"), py::arg("num_tokens"), py::arg("top_k"), py::arg("num_experts"), py::arg("offsets"),
-      py::arg("order"), py::call_guard<py::gil_scoped_release>(),
-      "Stable counting sort of [num_tokens, top_k] int64 expert ids; writes offsets [E+1] and order [T*k].");
+      py::arg("order"), py::arg("keep") = 0, py::call_guard<py::gil_scoped_release>(),
+      "Stable counting sort of [num_tokens, top_k] int64 expert ids; writes offsets [E+1] and order [T*k] (of the "
+      "experts flagged in keep [E] uint8 alone, where given); returns the pairs grouped.");
 
   m.def("cpu_features", [] {
     const auto& f = moecc::kernels::cpu_features();

@@ -24,16 +24,19 @@ def _check_host(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
         raise ValueError(f"{name} must be contiguous; call .contiguous() first")
 
 
-def group_tokens_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def group_tokens_by_expert(top_k_index: torch.Tensor, num_experts: int,
+                           keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stable counting sort of routed (token, slot) pairs by expert.
 
     Args:
         top_k_index: ``[T, k]`` expert ids in host memory (any integer dtype).
         num_experts: number of experts E; every id must lie in ``[0, E)``.
+        keep: optional bool ``[E]`` in host memory: only the pairs of these experts are grouped (the others
+            own empty runs).
 
     Returns:
-        ``(offsets [E+1], order [T*k])`` int64: expert ``e`` owns pair ids ``order[offsets[e]:offsets[e+1]]``,
-        ascending; pair ``p`` is token ``p // k``, slot ``p % k``.
+        ``(offsets [E+1], order [P])`` int64: expert ``e`` owns pair ids ``order[offsets[e]:offsets[e+1]]``,
+        ascending; pair ``p`` is token ``p // k``, slot ``p % k``. ``P = T*k``, or the kept experts' pairs.
     """
     if top_k_index.dim() != 2:
         raise ValueError(f"top_k_index must be [tokens, top_k], got shape {tuple(top_k_index.shape)}")
@@ -46,15 +49,19 @@ def group_tokens_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple
     index = top_k_index.to(torch.int64).contiguous()
     _check_host("top_k_index", index, torch.int64)
     num_tokens, top_k = index.shape
+    if keep is not None:
+        if keep.device.type != "cpu" or keep.dtype != torch.bool or tuple(keep.shape) != (num_experts,):
+            raise ValueError(f"keep must be a bool [{num_experts}] tensor in host memory, got {keep.dtype} "
+                             f"{list(keep.shape)} on {keep.device}")
+        keep = keep.contiguous()
     offsets = torch.empty(num_experts + 1, dtype=torch.int64)
     order = torch.empty(num_tokens * top_k, dtype=torch.int64)
     try:
-        _C.group_tokens_by_expert(
-            index.data_ptr(), num_tokens, top_k, num_experts, offsets.data_ptr(), order.data_ptr()
-        )
+        pairs = _C.group_tokens_by_expert(index.data_ptr(), num_tokens, top_k, num_experts, offsets.data_ptr(),
+                                          order.data_ptr(), 0 if keep is None else keep.data_ptr())
     except IndexError as error:  # pybind11 maps std::out_of_range to IndexError
         raise ValueError(f"invalid routing: {error}") from None
-    return offsets, order
+    return offsets, order if keep is None else order[:pairs]
 
 
 def set_num_threads(num_threads: int, pin_threads: bool = True) -> None:
@@ -276,17 +283,11 @@ def _matrices(weights: tuple[torch.Tensor, torch.Tensor], experts: int, hidden: 
 
 def _routing(offsets: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, experts: int,
              pairs: int) -> _C.Routing:
-    """The kernels index with these: offsets must bound a partition of [0, pairs), order be a permutation; the
-    routing weights float32 [pairs]."""
+    """The kernels index with these: offsets must bound a partition of [0, pairs), order be a permutation (checked
+    in C++ before each kernel call, GIL released: ValueError); the routing weights float32 [pairs]."""
     routing = _C.Routing()
     routing.offsets = _address(offsets, "offsets", torch.int64, experts + 1)
     routing.order = _address(order, "order", torch.int64, pairs)
-    if offsets[0] != 0 or offsets[-1] != pairs or bool((offsets[1:] < offsets[:-1]).any()):
-        raise ValueError(f"offsets must rise from 0 to {pairs} (the number of routed pairs)")
-    if pairs:
-        in_range = bool(order.min() >= 0) and bool(order.max() < pairs)
-        if not in_range or not bool(torch.bincount(order, minlength=pairs).eq(1).all()):
-            raise ValueError(f"order must be a permutation of the {pairs} pair ids")
     routing.weights = _address(weights, "routing weights", torch.float32, pairs)
     return routing
 

@@ -23,6 +23,27 @@ def test_grouping_is_a_stable_sort_by_expert(num_tokens, top_k, num_experts):
     assert torch.equal(offsets, torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]))
 
 
+@pytest.mark.parametrize("num_tokens", [0, 9, 50_000])
+def test_grouping_of_kept_experts_is_the_full_grouping_without_the_others(num_tokens):
+    g = torch.Generator().manual_seed(num_tokens)
+    index = torch.randint(0, 6, (num_tokens, 3), generator=g)
+    full_offsets, full_order = _ops.group_tokens_by_expert(index, 6)
+    keep = torch.tensor([True, False, False, True, True, False])
+    offsets, order = _ops.group_tokens_by_expert(index, 6, keep)
+    counts = full_offsets.diff() * keep
+    assert torch.equal(offsets, torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]))
+    bounds = full_offsets.tolist()
+    want = [full_order[bounds[e]:bounds[e + 1]] for e in range(6) if keep[e]]
+    assert torch.equal(order, torch.cat(want))
+
+
+def test_grouping_of_kept_experts_checks_every_id_and_the_flags():
+    with pytest.raises(ValueError, match=r"top_k_index\[1, 1\] = 9"):  # an expert that is not kept, too
+        _ops.group_tokens_by_expert(torch.tensor([[0, 1], [2, 9]]), 4, torch.tensor([True, False, False, False]))
+    with pytest.raises(ValueError, match=r"keep must be a bool \[4\] tensor"):
+        _ops.group_tokens_by_expert(torch.tensor([[0, 1]]), 4, torch.ones(3, dtype=torch.bool))
+
+
 def test_grouping_rejects_bad_ids_and_shapes():
     with pytest.raises(ValueError, match=r"top_k_index\[1, 0\] = -1"):
         _ops.group_tokens_by_expert(torch.tensor([[0, 1], [-1, 2]]), 4)

@@ -18,8 +18,8 @@ namespace {
 constexpr int64_t kPairsPerChunk = 16384;
 }  // namespace
 
-void group_tokens_by_expert(const int64_t* top_k_index, int64_t num_tokens, int64_t top_k, int64_t num_experts,
-                            int64_t* offsets, int64_t* order, moecc::pool::ThreadPool& pool) {
+int64_t group_tokens_by_expert(const int64_t* top_k_index, int64_t num_tokens, int64_t top_k, int64_t num_experts,
+                               int64_t* offsets, int64_t* order, moecc::pool::ThreadPool& pool, const uint8_t* keep) {
   const int64_t num_pairs = num_tokens * top_k;
   const int64_t num_chunks =
       std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), (num_pairs + kPairsPerChunk - 1) / kPairsPerChunk));
@@ -37,7 +37,7 @@ void group_tokens_by_expert(const int64_t* top_k_index, int64_t num_tokens, int6
                                 "] = " + std::to_string(expert) + " is not an expert id in [0, " +
                                 std::to_string(num_experts) + ")");
       }
-      ++chunk_counts[expert];
+      if (keep == nullptr || keep[expert]) ++chunk_counts[expert];
     }
   });
 
@@ -56,8 +56,12 @@ void group_tokens_by_expert(const int64_t* top_k_index, int64_t num_tokens, int6
   pool.run(num_chunks, [&](int64_t chunk, int) {
     const int64_t begin = chunk * chunk_size, end = std::min(num_pairs, begin + chunk_size);
     int64_t* positions = counts.data() + chunk * num_experts;
-    for (int64_t pair = begin; pair < end; ++pair) order[positions[top_k_index[pair]]++] = pair;
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t expert = top_k_index[pair];
+      if (keep == nullptr || keep[expert]) order[positions[expert]++] = pair;
+    }
   });
+  return running;
 }
 
 }  // namespace moecc::kernels

@@ -75,6 +75,12 @@ def group_by_expert(top_k_index: torch.Tensor, num_experts: int,
     memory the native counting sort (which checks every id); on a GPU a stable sort and a binary search, with no
     host sync (ids are trusted there: checking them would need one)."""
     if top_k_index.device.type == "cpu":
+        if expert_mask is not None and expert_mask.device.type == "cpu" and expert_mask.dtype == torch.bool \
+                and tuple(expert_mask.shape) == (num_experts,):  # one native pass over the kept pairs
+            grouping = Grouping(*_ops.group_tokens_by_expert(top_k_index, num_experts, expert_mask))
+            if num_pairs is not None and grouping.num_pairs != num_pairs:
+                raise ValueError(f"the kept experts have {grouping.num_pairs} pairs, not num_pairs={num_pairs}")
+            return grouping
         grouping = Grouping(*_ops.group_tokens_by_expert(top_k_index, num_experts))
     else:
         grouping = _sort_grouping(top_k_index, num_experts)
