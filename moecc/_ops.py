@@ -385,13 +385,13 @@ def _lora_grad_slots(lora_experts: torch.Tensor, experts: int) -> torch.Tensor:
             or lora_experts.numel() > experts):
         raise ValueError(f"lora_experts must be a 1-D int64 CPU tensor of at most {experts} expert ids, got "
                          f"{lora_experts.dtype} {list(lora_experts.shape)} on {lora_experts.device}")
-    if lora_experts.numel() and (int(lora_experts.min()) < 0 or int(lora_experts.max()) >= experts
-                                 or lora_experts.unique().numel() != lora_experts.numel()):
-        raise ValueError(f"lora_experts must hold distinct expert ids in [0, {experts}), got "
-                         f"{lora_experts.tolist()}")
-    slots = torch.full((experts,), -1, dtype=torch.int64)
-    slots[lora_experts] = torch.arange(lora_experts.numel(), dtype=torch.int64)
-    return slots
+    ids = lora_experts.tolist()  # a few ids: Python, not a torch op per check
+    if any(not 0 <= e < experts for e in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"lora_experts must hold distinct expert ids in [0, {experts}), got {ids}")
+    slots = [-1] * experts
+    for block, expert in enumerate(ids):
+        slots[expert] = block
+    return torch.tensor(slots, dtype=torch.int64)
 
 
 def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int, int], top_k: int,

@@ -33,8 +33,9 @@ def _kernel_lora(lora: ExpertLora | None) -> tuple | None:
     if lora is None:
         return None
     experts, rank = lora.num_experts, lora.rank
-    a = lora.A.detach().float().contiguous().view(experts, rank, -1)
-    return a, lora.B.detach().float().contiguous(), lora.scaling
+    a, b = (t if t.dtype == torch.float32 and t.is_contiguous() else t.detach().float().contiguous()
+            for t in (lora.A, lora.B))
+    return a.view(experts, rank, -1), b, lora.scaling
 
 
 def _kernel_grads(grads: tuple | None, lora: ExpertLora | None) -> tuple | None:
