@@ -54,15 +54,17 @@ def load(kind: str):
                 target.copy_(source, non_blocking=True)
                 copies.synchronize()
 
-    def host() -> None:
-        x = torch.zeros(1024, device="cuda")
+    def host() -> None:  # on the CPU device without CUDA: the same GIL traffic
+        cuda = torch.cuda.is_available()
+        x = torch.zeros(1024, device="cuda" if cuda else "cpu")
         while not stop.is_set():
             for _ in range(64):
                 x.add_(1.0)
-            torch.cuda.current_stream().synchronize()
+            if cuda:
+                torch.cuda.current_stream().synchronize()
 
     jobs = {"alone": [], "stream": [stream], "host": [host], "both": [stream, host]}[kind]
-    if jobs and not torch.cuda.is_available():
+    if stream in jobs and not torch.cuda.is_available():
         raise SystemExit(f"--loads {kind} needs a CUDA GPU")
     threads = [threading.Thread(target=job, daemon=True) for job in jobs]
     for thread in threads:
