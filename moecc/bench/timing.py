@@ -159,8 +159,12 @@ def _breakdown(records: list[tuple[float, dict]]) -> dict:
     # Disjoint parts of the step for the stacked plot: what the device waited for (the CPU experts under
     # co-compute, expert copies under offload: copies it did not wait for were hidden), the expert math on
     # the device (offload), and the rest (attention, dense layers, head, optimizer, host overhead).
-    cpu_wait_s = wait_s if cpu_s > 0 else 0.0
-    copy_wait_s = wait_s if cpu_s == 0 else 0.0
+    if any("copy_wait_s" in r[1] for r in records):  # hybrid: the device waits for either, each timed
+        copy_wait_s = median("copy_wait_s")
+        cpu_wait_s = median("cpu_wait_s") + median("device_cpu_wait_s")
+    else:
+        cpu_wait_s = wait_s if cpu_s > 0 else 0.0
+        copy_wait_s = wait_s if cpu_s == 0 else 0.0
     return {
         "step_s": step_s, "cpu_experts_s": cpu_s, "pcie_s": copy_s, "gpu_wait_s": wait_s,
         "cpu_wait_s": cpu_wait_s, "copy_wait_s": copy_wait_s, "expert_compute_s": expert_gpu_s,

@@ -42,7 +42,9 @@ from .device_wait import CpuDone
 from .hybrid_parts import (_add, _add_part, _backward_publish_target, _cpu_backward, _cpu_backward_published,
                            _cpu_forward, _cpu_forward_published, _cpu_sources, _mask, _publish_target)
 from .hybrid_split import CostTracker, RoutingForecast, SideCosts, hit_rate, physical_costs, plan_split
-from .offload import OffloadEngine, OffloadLayer, ParkedState, _Call, lora_on_device, offload_gpu_bytes
+from .event_spans import EventSpans
+from .offload import (OffloadEngine, OffloadLayer, ParkedState, _Call, _timed_event, lora_on_device,
+                      offload_gpu_bytes)
 
 _KEPT_ERRORS = 16  # backward parts' errors kept for passes that have not claimed them
 # Split hook: (layer index, tokens per expert, "forward") -> the experts to run on the GPU.
@@ -101,6 +103,7 @@ class HybridEngine(OffloadEngine):
         self.mirror_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._mirrors: dict[int, tuple[list, list[torch.Tensor]]] = {}  # layer -> (factors, pinned host copies)
         self.cpu_done = CpuDone(self.device)
+        self._cpu_wait_events = EventSpans()  # around each wait of the compute stream for a CPU part (CpuDone)
         self._deferred = threading.local()  # .parts: this thread's forwards whose CPU part is not joined yet
         # Backwards' CPU parts the device waits for itself, not joined yet (any thread's): (graph task, future); the
         # errors of joined ones, kept for their pass (graph task) to raise
@@ -168,6 +171,18 @@ class HybridEngine(OffloadEngine):
         self._copied_this_pass = {}
         self._learn_copy_rates()
 
+    def wait_for_cpu_part(self, number: int) -> None:
+        """Until CPU part ``number`` is published: on the device's stream where it can (this thread goes on), the
+        stall timed with events around it (``device_cpu_wait_s``); else here, timed as the host's (``cpu_wait_s``)."""
+        stream = torch.cuda.current_stream(self.device) if self.cpu_done.on_device else None
+        before = _timed_event(stream) if stream is not None else None
+        start = time.perf_counter()
+        self.cpu_done.wait(number)
+        if before is not None and self.cpu_done.on_device:
+            self._cpu_wait_events.add(before, _timed_event(stream))
+        else:
+            self.sides.cpu_wait_s += time.perf_counter() - start
+
     def costs(self, phase: str) -> SideCosts:
         """The costs ``phase``'s splits are planned with."""
         with self.measure_lock:
@@ -189,6 +204,7 @@ class HybridEngine(OffloadEngine):
 
     def reset_metrics(self) -> None:
         super().reset_metrics()
+        self._cpu_wait_events.reset()
         with self.measure_lock:
             self.sides = SideMetrics()
         self._bytes_mark_staging = (self.staging.bytes_to_device, self.staging.bytes_to_host)
@@ -200,11 +216,17 @@ class HybridEngine(OffloadEngine):
         forwards whose CPU part the device waited for on its own: ``CpuDone``), ``backward_device_wait_share`` (the
         same for backwards), ``moved_experts`` (CPU experts in forward whose backward ran on the GPU, summed),
         ``prefetch_hit_rate`` and the
-        cost model's measured ``cpu_slowdown`` / ``copy_slowdown`` (measured over predicted seconds)."""
+        cost model's measured ``cpu_slowdown`` / ``copy_slowdown`` (measured over predicted seconds). The waits:
+        ``copy_wait_s`` (the device stalled for copies: offload's ``gpu_wait_s``), ``device_cpu_wait_s`` (the
+        device stalled for CPU parts it waited for itself, ``CpuDone``), ``cpu_wait_s`` (the host blocked on CPU
+        parts) and ``gpu_wait_s``, their sum."""
         out = super().counters_since_reset()
         s = self.sides
         mark = self._bytes_mark_staging
+        device_cpu_wait_s = self._cpu_wait_events.seconds()
         out.update({
+            "copy_wait_s": out["gpu_wait_s"], "device_cpu_wait_s": device_cpu_wait_s,
+            "gpu_wait_s": out["gpu_wait_s"] + device_cpu_wait_s + s.cpu_wait_s,
             "cpu_experts_s": s.cpu_s, "cpu_experts": float(s.cpu_experts), "gpu_experts": float(s.gpu_experts),
             "cpu_pairs": float(s.cpu_pairs), "gpu_pairs": float(s.gpu_pairs), "cpu_wait_s": s.cpu_wait_s,
             "both_sides_share": s.both_sides / s.layer_passes if s.layer_passes else 0.0,
@@ -511,7 +533,7 @@ class HybridPending:
         parts, engine = self._parts, self._engine
         if parts.published is not None and not parts.done:
             number, rows, tokens = parts.published
-            engine.cpu_done.wait(number)  # on the device's stream where it can, so this thread goes on
+            engine.wait_for_cpu_part(number)
             engine.sides.device_waits += engine.cpu_done.on_device
             with torch.no_grad(), record_function("moecc.hybrid.cpu_to_device"):
                 engine.staging.read_views_on_device({"out": rows, "out_tokens": tokens},
@@ -636,7 +658,7 @@ class HybridExpertsFunction(torch.autograd.Function):
         grads = (_gpu_backward(engine, layer, parts, slot, grad_out, moved, ctx) if parts.gpu else None)
         if published is not None:
             number, bank, views = published
-            engine.cpu_done.wait(number)  # on the device's stream where it can, so this thread goes on
+            engine.wait_for_cpu_part(number)
             engine.sides.backward_device_waits += engine.cpu_done.on_device
             with torch.no_grad():
                 grads = _add(engine.staging, grads, views, bank, parts.lora, grad_out, ctx.weights_shape)

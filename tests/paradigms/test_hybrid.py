@@ -328,6 +328,10 @@ def test_hybrid_is_registered_and_reports_its_sides():
                 "cpu_wait_s", "both_sides_share", "tokens"):
         assert key in metrics, key
     assert metrics["tokens"] == 8 and metrics["cpu_experts_s"] > 0
+    counters = engine.moecc.engine.counters_since_reset()  # the wait is the sum of what it waited for
+    assert counters["gpu_wait_s"] == pytest.approx(counters["copy_wait_s"] + counters["device_cpu_wait_s"]
+                                                   + counters["cpu_wait_s"])
+    assert counters["cpu_wait_s"] > 0 and counters["device_cpu_wait_s"] == 0  # no device: the host waits
     assert engine.moecc.expert_bytes > 0
 
 
