@@ -58,8 +58,8 @@ class KernelClock:
                "backward": ("backward", "backward_pairs", "backward_pairs_into", "keep_experts")}
 
     def __init__(self, backend=None) -> None:
-        self.reset()
         self._lock = threading.Lock()
+        self.reset()
         for phase in self.seconds:
             name = f"expert_ffn_{phase}"
             setattr(_ops._C, name, self._timed(phase, getattr(_ops._C, name), kernel=True))
@@ -85,10 +85,11 @@ class KernelClock:
         return timed
 
     def reset(self) -> None:
-        self.seconds = {"forward": 0.0, "backward": 0.0}
-        self.backend = dict.fromkeys(self.seconds, 0.0)
-        self.calls = dict.fromkeys(self.seconds, 0)
-        self.phases = {phase: {} for phase in self.seconds}
+        with self._lock:  # a kernel call on another thread may be adding its seconds
+            self.seconds = {"forward": 0.0, "backward": 0.0}
+            self.backend = dict.fromkeys(self.seconds, 0.0)
+            self.calls = dict.fromkeys(self.seconds, 0)
+            self.phases = {phase: {} for phase in self.seconds}
 
     def anatomy(self) -> str:
         """Per pass: calls, ms per call in the backend's methods, around the kernel call, inside its phases, and
@@ -117,8 +118,7 @@ def time_case(model, optimizer, ids, device, steps: int, warmup: int = 1, host_p
             profiler.enable()
         engine.reset_metrics()
         if clock is not None:
-            with clock._lock:
-                clock.reset()
+            clock.reset()
         timing.synchronize(device)
         marks = [time.perf_counter()]
         loss = chunked_causal_lm_loss(model, ids, ids)
