@@ -104,6 +104,15 @@ class HybridEngine(OffloadEngine):
         self._mirrors: dict[int, tuple[list, list[torch.Tensor]]] = {}  # layer -> (factors, pinned host copies)
         self.cpu_done = CpuDone(self.device)
         self._cpu_wait_events = EventSpans()  # around each wait of the compute stream for a CPU part (CpuDone)
+        # Whether the CPU cost fit learns, for parts the device waits for itself, from the device's view: the
+        # part's inputs staged until the device passed its wait (the CPU side's whole chain: inputs to the host,
+        # the worker, results published), where the device waited at all; else from the worker's compute seconds.
+        # Off: the worker's compute seconds alone (benchmarks/profile_hybrid.py compares both, option ``l``).
+        self.fit_latency = False
+        # (pass, layer, counts, inputs staged, wait begins, wait ends) marks, fitted at the next pass; the worker's
+        # compute seconds of those parts by (pass, layer)
+        self._latency_samples: list[tuple] = []
+        self._compute_s: dict[tuple[str, int], float] = {}
         self._deferred = threading.local()  # .parts: this thread's forwards whose CPU part is not joined yet
         # Backwards' CPU parts the device waits for itself, not joined yet (any thread's): (graph task, future); the
         # errors of joined ones, kept for their pass (graph task) to raise
@@ -170,28 +179,58 @@ class HybridEngine(OffloadEngine):
         super().pass_begins()
         self._copied_this_pass = {}
         self._learn_copy_rates()
+        self._learn_cpu_latency()
 
-    def wait_for_cpu_part(self, number: int) -> None:
+    def wait_for_cpu_part(self, number: int, sample: tuple | None = None) -> None:
         """Until CPU part ``number`` is published: on the device's stream where it can (this thread goes on), the
-        stall timed with events around it (``device_cpu_wait_s``); else here, timed as the host's (``cpu_wait_s``)."""
+        stall timed with events around it (``device_cpu_wait_s``); else here, timed as the host's (``cpu_wait_s``).
+        ``sample``: (pass, layer, the part's token counts, the mark taken when its inputs were staged), kept for
+        the latency fit where ``fit_latency`` is on."""
         stream = torch.cuda.current_stream(self.device) if self.cpu_done.on_device else None
         before = _timed_event(stream) if stream is not None else None
         start = time.perf_counter()
         self.cpu_done.wait(number)
         if before is not None and self.cpu_done.on_device:
-            self._cpu_wait_events.add(before, _timed_event(stream))
+            after = _timed_event(stream)
+            self._cpu_wait_events.add(before, after)
         else:
-            self.sides.cpu_wait_s += time.perf_counter() - start
+            before, after = start, time.perf_counter()
+            self.sides.cpu_wait_s += after - start
+        # Marks of one kind only (a CUDA stream's events or the host's clock: a device that lost its stream wait
+        # mid-pass has the part's inputs marked on the stream and its wait on the clock)
+        if self.fit_latency and sample is not None and isinstance(sample[-1], float) == isinstance(after, float):
+            self._latency_samples.append((*sample, before, after))
+
+    def _learn_cpu_latency(self) -> None:
+        """Feeds the last pass's CPU parts that the device waited for (complete by now) to the CPU cost fit, as
+        ``fit_latency`` describes: a part the device stalled for (over 50 us) costs the span from its inputs
+        staged to the end of that stall; one it did not, the worker's compute seconds."""
+        samples, self._latency_samples = self._latency_samples, []
+        if self.trackers is None:
+            return
+        for phase, index, counts, staged, before, after in samples:
+            if isinstance(after, float):
+                stalled, chain = after - before, after - staged
+            else:
+                after.synchronize()
+                stalled, chain = before.elapsed_time(after) / 1e3, staged.elapsed_time(after) / 1e3
+            with self.measure_lock:
+                compute = self._compute_s.pop((phase, index), None)
+                if compute is not None:  # None: the layer's first part of this kind (not fitted), or one that failed
+                    self.trackers[phase].observe(counts, chain if stalled > 5e-5 else compute, 0, 0.0)
 
     def costs(self, phase: str) -> SideCosts:
         """The costs ``phase``'s splits are planned with."""
         with self.measure_lock:
             return self.trackers[phase].costs()
 
-    def record_cpu(self, phase: str, index: int, counts: list[int], seconds: float, began_ns: int) -> None:
+    def record_cpu(self, phase: str, index: int, counts: list[int], seconds: float, began_ns: int,
+                   published: bool = False) -> None:
         """One CPU part's seconds, from the worker: the metrics, the cost fit and a timeline's span. A layer's
         first CPU part of each pass kind is not fitted: it fills the backend's buffer pools (page faults), and a
-        fit that learnt it kept the CPU out of every later split, where no sample could correct it."""
+        fit that learnt it kept the CPU out of every later split, where no sample could correct it. A
+        ``published`` part (the device waits for it itself) is fitted at the next pass instead where
+        ``fit_latency`` is on (``_learn_cpu_latency``)."""
         with self.measure_lock:
             if self.cpu_marks is not None:
                 self.cpu_marks += [(phase, index, "started", began_ns),
@@ -200,7 +239,10 @@ class HybridEngine(OffloadEngine):
             first = (phase, index) not in self._cpu_seen
             self._cpu_seen.add((phase, index))
             if self.trackers is not None and not first:
-                self.trackers[phase].observe(counts, seconds, 0, 0.0)
+                if published and self.fit_latency:
+                    self._compute_s[(phase, index)] = seconds
+                else:
+                    self.trackers[phase].observe(counts, seconds, 0, 0.0)
 
     def reset_metrics(self) -> None:
         super().reset_metrics()
@@ -512,6 +554,7 @@ class _Parts:
     weights_host: object = None
     done: bool = False
     published: tuple | None = None  # (number, rows, tokens): the CPU part's rows land in staging views itself
+    latency: tuple | None = None  # a published part's sample for the latency fit (HybridEngine.wait_for_cpu_part)
 
 
 def join_part(parts: _Parts) -> None:
@@ -533,7 +576,7 @@ class HybridPending:
         parts, engine = self._parts, self._engine
         if parts.published is not None and not parts.done:
             number, rows, tokens = parts.published
-            engine.wait_for_cpu_part(number)
+            engine.wait_for_cpu_part(number, parts.latency)
             engine.sides.device_waits += engine.cpu_done.on_device
             with torch.no_grad(), record_function("moecc.hybrid.cpu_to_device"):
                 engine.staging.read_views_on_device({"out": rows, "out_tokens": tokens},
@@ -587,6 +630,8 @@ class HybridExpertsFunction(torch.autograd.Function):
                                                                         top_k_weights, lora)
             job = (engine, layer, staged, parts.weights_host, parts.cpu_lora, ready, cpu, counts)
             parts.published = _publish_target(engine, layer, call, hidden, top_k_index, counts, cpu)
+            if parts.published is not None and engine.fit_latency:  # the stream is where the inputs were staged
+                parts.latency = ("forward", layer.index, [counts[e] for e in cpu], engine._stream_mark())
             if parts.published is None:
                 parts.cpu_future = engine.run_cpu(_cpu_forward, *job, mark=("forward", layer.index))
             else:
@@ -637,6 +682,7 @@ class HybridExpertsFunction(torch.autograd.Function):
         elif cpu_experts:
             counts = [ctx.counts[e] for e in cpu_experts]
             staged = engine.staging.to_host({"grad_out": grad_out.contiguous()})
+            staged_mark = engine._stream_mark() if engine.fit_latency else None
             published = _backward_publish_target(engine, layer, parts, grad_out, ctx.weights_shape, counts,
                                                  cpu_experts)
             job = (engine, layer.index, parts, saved, staged, counts, cpu_experts if moved else None)
@@ -658,7 +704,8 @@ class HybridExpertsFunction(torch.autograd.Function):
         grads = (_gpu_backward(engine, layer, parts, slot, grad_out, moved, ctx) if parts.gpu else None)
         if published is not None:
             number, bank, views = published
-            engine.wait_for_cpu_part(number)
+            engine.wait_for_cpu_part(number, ("backward", layer.index, counts, staged_mark)
+                                     if staged_mark is not None else None)
             engine.sides.backward_device_waits += engine.cpu_done.on_device
             with torch.no_grad():
                 grads = _add(engine.staging, grads, views, bank, parts.lora, grad_out, ctx.weights_shape)

@@ -62,7 +62,8 @@ def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora
             out, tokens, saved = engine.cpu.forward_pairs(*args, expert_mask=_mask(cpu, weights.num_experts))
         else:
             (out, saved), tokens = engine.cpu.forward(*args, expert_mask=_mask(cpu, weights.num_experts)), None
-    engine.record_cpu("forward", layer.index, [counts[e] for e in cpu], time.perf_counter() - start, began_ns)
+    engine.record_cpu("forward", layer.index, [counts[e] for e in cpu], time.perf_counter() - start, began_ns,
+                      published=into is not None)
     return out, tokens, saved
 
 
@@ -133,7 +134,7 @@ def _cpu_backward(engine: HybridEngine, index: int, parts: _Parts, saved: SavedS
         else:
             grad_hidden, grad_weights, grads = engine.cpu.backward(*args)
             result = grad_hidden, None, grad_weights, grads
-    engine.record_cpu("backward", index, counts, time.perf_counter() - start, began_ns)
+    engine.record_cpu("backward", index, counts, time.perf_counter() - start, began_ns, published=into is not None)
     return result
 
 

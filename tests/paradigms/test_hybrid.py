@@ -335,6 +335,60 @@ def test_hybrid_is_registered_and_reports_its_sides():
     assert engine.moecc.expert_bytes > 0
 
 
+def test_latency_fit_takes_the_chain_where_the_device_stalled_and_compute_seconds_elsewhere():
+    """``fit_latency``: a published part the device stalled for is fitted at the next pass with the span from its
+    inputs staged to the stall's end; one it did not stall for, with the worker's compute seconds; a part with no
+    compute seconds (a layer's first) not at all."""
+    from moecc.paradigms.hybrid_split import CostTracker, SideCosts
+
+    _, model = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid")
+    engine = model.moecc.engine
+    engine.fit_latency = True
+    base = SideCosts(cpu_expert_s=0.005, cpu_token_s=0.0, copy_expert_s=1e-3, gpu_expert_s=0.0, gpu_token_s=0.0)
+    engine.trackers = {phase: CostTracker(base) for phase in ("forward", "backward")}
+    engine._cpu_seen.update({("forward", 0), ("backward", 1)})  # not their first parts: fitted
+    engine.record_cpu("forward", 0, [3, 2], 0.004, 0, published=True)
+    engine.record_cpu("backward", 1, [1, 1], 0.006, 0, published=True)
+    assert all(t.samples == 0 for t in engine.trackers.values())  # kept for the next pass, not fitted yet
+    engine._latency_samples = [("forward", 0, [3, 2], 1.000, 1.010, 1.013),  # stalled 3 ms: the 13 ms chain
+                               ("backward", 1, [1, 1], 2.000, 2.007, 2.007),  # no stall: 6 ms of compute
+                               ("forward", 5, [1, 1], 3.000, 3.001, 3.020)]  # no compute seconds: skipped
+    engine._learn_cpu_latency()
+    forward, backward = engine.trackers["forward"], engine.trackers["backward"]
+    assert forward.samples == 1 and forward.recent[-1] == pytest.approx((0.010, 0.013))
+    assert backward.samples == 1 and backward.recent[-1] == pytest.approx((0.010, 0.006))
+    assert not engine._latency_samples and not engine._compute_s
+    engine.fit_latency = False  # off: a published part's compute seconds are fitted at once
+    engine.record_cpu("forward", 0, [3, 2], 0.004, 0, published=True)
+    assert forward.samples == 2 and forward.recent[-1] == pytest.approx((0.010, 0.004))
+
+
+def test_latency_fit_runs_through_training_steps():
+    """With ``fit_latency`` on, training steps whose CPU parts publish (the native kernels, from the second forward
+    and backward on) leave the parts the host waited for to the fit at each next pass, in both passes, and the
+    model trains as accurately as before."""
+    from .test_offload import _assert_bf16_as_accurate_as_hf_peft
+
+    reference, model = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
+                                  backend="auto")
+    engine = model.moecc.engine
+    engine.split_rule = _alternating
+    engine.fit_latency = True
+    fitted = []
+    learn = engine._learn_cpu_latency
+
+    def spy():
+        fitted.extend(sample[0] for sample in engine._latency_samples)
+        learn()
+    engine._learn_cpu_latency = spy
+    for ids, mask, labels in batches(256, 3, seed=3):
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        model.zero_grad()
+    assert {"forward", "backward"} <= set(fitted)
+    assert all(t.samples > 0 for t in engine.trackers.values())
+    _assert_bf16_as_accurate_as_hf_peft(reference, model)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rule, slots", [("own", 2), ("own", 3), ("all_cpu", 2), ("all_gpu", 2), ("alternating", 2),
                                          ("random", 3), ("moved_in_backward", 2)])
