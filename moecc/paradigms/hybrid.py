@@ -209,11 +209,7 @@ class HybridEngine(OffloadEngine):
         if self.trackers is None:
             return
         for phase, index, counts, staged, before, after in samples:
-            if isinstance(after, float):
-                stalled, chain = after - before, after - staged
-            else:
-                after.synchronize()
-                stalled, chain = before.elapsed_time(after) / 1e3, staged.elapsed_time(after) / 1e3
+            stalled, chain = _seconds_between(before, after), _seconds_between(staged, after)
             with self.measure_lock:
                 compute = self._compute_s.pop((phase, index), None)
                 if compute is not None:  # None: the layer's first part of this kind (not fitted), or one that failed
@@ -380,17 +376,11 @@ class HybridEngine(OffloadEngine):
         if self.trackers is None:
             return
         for phase, begin, end in gaps:
-            if isinstance(end, float):
-                seconds = end - begin
-            else:
-                end.synchronize()
-                seconds = begin.elapsed_time(end) / 1e3
+            seconds = _seconds_between(begin, end)
             with self.measure_lock:
                 self.trackers[phase].observe_serial(seconds)
-        for phase, experts, timing in samples:
-            if not isinstance(timing, float):
-                timing[1].synchronize()  # long done: the layer's compute waited for it
-            seconds = timing if isinstance(timing, float) else timing[0].elapsed_time(timing[1]) / 1e3
+        for phase, experts, timing in samples:  # long done: the layer's compute waited for them
+            seconds = timing if isinstance(timing, float) else _seconds_between(*timing)
             with self.measure_lock:
                 self.trackers[phase].observe((), 0.0, experts, seconds)
 
@@ -474,6 +464,15 @@ class HybridEngine(OffloadEngine):
                 error = self._backward_errors.pop(task, None)
             if error is not None:
                 raise error
+
+
+def _seconds_between(begin, end) -> float:
+    """Seconds from mark ``begin`` to mark ``end`` (``HybridEngine._stream_mark``: host clock readings, or CUDA
+    timing events, waited for here)."""
+    if isinstance(end, float):
+        return end - begin
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3
 
 
 def configure_cpu_threads(pin_threads: bool = True) -> int:
