@@ -12,7 +12,8 @@ experts and pairs, the CPU and copy seconds, the waits, the prefetch hit rate an
 under 24 GB at 8192 tokens); ``NAME:N:n`` also turns the CPU probes off (``CostTracker.probe_after``: the cost fit
 then never comes back once it priced the CPU out), ``NAME:N:t`` queues the expert copies through torch instead of
 the CUDA driver (``moecc.paradigms.driver_copies``), ``NAME:N:l`` fits the CPU costs to the device's view of each
-CPU part it waits for (``HybridEngine.fit_latency``: inputs staged to the device past its wait); ``--rounds``
+CPU part it waits for (``HybridEngine.fit_latency``: inputs staged to the device past its wait), ``NAME:N:w`` times
+whole steps as ``moecc bench`` does (no synchronisation between forward and backward); ``--rounds``
 interleaves the cases, since the host's speed drifts between runs. Each line also gives the seconds spent inside the
 native kernel calls per pass (``kernel_forward_s``, ``kernel_backward_s``), which the CPU parts' seconds exceed by
 their Python work around the call.
@@ -107,10 +108,12 @@ class KernelClock:
 
 
 def time_case(model, optimizer, ids, device, steps: int, warmup: int = 1, host_profile: int = 0,
-              clock: KernelClock | None = None) -> tuple[list[float], dict]:
+              clock: KernelClock | None = None, whole: bool = False) -> tuple[list[float], dict]:
     """Median (forward, backward, optimizer) seconds over ``steps`` steps after ``warmup`` steps, and the last
     step's engine metrics. ``host_profile``: one more step under cProfile (the host thread that queues the GPU
-    work), whose ``host_profile`` costliest functions by own time, and moecc's by total time, are printed."""
+    work), whose ``host_profile`` costliest functions by own time, and moecc's by total time, are printed.
+    ``whole``: no synchronisation between forward and backward, as ``moecc bench`` times a step (the forward's
+    part is then only the host's time to reach the loss)."""
     engine = model.moecc.engine
     parts, metrics = [], {}
     for step in range(steps + warmup + (1 if host_profile else 0)):
@@ -123,7 +126,8 @@ def time_case(model, optimizer, ids, device, steps: int, warmup: int = 1, host_p
         timing.synchronize(device)
         marks = [time.perf_counter()]
         loss = chunked_causal_lm_loss(model, ids, ids)
-        timing.synchronize(device)
+        if not whole:
+            timing.synchronize(device)
         marks.append(time.perf_counter())
         loss.backward()
         timing.synchronize(device)
@@ -199,7 +203,7 @@ def main() -> None:
                 for tracker in engine.trackers.values():
                     tracker.probe_after = 0 if "n" in options else len(engine.layers)  # n: no CPU probes
                 parts, metrics = time_case(model, optimizer, ids, device, args.steps, args.warmup, args.host_profile,
-                                           clock)
+                                           clock, whole="w" in options)  # w: timed as the bench times a step
                 print(f"round {round_} " + describe(tokens, case, parts, metrics, engine), flush=True)
                 print(clock.anatomy(), flush=True)
                 if args.samples:
