@@ -39,7 +39,7 @@ from moecc.paradigms.hybrid import new_trackers
 
 KEYS = ("cpu_experts_s", "kernel_forward_s", "kernel_backward_s", "copy_s", "cpu_wait_s", "gpu_wait_s",
         "cpu_experts", "gpu_experts", "cpu_pairs", "gpu_pairs", "moved_experts", "both_sides_share",
-        "prefetch_hit_rate", "device_wait_share", "backward_device_wait_share", "h2d_gb")
+        "prefetch_hit_rate", "device_wait_share", "backward_device_wait_share", "cold_cpu_parts", "h2d_gb")
 
 
 def coldest_on_cpu(count: int):

@@ -391,6 +391,19 @@ def test_buffer_pool_hands_out_the_smallest_fitting_buffer_once():
     assert all(fresh._base is not b for b in buffers) and pool.take((1,), torch.float32).numel() == 1
 
 
+def test_buffer_pool_counts_the_bytes_of_new_buffers_only():
+    from moecc.native_experts import _BufferPool
+
+    pool = _BufferPool()
+    first = pool.take((10, 4), torch.float32)
+    assert pool.fresh_bytes == 160
+    pool.give(first)
+    pool.take((5, 4), torch.float32)  # fits the one given back: nothing new
+    assert pool.fresh_bytes == 160
+    pool.take((3,), torch.bfloat16)  # none free: a new one
+    assert pool.fresh_bytes == 166
+
+
 def test_prepack_weights_packs_in_prepare_and_trains_the_same(monkeypatch):
     """MoeccConfig.prepack_weights: prepare packs every native layer (checking host memory first), and a
     training step gives the same loss and gradients as packing per task."""

@@ -80,6 +80,7 @@ class _BufferPool:
         # again as another tensor), never reaches two callers at once.
         self._lent: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()  # forwards run on the engine's worker thread, backwards on autograd's
+        self.fresh_bytes = 0  # bytes of new buffers allocated so far (each costs its page faults on first touch)
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = 1
@@ -96,6 +97,7 @@ class _BufferPool:
                     largest = max(too_small, key=torch.Tensor.numel)
                     self._free = [b for b in self._free if b is not largest]
                 buffer = None
+                self.fresh_bytes += numel * dtype.itemsize
         if buffer is None:
             buffer = torch.empty(numel, dtype=dtype)
         lent = buffer[:numel].view(shape)  # a view: its _base is the buffer
@@ -172,6 +174,12 @@ class NativeExperts:
         self._scratch = _BufferPool()  # float32 results, converted before they leave this object
         # bf16 outputs, input gradients and float32 LoRA gradients, handed back through release_result
         self._results = _BufferPool()
+
+    @property
+    def fresh_bytes(self) -> int:
+        """Bytes of new host buffers this backend's pools allocated so far: a call during which it grew paid the
+        page faults of first touch, which the calls after it do not (the hybrid cost fit leaves such calls out)."""
+        return self._saved_buffers.fresh_bytes + self._scratch.fresh_bytes + self._results.fresh_bytes
 
     @staticmethod
     def supports(weights: ExpertWeights) -> bool:

@@ -68,6 +68,7 @@ class SideMetrics:
     device_waits: int = 0  # forwards whose CPU part the device waited for itself (CpuDone), the host going on
     backward_device_waits: int = 0  # the same for backwards
     moved_experts: int = 0  # experts whose forward ran on the CPU and whose backward runs on the GPU
+    cold_cpu_parts: int = 0  # CPU parts during which the backend's buffer pools grew (not fitted)
 
 
 class HybridEngine(OffloadEngine):
@@ -221,10 +222,11 @@ class HybridEngine(OffloadEngine):
             return self.trackers[phase].costs()
 
     def record_cpu(self, phase: str, index: int, counts: list[int], seconds: float, began_ns: int,
-                   published: bool = False) -> None:
+                   published: bool = False, cold: bool = False) -> None:
         """One CPU part's seconds, from the worker: the metrics, the cost fit and a timeline's span. A layer's
-        first CPU part of each pass kind is not fitted: it fills the backend's buffer pools (page faults), and a
-        fit that learnt it kept the CPU out of every later split, where no sample could correct it. A
+        first CPU part of each pass kind is not fitted, nor a ``cold`` one (the backend's buffer pools grew during
+        it): both paid page faults of first touch that the next parts do not, and a fit that learnt them kept the
+        CPU out of the splits of a whole step or more (a new batch size grows the pools again). A
         ``published`` part (the device waits for it itself) is fitted at the next pass instead where
         ``fit_latency`` is on (``_learn_cpu_latency``)."""
         with self.measure_lock:
@@ -232,9 +234,10 @@ class HybridEngine(OffloadEngine):
                 self.cpu_marks += [(phase, index, "started", began_ns),
                                    (phase, index, "computed", began_ns + int(seconds * 1e9))]
             self.sides.cpu_s += seconds
+            self.sides.cold_cpu_parts += cold
             first = (phase, index) not in self._cpu_seen
             self._cpu_seen.add((phase, index))
-            if self.trackers is not None and not first:
+            if self.trackers is not None and not first and not cold:
                 if published and self.fit_latency:
                     self._compute_s[(phase, index)] = seconds
                 else:
@@ -253,6 +256,7 @@ class HybridEngine(OffloadEngine):
         ``cpu_wait_s``, ``both_sides_share`` (layer passes split between both sides), ``device_wait_share`` (of them,
         forwards whose CPU part the device waited for on its own: ``CpuDone``), ``backward_device_wait_share`` (the
         same for backwards), ``moved_experts`` (CPU experts in forward whose backward ran on the GPU, summed),
+        ``cold_cpu_parts`` (CPU parts during which the backend's buffer pools grew, left out of the cost fit),
         ``prefetch_hit_rate`` and the
         cost model's measured ``cpu_slowdown`` / ``copy_slowdown`` (measured over predicted seconds). The waits:
         ``copy_wait_s`` (the device stalled for copies: offload's ``gpu_wait_s``), ``device_cpu_wait_s`` (the
@@ -271,7 +275,7 @@ class HybridEngine(OffloadEngine):
             "prefetch_hit_rate": s.prefetch_hits / s.prefetched_forwards if s.prefetched_forwards else 0.0,
             "device_wait_share": s.device_waits / s.layer_passes if s.layer_passes else 0.0,
             "backward_device_wait_share": s.backward_device_waits / s.layer_passes if s.layer_passes else 0.0,
-            "moved_experts": float(s.moved_experts),
+            "moved_experts": float(s.moved_experts), "cold_cpu_parts": float(s.cold_cpu_parts),
             "cpu_slowdown": self.trackers["forward"].cpu_scale if self.trackers else 1.0,
             "copy_slowdown": self.trackers["forward"].copy_scale if self.trackers else 1.0,
         })

@@ -44,6 +44,11 @@ def _mask(experts: Iterable[int], num_experts: int, staging: StagingBuffers | No
     return staging.read_on_device({"gpu_mask": mask}, lambda gpu_mask: gpu_mask != 0)
 
 
+def _fresh_bytes(engine: HybridEngine) -> int:
+    """The CPU backend's new buffer bytes so far (``NativeExperts.fresh_bytes``; 0 for a backend without pools)."""
+    return getattr(engine.cpu, "fresh_bytes", 0)
+
+
 def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora: tuple, lora_ready,
                  cpu: tuple[int, ...], counts: list[int], into: tuple[torch.Tensor, torch.Tensor] | None = None):
     """(out or rows, their tokens or None, saved) of the CPU experts; ``into``: staging views (rows, tokens) the
@@ -51,7 +56,7 @@ def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora
     views = staged.wait()
     if lora_ready is not None:
         lora_ready.synchronize()
-    began_ns, start = time.time_ns(), time.perf_counter()
+    began_ns, start, fresh = time.time_ns(), time.perf_counter(), _fresh_bytes(engine)
     args = (weights, views["hidden"], views["top_k_index"], views["top_k_weights"], *lora)
     with record_function("moecc.hybrid.cpu_forward"):
         if into is not None:
@@ -63,7 +68,7 @@ def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora
         else:
             (out, saved), tokens = engine.cpu.forward(*args, expert_mask=_mask(cpu, weights.num_experts)), None
     engine.record_cpu("forward", layer.index, [counts[e] for e in cpu], time.perf_counter() - start, began_ns,
-                      published=into is not None)
+                      published=into is not None, cold=_fresh_bytes(engine) != fresh)
     return out, tokens, saved
 
 
@@ -124,7 +129,7 @@ def _cpu_backward(engine: HybridEngine, index: int, parts: _Parts, saved: SavedS
     if kept is not None:
         saved = engine.cpu.keep_experts(parts.weights_host, saved, kept)
     views = staged.wait()
-    began_ns, start = time.time_ns(), time.perf_counter()
+    began_ns, start, fresh = time.time_ns(), time.perf_counter(), _fresh_bytes(engine)
     args = (parts.weights_host, saved, views["grad_out"], *parts.cpu_lora)
     with record_function("moecc.hybrid.cpu_backward"):
         if into is not None:
@@ -134,7 +139,8 @@ def _cpu_backward(engine: HybridEngine, index: int, parts: _Parts, saved: SavedS
         else:
             grad_hidden, grad_weights, grads = engine.cpu.backward(*args)
             result = grad_hidden, None, grad_weights, grads
-    engine.record_cpu("backward", index, counts, time.perf_counter() - start, began_ns, published=into is not None)
+    engine.record_cpu("backward", index, counts, time.perf_counter() - start, began_ns, published=into is not None,
+                      cold=_fresh_bytes(engine) != fresh)
     return result
 
 

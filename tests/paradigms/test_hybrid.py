@@ -363,6 +363,46 @@ def test_latency_fit_takes_the_chain_where_the_device_stalled_and_compute_second
     assert forward.samples == 2 and forward.recent[-1] == pytest.approx((0.010, 0.004))
 
 
+def test_cpu_parts_during_which_the_backend_buffers_grew_are_counted_not_fitted():
+    """A cold CPU part (the backend's pools grew: page faults of first touch) stays out of the cost fit, where it
+    priced the CPU out of the next splits; the parts after it are fitted."""
+    from moecc.paradigms.hybrid_split import CostTracker, SideCosts
+
+    _, model = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid")
+    engine = model.moecc.engine
+    base = SideCosts(cpu_expert_s=0.005, cpu_token_s=0.0, copy_expert_s=1e-3, gpu_expert_s=0.0, gpu_token_s=0.0)
+    engine.trackers = {phase: CostTracker(base) for phase in ("forward", "backward")}
+    engine._cpu_seen.add(("forward", 0))  # not the layer's first part
+    engine.reset_metrics()
+    engine.record_cpu("forward", 0, [3, 2], 0.050, 0, cold=True)
+    assert engine.trackers["forward"].samples == 0 and engine.counters_since_reset()["cold_cpu_parts"] == 1
+    engine.record_cpu("forward", 0, [3, 2], 0.004, 0)
+    assert engine.trackers["forward"].samples == 1 and engine.counters_since_reset()["cold_cpu_parts"] == 1
+
+
+def test_a_repeated_step_grows_no_buffers_and_fits_every_later_part():
+    """With the native kernels, the first step's CPU parts grow the backend's pools (cold); the same step again
+    finds every buffer it needs, so none of its parts is cold and each one is fitted."""
+    from moecc.experts.native import NativeExperts
+
+    _, model = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
+                          backend="native")
+    engine = model.moecc.engine
+    assert isinstance(engine.cpu, NativeExperts)
+    engine.split_rule = _alternating
+    ids, mask, labels = next(iter(batches(64, 1, seed=5)))
+    counts = []
+    for _ in range(3):
+        engine.reset_metrics()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        model.zero_grad()
+        counts.append((engine.counters_since_reset()["cold_cpu_parts"],
+                       sum(t.samples for t in engine.trackers.values())))
+    assert counts[0][0] > 0 and counts[2][0] == 0
+    # every part of the last step was fitted: a forward and a backward one per layer split (both_sides counts forwards)
+    assert counts[2][1] - counts[1][1] == 2 * engine.sides.both_sides > 0
+
+
 def test_latency_fit_runs_through_training_steps():
     """With ``fit_latency`` on, training steps whose CPU parts publish (the native kernels, from the second forward
     and backward on) leave the parts the host waited for to the fit at each next pass, in both passes, and the
