@@ -11,8 +11,7 @@ experts and pairs, the CPU and copy seconds, the waits, the prefetch hit rate an
 ``NAME:N`` sets the engine's slots at run time, past the budget check ``prepare`` makes (4 slots ran out of memory
 under 24 GB at 8192 tokens); ``NAME:N:n`` also turns the CPU probes off (``CostTracker.probe_after``: the cost fit
 then never comes back once it priced the CPU out), ``NAME:N:t`` queues the expert copies through torch instead of
-the CUDA driver (``moecc.paradigms.driver_copies``), ``NAME:N:l`` fits the CPU costs to the device's view of each
-CPU part it waits for (``HybridEngine.fit_latency``: inputs staged to the device past its wait), ``NAME:N:w`` times
+the CUDA driver (``moecc.paradigms.driver_copies``), ``NAME:N:w`` times
 whole steps as ``moecc bench`` does (no synchronisation between forward and backward); ``--rounds``
 interleaves the cases, since the host's speed drifts between runs. Each line also gives the seconds spent inside the
 native kernel calls per pass (``kernel_forward_s``, ``kernel_backward_s``), which the CPU parts' seconds exceed by
@@ -196,7 +195,6 @@ def main() -> None:
                 engine.capacity = int(slots) if slots else capacity
                 engine.split_rule = RULES.get(rule)
                 engine.driver_copies = None if "t" in options else driver  # t: copies through torch
-                engine.fit_latency = "l" in options  # l: the CPU fit from the device's view of each part
                 if args.fresh:
                     engine.trackers = new_trackers(engine)
                     engine._cpu_seen.clear()

@@ -105,15 +105,6 @@ class HybridEngine(OffloadEngine):
         self._mirrors: dict[int, tuple[list, list[torch.Tensor]]] = {}  # layer -> (factors, pinned host copies)
         self.cpu_done = CpuDone(self.device)
         self._cpu_wait_events = EventSpans()  # around each wait of the compute stream for a CPU part (CpuDone)
-        # Whether the CPU cost fit learns, for parts the device waits for itself, from the device's view: the
-        # part's inputs staged until the device passed its wait (the CPU side's whole chain: inputs to the host,
-        # the worker, results published), where the device waited at all; else from the worker's compute seconds.
-        # Off: the worker's compute seconds alone (benchmarks/profile_hybrid.py compares both, option ``l``).
-        self.fit_latency = False
-        # (pass, layer, counts, inputs staged, wait begins, wait ends) marks, fitted at the next pass; the worker's
-        # compute seconds of those parts by (pass, layer)
-        self._latency_samples: list[tuple] = []
-        self._compute_s: dict[tuple[str, int], float] = {}
         self._deferred = threading.local()  # .parts: this thread's forwards whose CPU part is not joined yet
         # Backwards' CPU parts the device waits for itself, not joined yet (any thread's): (graph task, future); the
         # errors of joined ones, kept for their pass (graph task) to raise
@@ -180,13 +171,10 @@ class HybridEngine(OffloadEngine):
         super().pass_begins()
         self._copied_this_pass = {}
         self._learn_copy_rates()
-        self._learn_cpu_latency()
 
-    def wait_for_cpu_part(self, number: int, sample: tuple | None = None) -> None:
+    def wait_for_cpu_part(self, number: int) -> None:
         """Until CPU part ``number`` is published: on the device's stream where it can (this thread goes on), the
-        stall timed with events around it (``device_cpu_wait_s``); else here, timed as the host's (``cpu_wait_s``).
-        ``sample``: (pass, layer, the part's token counts, the mark taken when its inputs were staged), kept for
-        the latency fit where ``fit_latency`` is on."""
+        stall timed with events around it (``device_cpu_wait_s``); else here, timed as the host's (``cpu_wait_s``)."""
         stream = torch.cuda.current_stream(self.device) if self.cpu_done.on_device else None
         before = _timed_event(stream) if stream is not None else None
         start = time.perf_counter()
@@ -195,26 +183,7 @@ class HybridEngine(OffloadEngine):
             after = _timed_event(stream)
             self._cpu_wait_events.add(before, after)
         else:
-            before, after = start, time.perf_counter()
-            self.sides.cpu_wait_s += after - start
-        # Marks of one kind only (a CUDA stream's events or the host's clock: a device that lost its stream wait
-        # mid-pass has the part's inputs marked on the stream and its wait on the clock)
-        if self.fit_latency and sample is not None and isinstance(sample[-1], float) == isinstance(after, float):
-            self._latency_samples.append((*sample, before, after))
-
-    def _learn_cpu_latency(self) -> None:
-        """Feeds the last pass's CPU parts that the device waited for (complete by now) to the CPU cost fit, as
-        ``fit_latency`` describes: a part the device stalled for (over 50 us) costs the span from its inputs
-        staged to the end of that stall; one it did not, the worker's compute seconds."""
-        samples, self._latency_samples = self._latency_samples, []
-        if self.trackers is None:
-            return
-        for phase, index, counts, staged, before, after in samples:
-            stalled, chain = _seconds_between(before, after), _seconds_between(staged, after)
-            with self.measure_lock:
-                compute = self._compute_s.pop((phase, index), None)
-                if compute is not None:  # None: the layer's first part of this kind (not fitted), or one that failed
-                    self.trackers[phase].observe(counts, chain if stalled > 5e-5 else compute, 0, 0.0)
+            self.sides.cpu_wait_s += time.perf_counter() - start
 
     def costs(self, phase: str) -> SideCosts:
         """The costs ``phase``'s splits are planned with."""
@@ -222,13 +191,11 @@ class HybridEngine(OffloadEngine):
             return self.trackers[phase].costs()
 
     def record_cpu(self, phase: str, index: int, counts: list[int], seconds: float, began_ns: int,
-                   published: bool = False, cold: bool = False) -> None:
+                   cold: bool = False) -> None:
         """One CPU part's seconds, from the worker: the metrics, the cost fit and a timeline's span. A layer's
         first CPU part of each pass kind is not fitted, nor a ``cold`` one (the backend's buffer pools grew during
         it): both paid page faults of first touch that the next parts do not, and a fit that learnt them kept the
-        CPU out of the splits of a whole step or more (a new batch size grows the pools again). A
-        ``published`` part (the device waits for it itself) is fitted at the next pass instead where
-        ``fit_latency`` is on (``_learn_cpu_latency``)."""
+        CPU out of the splits of a whole step or more (a new batch size grows the pools again)."""
         with self.measure_lock:
             if self.cpu_marks is not None:
                 self.cpu_marks += [(phase, index, "started", began_ns),
@@ -238,10 +205,7 @@ class HybridEngine(OffloadEngine):
             first = (phase, index) not in self._cpu_seen
             self._cpu_seen.add((phase, index))
             if self.trackers is not None and not first and not cold:
-                if published and self.fit_latency:
-                    self._compute_s[(phase, index)] = seconds
-                else:
-                    self.trackers[phase].observe(counts, seconds, 0, 0.0)
+                self.trackers[phase].observe(counts, seconds, 0, 0.0)
 
     def reset_metrics(self) -> None:
         super().reset_metrics()
@@ -557,7 +521,6 @@ class _Parts:
     weights_host: object = None
     done: bool = False
     published: tuple | None = None  # (number, rows, tokens): the CPU part's rows land in staging views itself
-    latency: tuple | None = None  # a published part's sample for the latency fit (HybridEngine.wait_for_cpu_part)
 
 
 def join_part(parts: _Parts) -> None:
@@ -579,7 +542,7 @@ class HybridPending:
         parts, engine = self._parts, self._engine
         if parts.published is not None and not parts.done:
             number, rows, tokens = parts.published
-            engine.wait_for_cpu_part(number, parts.latency)
+            engine.wait_for_cpu_part(number)
             engine.sides.device_waits += engine.cpu_done.on_device
             with torch.no_grad(), record_function("moecc.hybrid.cpu_to_device"):
                 engine.staging.read_views_on_device({"out": rows, "out_tokens": tokens},
@@ -633,8 +596,6 @@ class HybridExpertsFunction(torch.autograd.Function):
                                                                         top_k_weights, lora)
             job = (engine, layer, staged, parts.weights_host, parts.cpu_lora, ready, cpu, counts)
             parts.published = _publish_target(engine, layer, call, hidden, top_k_index, counts, cpu)
-            if parts.published is not None and engine.fit_latency:  # the stream is where the inputs were staged
-                parts.latency = ("forward", layer.index, [counts[e] for e in cpu], engine._stream_mark())
             if parts.published is None:
                 parts.cpu_future = engine.run_cpu(_cpu_forward, *job, mark=("forward", layer.index))
             else:
@@ -685,7 +646,6 @@ class HybridExpertsFunction(torch.autograd.Function):
         elif cpu_experts:
             counts = [ctx.counts[e] for e in cpu_experts]
             staged = engine.staging.to_host({"grad_out": grad_out.contiguous()})
-            staged_mark = engine._stream_mark() if engine.fit_latency else None
             published = _backward_publish_target(engine, layer, parts, grad_out, ctx.weights_shape, counts,
                                                  cpu_experts)
             job = (engine, layer.index, parts, saved, staged, counts, cpu_experts if moved else None)
@@ -707,8 +667,7 @@ class HybridExpertsFunction(torch.autograd.Function):
         grads = (_gpu_backward(engine, layer, parts, slot, grad_out, moved, ctx) if parts.gpu else None)
         if published is not None:
             number, bank, views = published
-            engine.wait_for_cpu_part(number, ("backward", layer.index, counts, staged_mark)
-                                     if staged_mark is not None else None)
+            engine.wait_for_cpu_part(number)
             engine.sides.backward_device_waits += engine.cpu_done.on_device
             with torch.no_grad():
                 grads = _add(engine.staging, grads, views, bank, parts.lora, grad_out, ctx.weights_shape)

@@ -68,7 +68,7 @@ def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora
         else:
             (out, saved), tokens = engine.cpu.forward(*args, expert_mask=_mask(cpu, weights.num_experts)), None
     engine.record_cpu("forward", layer.index, [counts[e] for e in cpu], time.perf_counter() - start, began_ns,
-                      published=into is not None, cold=_fresh_bytes(engine) != fresh)
+                      cold=_fresh_bytes(engine) != fresh)
     return out, tokens, saved
 
 
@@ -139,7 +139,7 @@ def _cpu_backward(engine: HybridEngine, index: int, parts: _Parts, saved: SavedS
         else:
             grad_hidden, grad_weights, grads = engine.cpu.backward(*args)
             result = grad_hidden, None, grad_weights, grads
-    engine.record_cpu("backward", index, counts, time.perf_counter() - start, began_ns, published=into is not None,
+    engine.record_cpu("backward", index, counts, time.perf_counter() - start, began_ns,
                       cold=_fresh_bytes(engine) != fresh)
     return result
 

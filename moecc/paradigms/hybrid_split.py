@@ -32,7 +32,10 @@ class SideCosts:
     copy_expert_s: float  # one expert's weights over PCIe, at the rate achieved while the CPU computes
     gpu_expert_s: float  # an active expert on the GPU (its grouped-product share, launch)
     gpu_token_s: float  # each routed pair on the GPU
-    both_sides_s: float = 3e-4  # a pass that runs on both sides: staging, the CPU's result back, the sum
+    # A pass that runs on both sides: staging, the CPU's result back, the sum, the device's wait for the CPU
+    # part's chain; what the host's bench lost per split pass beyond the copies the CPU saved
+    # (benchmarks/results/host_2026-12-05_s29)
+    both_sides_s: float = 1.2e-3
     cpu_call_s: float = 0.0  # a CPU part at all: its staging, gathers and scatters, the pool's start
     # The GPU's own work between one layer's experts and the next's (attention, router, staging): both sides'
     # expert work waits for it (the next layer needs its output), only the copies overlap it

@@ -13,7 +13,8 @@ import moecc.paradigms.hybrid as hybrid_module
 import moecc.paradigms.hybrid_parts as hybrid_parts
 from moecc.errors import MoeccError
 
-from ..parity import TOLERANCE, assert_grads_match, batches, build_pair, forward_backward_both, lora_config
+from ..parity import (TOLERANCE, assert_grads_match, batches, build_pair, forward_backward_both, lora_config,
+                      rel_err)
 
 
 def _all_cpu(layer, counts, phase):
@@ -335,34 +336,6 @@ def test_hybrid_is_registered_and_reports_its_sides():
     assert engine.moecc.expert_bytes > 0
 
 
-def test_latency_fit_takes_the_chain_where_the_device_stalled_and_compute_seconds_elsewhere():
-    """``fit_latency``: a published part the device stalled for is fitted at the next pass with the span from its
-    inputs staged to the stall's end; one it did not stall for, with the worker's compute seconds; a part with no
-    compute seconds (a layer's first) not at all."""
-    from moecc.paradigms.hybrid_split import CostTracker, SideCosts
-
-    _, model = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid")
-    engine = model.moecc.engine
-    engine.fit_latency = True
-    base = SideCosts(cpu_expert_s=0.005, cpu_token_s=0.0, copy_expert_s=1e-3, gpu_expert_s=0.0, gpu_token_s=0.0)
-    engine.trackers = {phase: CostTracker(base) for phase in ("forward", "backward")}
-    engine._cpu_seen.update({("forward", 0), ("backward", 1)})  # not their first parts: fitted
-    engine.record_cpu("forward", 0, [3, 2], 0.004, 0, published=True)
-    engine.record_cpu("backward", 1, [1, 1], 0.006, 0, published=True)
-    assert all(t.samples == 0 for t in engine.trackers.values())  # kept for the next pass, not fitted yet
-    engine._latency_samples = [("forward", 0, [3, 2], 1.000, 1.010, 1.013),  # stalled 3 ms: the 13 ms chain
-                               ("backward", 1, [1, 1], 2.000, 2.007, 2.007),  # no stall: 6 ms of compute
-                               ("forward", 5, [1, 1], 3.000, 3.001, 3.020)]  # no compute seconds: skipped
-    engine._learn_cpu_latency()
-    forward, backward = engine.trackers["forward"], engine.trackers["backward"]
-    assert forward.samples == 1 and forward.recent[-1] == pytest.approx((0.010, 0.013))
-    assert backward.samples == 1 and backward.recent[-1] == pytest.approx((0.010, 0.006))
-    assert not engine._latency_samples and not engine._compute_s
-    engine.fit_latency = False  # off: a published part's compute seconds are fitted at once
-    engine.record_cpu("forward", 0, [3, 2], 0.004, 0, published=True)
-    assert forward.samples == 2 and forward.recent[-1] == pytest.approx((0.010, 0.004))
-
-
 def test_cpu_parts_during_which_the_backend_buffers_grew_are_counted_not_fitted():
     """A cold CPU part (the backend's pools grew: page faults of first touch) stays out of the cost fit, where it
     priced the CPU out of the next splits; the parts after it are fitted."""
@@ -401,32 +374,6 @@ def test_a_repeated_step_grows_no_buffers_and_fits_every_later_part():
     assert counts[0][0] > 0 and counts[2][0] == 0
     # every part of the last step was fitted: a forward and a backward one per layer split (both_sides counts forwards)
     assert counts[2][1] - counts[1][1] == 2 * engine.sides.both_sides > 0
-
-
-def test_latency_fit_runs_through_training_steps():
-    """With ``fit_latency`` on, training steps whose CPU parts publish (the native kernels, from the second forward
-    and backward on) leave the parts the host waited for to the fit at each next pass, in both passes, and the
-    model trains as accurately as before."""
-    from .test_offload import _assert_bf16_as_accurate_as_hf_peft
-
-    reference, model = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
-                                  backend="auto")
-    engine = model.moecc.engine
-    engine.split_rule = _alternating
-    engine.fit_latency = True
-    fitted = []
-    learn = engine._learn_cpu_latency
-
-    def spy():
-        fitted.extend(sample[0] for sample in engine._latency_samples)
-        learn()
-    engine._learn_cpu_latency = spy
-    for ids, mask, labels in batches(256, 3, seed=3):
-        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-        model.zero_grad()
-    assert {"forward", "backward"} <= set(fitted)
-    assert all(t.samples > 0 for t in engine.trackers.values())
-    _assert_bf16_as_accurate_as_hf_peft(reference, model)
 
 
 @pytest.mark.gpu
@@ -842,6 +789,18 @@ def test_hybrid_on_cuda_with_device_waits_is_as_accurate_as_hf_peft_in_bf16(rule
         assert metrics["device_wait_share"] > 0 and metrics["backward_device_wait_share"] > 0
 
 
+def _assert_trained_alike_then_align(reference: torch.nn.Module, engine: torch.nn.Module) -> None:
+    """After an optimizer step both models' trainable parameters agree; the engine's are then set to the
+    reference's, so each next step is compared from the same point. Left to drift, the rounding of each step grows
+    through the later steps (to 1.7e-4 by the third step of the three-slot test on an Intel Xeon with AMX, 6e-7
+    per step when aligned), past a tolerance that still catches factors a step did not reach (errors of 0.1 to 1)."""
+    with torch.no_grad():
+        for (name, want), (_, got) in zip(reference.named_parameters(), engine.named_parameters()):
+            if want.requires_grad:
+                assert rel_err(got, want) <= TOLERANCE[torch.float32], name
+                got.copy_(want)
+
+
 def test_three_slots_copy_two_layers_ahead_in_both_passes_and_train_like_hf_peft():
     """With ``offload_slots=3`` every forward layer call queues the copies of the next two layers and every
     backward layer call those of the two before; the model still trains like HF + PEFT."""
@@ -872,6 +831,7 @@ def test_three_slots_copy_two_layers_ahead_in_both_passes_and_train_like_hf_peft
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
+        _assert_trained_alike_then_align(reference, engine)
     assert forward_ahead == [1, 2, 2, 3, 3, 4, 4, 5]  # layer i asks for i+1 and i+2 (past the last: nothing)
     # Backward, layer i: its own GPU experts, then those of layers i-1 and i-2 (layers whose forward had none
     # fetch nothing: a forward all on the CPU)

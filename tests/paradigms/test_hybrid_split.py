@@ -247,3 +247,18 @@ def test_required_experts_stay_on_the_gpu_and_the_rest_is_the_best_completion(se
     best = min(forced_split(counts, required | set(extra), costs).predicted_s
                for m in range(len(others) + 1) for extra in itertools.combinations(others, m))
     assert split.predicted_s == pytest.approx(best, rel=1e-12, abs=1e-15)
+
+
+def test_a_split_saving_less_than_running_both_sides_costs_stays_on_the_gpu():
+    """Large batches on a fast link: the CPU's share of the best split is a few cold experts, whose copies save less
+    than the default fixed cost of a pass on both sides, so the pass runs wholly on the GPU; with that cost at
+    zero the same counts would split."""
+    counts = [600] * 124 + [8] * 4  # 4 cold experts
+    costs = SideCosts(cpu_expert_s=2e-3, cpu_token_s=2e-5, copy_expert_s=1.8e-4, gpu_expert_s=1.5e-5,
+                      gpu_token_s=3e-8, serial_s=3e-3)
+    split = plan_split(counts, costs)
+    free = plan_split(counts, replace(costs, both_sides_s=0.0))
+    assert free.side == "both" and 0 < free.cpu_s and len(free.gpu) < 128
+    assert split.side == "gpu" and len(split.gpu) == 128
+    saved = (128 - len(free.gpu)) * costs.copy_expert_s
+    assert saved < SideCosts.both_sides_s == costs.both_sides_s
