@@ -236,6 +236,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     model, _, _ = runner.build_for_timing(args.preset, args.layers, "hybrid", device, args.gpu_budget, "off")
+    model.moecc.engine.step_guard = None  # every step with the planner's splits: the timeline shows both sides
     optimizer = timing.adamw(model.parameters())
     seq = min(args.tokens, timing.SEQUENCE)
     ids = torch.randint(0, model.config.vocab_size, (max(1, args.tokens // seq), seq), device=device)

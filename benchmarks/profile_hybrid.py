@@ -11,9 +11,10 @@ experts and pairs, the CPU and copy seconds, the waits, the prefetch hit rate an
 ``NAME:N`` sets the engine's slots at run time, past the budget check ``prepare`` makes (4 slots ran out of memory
 under 24 GB at 8192 tokens); ``NAME:N:n`` also turns the CPU probes off (``CostTracker.probe_after``: the cost fit
 then never comes back once it priced the CPU out), ``NAME:N:t`` queues the expert copies through torch instead of
-the CUDA driver (``moecc.paradigms.driver_copies``), ``NAME:N:w`` times
-whole steps as ``moecc bench`` does (no synchronisation between forward and backward); ``--rounds``
-interleaves the cases, since the host's speed drifts between runs. Each line also gives the seconds spent inside the
+the CUDA driver (``moecc.paradigms.driver_copies``), ``NAME:N:g`` lets the step guard run whole steps with every
+expert on the GPU where those were faster (``moecc.paradigms.step_guard``; off otherwise, so each case runs its
+rule), ``NAME:N:w`` times whole steps as ``moecc bench`` does (no synchronisation between forward and backward);
+``--rounds`` interleaves the cases, since the host's speed drifts between runs. Each line also gives the seconds spent inside the
 native kernel calls per pass (``kernel_forward_s``, ``kernel_backward_s``), which the CPU parts' seconds exceed by
 their Python work around the call.
 """
@@ -38,7 +39,8 @@ from moecc.paradigms.hybrid import new_trackers
 
 KEYS = ("cpu_experts_s", "kernel_forward_s", "kernel_backward_s", "copy_s", "cpu_wait_s", "gpu_wait_s",
         "cpu_experts", "gpu_experts", "cpu_pairs", "gpu_pairs", "moved_experts", "both_sides_share",
-        "prefetch_hit_rate", "device_wait_share", "backward_device_wait_share", "cold_cpu_parts", "h2d_gb")
+        "prefetch_hit_rate", "device_wait_share", "backward_device_wait_share", "cold_cpu_parts", "gpu_only_steps",
+        "h2d_gb")
 
 
 def coldest_on_cpu(count: int):
@@ -183,7 +185,7 @@ def main() -> None:
     model, _, _ = runner.build_for_timing(args.preset, args.layers, "hybrid", device, args.gpu_budget, "off")
     optimizer = timing.adamw(model.parameters())
     engine = model.moecc.engine
-    capacity, driver = engine.capacity, engine.driver_copies
+    capacity, driver, guard = engine.capacity, engine.driver_copies, engine.step_guard
     fits, clock = [], KernelClock(engine.cpu)
     for round_ in range(args.rounds):
         for tokens in (int(t) for t in args.tokens.split(",")):
@@ -195,6 +197,7 @@ def main() -> None:
                 engine.capacity = int(slots) if slots else capacity
                 engine.split_rule = RULES.get(rule)
                 engine.driver_copies = None if "t" in options else driver  # t: copies through torch
+                engine.step_guard = guard if "g" in options else None  # g: the step guard on
                 if args.fresh:
                     engine.trackers = new_trackers(engine)
                     engine._cpu_seen.clear()

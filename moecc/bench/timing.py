@@ -173,8 +173,9 @@ def _breakdown(records: list[tuple[float, dict]]) -> dict:
         "h2d_gbps_while_copying": median("h2d_gb") / copy_s if copy_s > 0 else 0.0,
         # hybrid: the layer passes whose CPU part the device waited for itself, forward and backward, and the
         # experts whose forward ran on the CPU and whose backward ran on the GPU, and the CPU parts left out of the
-        # cost fit because the backend's buffers grew during them, per step
+        # cost fit because the backend's buffers grew during them, per step; whether the step guard ran the
+        # step with every expert on the GPU (1) or with the splits (0)
         **{key: median(key) for key in ("device_wait_share", "backward_device_wait_share", "moved_experts",
-                                        "cold_cpu_parts")
+                                        "cold_cpu_parts", "gpu_only_steps")
            if any(key in r[1] for r in records)},
     }

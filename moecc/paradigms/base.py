@@ -198,7 +198,7 @@ class ExpertLayer(ABC):
         if self.index == 0 and not recomputing:
             self.engine.metrics.tokens += hidden.shape[0]
             self.engine.forward_passes += 1
-            self.engine.pass_begins()
+            self.engine.pass_begins(hidden.shape[0])
         return recomputing
 
     def check_inputs(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
@@ -289,8 +289,8 @@ class Engine(ABC):
     def finish(self, model: torch.nn.Module, config: MoeccConfig) -> None:
         """Called once every layer and adapter exists, before the model moves to the device."""
 
-    def pass_begins(self) -> None:
-        """Called by the first layer at the start of every forward pass (not recomputations)."""
+    def pass_begins(self, tokens: int) -> None:
+        """Called by the first layer at the start of every forward pass (not recomputations) of ``tokens``."""
 
     def gpu_bytes(self, config: MoeccConfig) -> int:
         """Device memory this engine keeps beyond the non-expert weights (slots, caches), before activations."""

@@ -42,6 +42,7 @@ from .device_wait import CpuDone
 from .hybrid_parts import (_add, _add_part, _backward_publish_target, _cpu_backward, _cpu_backward_published,
                            _cpu_forward, _cpu_forward_published, _cpu_sources, _mask, _publish_target)
 from .hybrid_split import CostTracker, RoutingForecast, SideCosts, hit_rate, physical_costs, plan_split
+from .step_guard import GPU, SPLIT, StepGuard
 from .event_spans import EventSpans
 from .offload import (OffloadEngine, OffloadLayer, ParkedState, _Call, _timed_event, lora_on_device,
                       offload_gpu_bytes)
@@ -69,6 +70,7 @@ class SideMetrics:
     backward_device_waits: int = 0  # the same for backwards
     moved_experts: int = 0  # experts whose forward ran on the CPU and whose backward runs on the GPU
     cold_cpu_parts: int = 0  # CPU parts during which the backend's buffer pools grew (not fitted)
+    gpu_only_steps: int = 0  # training steps the step guard ran with every expert on the GPU
 
 
 class HybridEngine(OffloadEngine):
@@ -86,6 +88,11 @@ class HybridEngine(OffloadEngine):
         self.forecast = RoutingForecast()
         self.trackers: dict[str, CostTracker] | None = None  # per pass; made in finish, from the first layer's shape
         self.split_rule: SplitRule | None = None  # tests and experiments: force the GPU set per layer pass
+        # Whole steps with the splits against every expert on a CUDA GPU, per batch size (None: the splits always;
+        # the CPU device standing in for a GPU has no link whose time a split saves)
+        self.step_guard: StepGuard | None = (StepGuard(_seconds_between, done=_mark_done)
+                                             if self.device.type == "cuda" else None)
+        self.step_mode = SPLIT  # this pass's: the planner's splits, or every routed expert on the GPU
         self.planned: dict[int, tuple[int, ...]] = {}  # layer -> GPU experts its forward prefetch planned
         self.sides = SideMetrics()
         self._cpu_seen: set[tuple[str, int]] = set()  # (pass, layer) with a CPU part measured
@@ -167,10 +174,14 @@ class HybridEngine(OffloadEngine):
                      for part in lora)
         return host, ready
 
-    def pass_begins(self) -> None:
-        super().pass_begins()
+    def pass_begins(self, tokens: int) -> None:
+        super().pass_begins(tokens)
         self._copied_this_pass = {}
         self._learn_copy_rates()
+        self.step_mode = SPLIT
+        if self.step_guard is not None and self.split_rule is None:
+            self.step_mode = self.step_guard.step_begins(tokens, self._stream_mark(), torch.is_grad_enabled())
+            self.sides.gpu_only_steps += self.step_mode == GPU and torch.is_grad_enabled()
 
     def wait_for_cpu_part(self, number: int) -> None:
         """Until CPU part ``number`` is published: on the device's stream where it can (this thread goes on), the
@@ -221,8 +232,8 @@ class HybridEngine(OffloadEngine):
         forwards whose CPU part the device waited for on its own: ``CpuDone``), ``backward_device_wait_share`` (the
         same for backwards), ``moved_experts`` (CPU experts in forward whose backward ran on the GPU, summed),
         ``cold_cpu_parts`` (CPU parts during which the backend's buffer pools grew, left out of the cost fit),
-        ``prefetch_hit_rate`` and the
-        cost model's measured ``cpu_slowdown`` / ``copy_slowdown`` (measured over predicted seconds). The waits:
+        ``gpu_only_steps`` (training steps the step guard ran with every expert on the GPU), ``prefetch_hit_rate``
+        and the cost model's measured ``cpu_slowdown`` / ``copy_slowdown`` (measured over predicted seconds). The waits:
         ``copy_wait_s`` (the device stalled for copies: offload's ``gpu_wait_s``), ``device_cpu_wait_s`` (the
         device stalled for CPU parts it waited for itself, ``CpuDone``), ``cpu_wait_s`` (the host blocked on CPU
         parts) and ``gpu_wait_s``, their sum."""
@@ -240,6 +251,7 @@ class HybridEngine(OffloadEngine):
             "device_wait_share": s.device_waits / s.layer_passes if s.layer_passes else 0.0,
             "backward_device_wait_share": s.backward_device_waits / s.layer_passes if s.layer_passes else 0.0,
             "moved_experts": float(s.moved_experts), "cold_cpu_parts": float(s.cold_cpu_parts),
+            "gpu_only_steps": float(s.gpu_only_steps),
             "cpu_slowdown": self.trackers["forward"].cpu_scale if self.trackers else 1.0,
             "copy_slowdown": self.trackers["forward"].copy_scale if self.trackers else 1.0,
         })
@@ -254,6 +266,8 @@ class HybridEngine(OffloadEngine):
         beats running it on the CPU beside them (cached experts cost no copy)."""
         if self.split_rule is not None:
             return tuple(sorted({int(e) for e in self.split_rule(layer.index, counts, "forward")}))
+        if self.step_mode == GPU:
+            return tuple(e for e, n in enumerate(counts) if n > 0)
         present = self._present(layer)
         copied = self._copied_this_pass.get(layer.index, set()) & present
         cached = {e for e in present if self.cache is not None and self.cache.holds(layer.index, e, layer.revision())}
@@ -294,8 +308,9 @@ class HybridEngine(OffloadEngine):
         if expected is None:
             return
         # Below half a token the forecast is an expert the recent passes stopped routing to, not a CPU part's cost.
-        plan = plan_split([n if n >= 0.5 else 0.0 for n in expected], self.costs("forward"),
-                          then=self.costs("backward")).gpu
+        expected = [n if n >= 0.5 else 0.0 for n in expected]
+        plan = (tuple(e for e, n in enumerate(expected) if n > 0) if self.step_mode == GPU else
+                plan_split(expected, self.costs("forward"), then=self.costs("backward")).gpu)
         self.planned[index] = plan
         if plan:
             self._timed_fetch("forward", self.layers[index], list(plan))
@@ -441,6 +456,11 @@ def _seconds_between(begin, end) -> float:
         return end - begin
     end.synchronize()
     return begin.elapsed_time(end) / 1e3
+
+
+def _mark_done(mark) -> bool:
+    """Whether the device has passed mark ``mark`` (a clock reading has)."""
+    return isinstance(mark, float) or mark.query()
 
 
 def configure_cpu_threads(pin_threads: bool = True) -> int:
@@ -715,7 +735,7 @@ def _record_forward(engine: HybridEngine, layer: HybridLayer, counts: list[int],
     engine.metrics.add_expert_counts(counts)
     engine.metrics.tokens_routed += sum(counts)
     engine.forecast.observe(layer.index, counts)
-    if engine.trackers is not None and any(counts):
+    if engine.trackers is not None and any(counts) and engine.step_mode == SPLIT:  # the guard's steps: no verdict
         with engine.measure_lock:
             engine.trackers["forward"].ran(bool(cpu))
             engine.trackers["backward"].ran(bool(set(cpu) - set(gpu_backward)))

@@ -193,6 +193,45 @@ def test_a_cost_fit_that_priced_the_cpu_out_gets_it_back_after_a_step(probe):
     assert (later[0] > 0) == probe and (later[1] > 0) == probe
 
 
+@pytest.mark.parametrize("faster", ["gpu", "split"])
+def test_the_step_guard_keeps_whichever_mode_ran_the_faster_steps(faster):
+    """With a step guard (on a CUDA GPU by default) whole steps run with the splits and with every expert on the
+    GPU; from the step after both were timed, the faster one runs: no CPU part at all where the GPU alone was
+    faster. Whatever ran, every step trains like HF + PEFT."""
+    from moecc.paradigms.step_guard import StepGuard
+
+    reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
+                                   num_hidden_layers=4)
+    hybrid = engine.moecc.engine
+    for tracker in hybrid.trackers.values():  # copies dearer than any CPU part here: the splits use the CPU
+        tracker.base = replace(tracker.base, copy_expert_s=1.0)
+    assert hybrid.step_guard is None  # the CPU device: no link to save time on
+    step_s = {"gpu": 1.0 if faster == "gpu" else 2.0, "split": 1.5}
+    mode_at = {}
+    guard = hybrid.step_guard = StepGuard(lambda begin, end: step_s[mode_at[begin]], trials=1)
+    begins = guard.step_begins
+    guard.step_begins = lambda tokens, mark, training: mode_at.setdefault(mark, begins(tokens, mark, training))
+    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05)
+                  for m in (reference, engine)]
+    cpu_pairs = []
+    for batch in batches(256, 6, batch=2, seq=12, seed=4):
+        hybrid.reset_metrics()
+        forward_backward_both(reference, engine, batch, TOLERANCE[torch.float32])
+        assert_grads_match(reference, engine, TOLERANCE[torch.float32])
+        metrics = hybrid.metrics_since_reset()
+        cpu_pairs.append((metrics["cpu_pairs"], metrics["gpu_only_steps"]))
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        _assert_trained_alike_then_align(reference, engine)
+    # steps 1 and 2 split (the first untimed), 3 on the GPU alone; from step 4 the faster
+    assert cpu_pairs[0][0] > 0 and cpu_pairs[1][0] > 0 and cpu_pairs[2] == (0, 1)
+    if faster == "gpu":
+        assert all(pairs == (0, 1) for pairs in cpu_pairs[3:]) and guard.summary() == {32: "gpu"}
+    else:
+        assert all(pairs > 0 and steps == 0 for pairs, steps in cpu_pairs[3:]) and guard.summary() == {32: "split"}
+
+
 def test_gaps_between_layers_are_measured_per_pass():
     """The work between one layer's experts and the next's (attention, router) is measured in both passes once a
     later pass begins; with reentrant checkpointing the backward's gaps hold recomputed layers (CPU parts and all),
@@ -255,7 +294,7 @@ def test_slot_leftovers_of_an_earlier_pass_cost_no_copy():
     hybrid = engine.moecc.engine
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     engine(input_ids=ids, labels=ids).loss.backward()
-    hybrid.pass_begins()  # a new pass: nothing copied in it yet
+    hybrid.pass_begins(32)  # a new pass: nothing copied in it yet
     layer = hybrid.layers[0]
     held = hybrid._present(layer)
     assert held  # the backward left layer 0's experts in its slot
