@@ -186,7 +186,7 @@ def prepare(
     """
     paradigm, config = _settings(adapter, paradigm, config)
     device = resolve_device(device)
-    paradigm = choose_paradigm(paradigm, device)
+    paradigm = choose_paradigm(paradigm, device, getattr(model, "config", None), config.offload_slots)
     paradigm_engine = engine_class(paradigm)
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     family = family_for(base)

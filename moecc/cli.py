@@ -136,7 +136,8 @@ def bench(args: argparse.Namespace) -> list[dict]:
 
 def plan(args: argparse.Namespace) -> dict:
     """Runs ``moecc plan``: rates (measured or cached), predicted step time per paradigm, the crossover."""
-    from .bench.plan import crossover, describe, hybrid_plan, predict
+    from .bench.plan import auto_paradigm, crossover, describe, hybrid_plan, predict
+    from .bench.presets import preset_config
     from .bench.rates import RANK, measure
     from .config import MoeccConfig
 
@@ -158,6 +159,9 @@ def plan(args: argparse.Namespace) -> dict:
         print("no GPU here: only co-compute (everything on the CPU) applies")
     else:
         print("offload overtakes co-compute at", f"~{point} tokens per step" if point else "no batch size tried")
+        picked = auto_paradigm(preset_config(args.preset, args.layers), rates, slots)
+        if picked is not None:
+            print(f"paradigm='auto' picks {picked[0]!r} for this model: {picked[1]}")
     return {"rates": rates, "predictions": table, "crossover_tokens": point}
 
 

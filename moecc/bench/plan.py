@@ -13,7 +13,8 @@ With T tokens per step, each MoE layer, forward then backward:
               GPU for backward
   hybrid      per layer pass, the split ``moecc.paradigms.hybrid_split.plan_split`` picks for uniform routing:
               the GPU's experts stream over the link while the CPU computes the rest in place, so a pass costs
-              max(a/2 + the slower side's experts, link); the CPU slowed by sharing DRAM with the copies
+              max(a/2 + the slower side's experts, link); the CPU slowed by sharing DRAM with the copies. Its
+              step guard runs every expert on the GPU where that is faster, so never above offload
   gpu         everything on the GPU: a timed training step of one MoE layer.
 Where co-compute's own steps were timed (models of one and three MoE layers), its prediction is those per-layer
 and rest-of-step times instead of the sum of its parts above, which timed apart overstate the step
@@ -30,7 +31,7 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from ..paradigms.hybrid_split import SideCosts, Split, forced_split, plan_split
-from .presets import preset_config
+from .presets import PRESETS, preset_config
 from .shapes import RANK, SEQUENCE, moe_shape, shape_key
 
 BF16 = 2  # bytes per weight and activation
@@ -290,9 +291,39 @@ def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, ra
     return {
         "cocompute": cocompute,
         "offload": offload + rest + lora_s,
-        "hybrid": hybrid + rest + lora_s,
+        "hybrid": min(hybrid, offload) + rest + lora_s,  # the step guard's steps with every expert on the GPU
         "gpu": _gpu_paradigm_s(s, tokens, rates, timed, rank) * (1 + recompute),
     }
+
+
+# moecc bench's default batches: ``paradigm="auto"`` weighs a paradigm over all three
+AUTO_TOKENS = (512, 2048, 8192)
+AUTO_CHOICES = ("cocompute", "offload", "hybrid")  # simplest first
+AUTO_MARGIN = 0.03  # a later choice must be predicted this much faster than an earlier one (the host's noise)
+
+
+def auto_paradigm(config, rates: dict, offload_slots: int = 2) -> tuple[str, str] | None:
+    """(the paradigm predicted fastest for a model of transformers ``config``'s shape and layers, one line why)
+    from ``rates`` measured on this machine: the one whose step time, over ``AUTO_TOKENS``, is least above the best
+    paradigm's at each, or a simpler one within ``AUTO_MARGIN`` of it. None where the rates hold no GPU rates or no timings of that shape (only presets' shapes
+    are timed: ``moecc plan --preset NAME``)."""
+    try:
+        shape = moe_shape(config)
+    except AttributeError:  # not a MoE config: prepare refuses it with its own message
+        return None
+    key = shape_key(shape)
+    if "h2d_gbps" not in rates or key not in rates.get("shapes", {}):
+        return None
+    preset = next((name for name in PRESETS if shape_key(moe_shape(preset_config(name))) == key), None)
+    if preset is None:
+        return None
+    times = {tokens: predict(preset, tokens, rates, shape["layers"], offload_slots=offload_slots)
+             for tokens in AUTO_TOKENS}
+    above = {p: sum(t[p] / min(t[q] for q in AUTO_CHOICES) for t in times.values()) for p in AUTO_CHOICES}
+    choice = next(p for p in AUTO_CHOICES if above[p] <= min(above.values()) * (1 + AUTO_MARGIN))
+    seconds = "; ".join(f"{p} " + " / ".join(f"{t[p]:.2f}" for t in times.values()) for p in AUTO_CHOICES)
+    return choice, (f"predicted seconds per step at {' / '.join(map(str, AUTO_TOKENS))} tokens from this machine's "
+                    f"measured rates ({preset}'s shape, {shape['layers']} layers): {seconds}")
 
 
 def crossover(preset: str, rates: dict, layers: int | None = None, limit: int = 1 << 20,
@@ -335,6 +366,8 @@ def describe(preset: str, rates: dict) -> list[str]:
     lines = []
     for label, counts, names in parts:
         if all(name in timed for name in names):
+            if counts not in timed:  # before rates v8 the whole-layer timings shared the GPU token list
+                counts = "gpu_tokens"
             times = [sum(timed[name][i] for name in names) for i in range(len(timed[counts]))]
             pairs = zip(timed[counts], times)
             lines.append(f"  {label}: " + ", ".join(f"{count} tokens {1e3 * s:.1f} ms" for count, s in pairs))

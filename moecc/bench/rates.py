@@ -378,16 +378,25 @@ def measure(remeasure: bool = False, cache: Path | None = None) -> MachineRates:
     """The machine's rates, from ``cache`` (default ``CACHE``) unless it is missing, from another version of this
     module, or ``remeasure`` is set (which also drops every shape's rates)."""
     cache = cache or CACHE
-    if cache.is_file() and not remeasure:
-        try:
-            saved = json.loads(cache.read_text())
-        except json.JSONDecodeError:
-            saved = {}
-        if saved.pop("version", None) == VERSION:
-            return MachineRates(saved, cache)
+    saved = None if remeasure else cached(cache)
+    if saved is not None:
+        return MachineRates(saved, cache)
     rates = MachineRates(machine_rates(), cache)
     rates.save()
     return rates
+
+
+def cached(cache: Path | None = None) -> dict | None:
+    """The rates saved in ``cache`` (default ``CACHE``) by this version of this module, measuring nothing; None
+    where there are none (never measured, another version, an unreadable file)."""
+    cache = cache or CACHE
+    try:
+        saved = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or saved.pop("version", None) != VERSION:
+        return None
+    return saved
 
 
 def shape_rates(rates: dict, preset: str) -> dict | None:

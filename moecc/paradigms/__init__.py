@@ -23,21 +23,30 @@ def engine_class(paradigm: str) -> type[Engine]:
     return PARADIGMS[paradigm]
 
 
-def choose_paradigm(paradigm: str, device: torch.device) -> str:
-    """``paradigm`` itself, or for ``"auto"`` the one to run, logged with the reason on logger ``moecc``.
+def choose_paradigm(paradigm: str, device: torch.device, model_config=None, offload_slots: int = 2) -> str:
+    """``paradigm`` itself, or for ``"auto"`` the one to run, logged in one line with the reason on logger
+    ``moecc``.
 
-    Without a CUDA device only co-compute applies (the experts' math on the CPU either way). With one, offload:
-    on the accelerator host it beat co-compute at every batch and hybrid too, so far
-    (``benchmarks/results/hybrid_2026-12-02``); hybrid is there to be chosen by name, and ``moecc bench`` /
-    ``moecc plan`` compare all three on this machine."""
+    Without a CUDA device only co-compute applies (the experts' math on the CPU either way). With one, the
+    planner's choice (``moecc.bench.plan.auto_paradigm``) from the rates ``moecc plan`` / ``moecc bench`` measured
+    and cached on this machine, for a model of ``model_config``'s shape (a transformers config). Without such
+    rates, offload: it beat co-compute at every batch measured on the accelerator host."""
     if paradigm != "auto":
         return paradigm
+    picked = None
     if device.type != "cuda":
-        choice, why = "cocompute", "no CUDA device, so the experts run on the CPU"
-    else:
-        choice, why = "offload", ("a CUDA device: copying the experts to the GPU beat computing them on the CPU, "
-                                  "and splitting them (paradigm='hybrid'), in every measured batch so far; "
-                                  "`moecc bench` compares the three on this machine")
+        picked = "cocompute", "no CUDA device, so the experts run on the CPU"
+    elif model_config is not None:
+        from ..bench.plan import auto_paradigm  # the planner: pure arithmetic over the cached rates
+        from ..bench.rates import cached
+
+        rates = cached()
+        picked = auto_paradigm(model_config, rates, offload_slots) if rates is not None else None
+    if picked is None:
+        picked = "offload", ("a CUDA device and no rates of this model's shape measured on this machine (`moecc plan "
+                             "--preset NAME` measures a preset's): copying the experts to the GPU beat computing "
+                             "them on the CPU at every batch measured on the accelerator host")
+    choice, why = picked
     logging.getLogger("moecc").info("paradigm='auto' chose %r: %s", choice, why)
     return choice
 

@@ -168,6 +168,14 @@ def test_plan_command_predicts_and_says_what_it_timed(capsys):
     assert "timed on one tiny MoE layer" in printed and "CPU experts (ours): 128 tokens" in printed
 
 
+def test_plan_command_says_what_auto_would_pick_from_gpu_rates(capsys, monkeypatch):
+    monkeypatch.setattr(rates_module, "measure", lambda remeasure=False: qwen3_rates(cpu_per_token=3e-6))
+    out = cli.plan(argparse.Namespace(preset="qwen3-30b-a3b", layers=48, tokens=[2048], remeasure=False))
+    printed = capsys.readouterr().out
+    assert out["predictions"][2048]["hybrid"] < out["predictions"][2048]["offload"]
+    assert "paradigm='auto' picks 'hybrid' for this model: predicted seconds per step" in printed
+
+
 def test_gpu_timings_run_on_any_device():
     """The GPU measurements are device-generic, so the code runs here on the CPU with the tiny preset."""
     cpu = torch.device("cpu")

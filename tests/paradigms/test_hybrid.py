@@ -452,6 +452,39 @@ def test_auto_paradigm_says_what_it_picked(caplog):
     assert moecc.paradigms.choose_paradigm("offload", torch.device("cpu")) == "offload"
 
 
+@pytest.mark.parametrize("cpu_per_token, want", [(3e-6, "hybrid"), (3e-4, "offload")])
+def test_auto_paradigm_on_a_gpu_takes_the_planners_choice_from_the_cached_rates(cpu_per_token, want, tmp_path,
+                                                                               monkeypatch, caplog):
+    """With rates of the model's shape cached on this machine, ``"auto"`` on a CUDA device takes the paradigm the
+    planner predicts fastest (hybrid where the CPU is fast enough to take a share, offload where it is not) and
+    says so in one line with the predicted seconds; with none cached, or another model's, offload."""
+    import json
+    import logging
+
+    from moecc.bench import rates as rates_module
+    from moecc.bench.presets import preset_config
+
+    from ..bench.test_plan import qwen3_rates
+
+    cache = tmp_path / "rates.json"
+    monkeypatch.setattr(rates_module, "CACHE", cache)
+    config = preset_config("qwen3-30b-a3b", 48)
+    cuda = torch.device("cuda", 0)
+    with caplog.at_level(logging.INFO, logger="moecc"):
+        assert moecc.paradigms.choose_paradigm("auto", cuda, config) == "offload"  # nothing cached
+    assert "no rates of this model's shape" in caplog.text
+    cache.write_text(json.dumps({"version": rates_module.VERSION, **qwen3_rates(cpu_per_token=cpu_per_token)}))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="moecc"):
+        assert moecc.paradigms.choose_paradigm("auto", cuda, config) == want
+    line, = [r.getMessage() for r in caplog.records]
+    assert f"chose '{want}': predicted seconds per step at 512 / 2048 / 8192 tokens" in line
+    assert "qwen3-30b-a3b's shape, 48 layers" in line and "hybrid " in line and "cocompute " in line
+    assert moecc.paradigms.choose_paradigm("auto", cuda, preset_config("tiny")) == "offload"  # not timed here
+    cache.write_text(json.dumps({"version": rates_module.VERSION - 1, **qwen3_rates(cpu_per_token=cpu_per_token)}))
+    assert moecc.paradigms.choose_paradigm("auto", cuda, config) == "offload"  # another version's rates
+
+
 @pytest.mark.gpu
 def test_summing_the_cpu_part_never_waits_for_the_device(monkeypatch):
     """The CPU part's gradients (dense or rows, and each LoRA factor's blocks) are read in place from staging
