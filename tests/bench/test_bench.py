@@ -17,12 +17,14 @@ def test_bench_writes_table_json_and_plots(tmp_path):
         parts = row["cpu_wait_s"] + row["copy_wait_s"] + row["expert_compute_s"]
         assert abs(parts + row["gpu_other_s"] - row["step_s"]) < 1e-6 or parts > row["step_s"]
         assert row["cpu_wait_s"] == 0 or row["copy_wait_s"] == 0  # one paradigm waits for one thing
+        assert row["step_min_s"] <= row["step_s"] <= row["step_max_s"]  # the median within the timed steps' range
     cocompute = [row for row in rows if row["paradigm"] == "cocompute"]
     assert all(row["cpu_wait_s"] > 0 for row in cocompute)  # the device waits for the CPU experts in backward
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert len(saved["rows"]) == 6 and saved["command"].startswith("moecc bench")
     assert saved["rates"]["dram_gbps"] > 0 and saved["rates"]["shapes"]  # what the predictions came from
-    assert "| cocompute | 16 |" in (tmp_path / "bench.md").read_text()
+    table = (tmp_path / "bench.md").read_text()
+    assert "| cocompute | 16 |" in table and "| step_min_s | step_max_s |" in table
     for plot in ("tokens_per_s.png", "breakdown.png"):
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -70,7 +72,7 @@ def test_report_shows_errors_in_the_table_and_leaves_them_out_of_the_plots(tmp_p
             {"paradigm": "hf-offload", "tokens": 128, "predicted_step_s": None, "error": "OutOfMemoryError: x"}]
     write_report(rows, tmp_path, "t", "moecc bench")
     table = (tmp_path / "bench.md").read_text()
-    assert "| hf-offload | 64 | 0.5 | – | 128 |" in table and "a \\| b" in table
+    assert "| hf-offload | 64 | 0.5 | – | – | – | 128 |" in table and "a \\| b" in table
     assert "| hf-offload | 128 | – | – | – |" in table and "OutOfMemoryError: x" in table
     write_report(rows[1:], tmp_path / "all_failed", "t", "moecc bench")  # nothing to plot is still a picture
     assert (tmp_path / "all_failed" / "tokens_per_s.png").stat().st_size > 0
