@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from pathlib import Path
 
-import moecc  # noqa: F401  (before torch: its OpenMP threads sleep between ops, as moecc runs them)
-import torch
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
+# As `moecc bench` runs hybrid: the GPU waits for the CPU parts on its own only where CUDA loads kernels eagerly
+# (moecc/paradigms/device_wait.py); under lazy loading the host waits, and the timeline would show that instead.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
-from moecc.bench import runner, timing
-from moecc.losses import chunked_causal_lm_loss
+import moecc  # noqa: E402,F401  (before torch: its OpenMP threads sleep between ops, as moecc runs them)
+import torch  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from moecc.bench import runner, timing  # noqa: E402
+from moecc.losses import chunked_causal_lm_loss  # noqa: E402
 
 LANES = ("CPU experts", "H2D copies", "D2H copies", "GPU kernels")
 LAYER_MARKS = {"forward": "moecc.hybrid.layer_forward", "backward": "moecc.hybrid.layer_backward"}

@@ -24,18 +24,23 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import statistics
 import threading
 import time
 
-import moecc  # noqa: F401  (before torch: its OpenMP threads sleep between ops, as moecc runs them)
-import torch
+# As `moecc bench` runs hybrid: the GPU waits for the CPU parts on its own only where CUDA loads kernels eagerly
+# (moecc/paradigms/device_wait.py); under lazy loading the host waits instead.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
-from moecc import _ops
-from moecc.bench import runner, timing
-from moecc.losses import chunked_causal_lm_loss
-from moecc.paradigms.hybrid import new_trackers
+import moecc  # noqa: E402,F401  (before torch: its OpenMP threads sleep between ops, as moecc runs them)
+import torch  # noqa: E402
+
+from moecc import _ops  # noqa: E402
+from moecc.bench import runner, timing  # noqa: E402
+from moecc.losses import chunked_causal_lm_loss  # noqa: E402
+from moecc.paradigms.hybrid import new_trackers  # noqa: E402
 
 KEYS = ("cpu_experts_s", "kernel_forward_s", "kernel_backward_s", "copy_s", "cpu_wait_s", "gpu_wait_s",
         "cpu_experts", "gpu_experts", "cpu_pairs", "gpu_pairs", "moved_experts", "both_sides_share",
