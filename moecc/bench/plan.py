@@ -309,16 +309,16 @@ def auto_paradigm(config, rates: dict, offload_slots: int = 2) -> tuple[str, str
     are timed: ``moecc plan --preset NAME``)."""
     try:
         shape = moe_shape(config)
-    except AttributeError:  # not a MoE config: prepare refuses it with its own message
+        key = shape_key(shape)
+        if "h2d_gbps" not in rates or key not in rates.get("shapes", {}):
+            return None
+        preset = next((name for name in PRESETS if shape_key(moe_shape(preset_config(name))) == key), None)
+        if preset is None:
+            return None
+        times = {tokens: predict(preset, tokens, rates, shape["layers"], offload_slots=offload_slots)
+                 for tokens in AUTO_TOKENS}
+    except Exception:  # not a MoE config (prepare refuses it with its own message), or rates it cannot read
         return None
-    key = shape_key(shape)
-    if "h2d_gbps" not in rates or key not in rates.get("shapes", {}):
-        return None
-    preset = next((name for name in PRESETS if shape_key(moe_shape(preset_config(name))) == key), None)
-    if preset is None:
-        return None
-    times = {tokens: predict(preset, tokens, rates, shape["layers"], offload_slots=offload_slots)
-             for tokens in AUTO_TOKENS}
     above = {p: sum(t[p] / min(t[q] for q in AUTO_CHOICES) for t in times.values()) for p in AUTO_CHOICES}
     choice = next(p for p in AUTO_CHOICES if above[p] <= min(above.values()) * (1 + AUTO_MARGIN))
     seconds = "; ".join(f"{p} " + " / ".join(f"{t[p]:.2f}" for t in times.values()) for p in AUTO_CHOICES)

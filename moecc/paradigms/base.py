@@ -198,7 +198,8 @@ class ExpertLayer(ABC):
         if self.index == 0 and not recomputing:
             self.engine.metrics.tokens += hidden.shape[0]
             self.engine.forward_passes += 1
-            self.engine.pass_begins(hidden.shape[0])
+            # a training pass: gradients on, or a train-mode model's forward under reentrant checkpointing (no grad)
+            self.engine.pass_begins(hidden.shape[0], torch.is_grad_enabled() or self.experts.training)
         return recomputing
 
     def check_inputs(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
@@ -289,8 +290,9 @@ class Engine(ABC):
     def finish(self, model: torch.nn.Module, config: MoeccConfig) -> None:
         """Called once every layer and adapter exists, before the model moves to the device."""
 
-    def pass_begins(self, tokens: int) -> None:
-        """Called by the first layer at the start of every forward pass (not recomputations) of ``tokens``."""
+    def pass_begins(self, tokens: int, training: bool = True) -> None:
+        """Called by the first layer at the start of every forward pass (not recomputations) of ``tokens``;
+        ``training``: gradients are on, or the model is in training mode (not an evaluation)."""
 
     def gpu_bytes(self, config: MoeccConfig) -> int:
         """Device memory this engine keeps beyond the non-expert weights (slots, caches), before activations."""

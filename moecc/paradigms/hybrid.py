@@ -174,14 +174,14 @@ class HybridEngine(OffloadEngine):
                      for part in lora)
         return host, ready
 
-    def pass_begins(self, tokens: int) -> None:
-        super().pass_begins(tokens)
+    def pass_begins(self, tokens: int, training: bool = True) -> None:
+        super().pass_begins(tokens, training)
         self._copied_this_pass = {}
         self._learn_copy_rates()
         self.step_mode = SPLIT
         if self.step_guard is not None and self.split_rule is None:
-            self.step_mode = self.step_guard.step_begins(tokens, self._stream_mark(), torch.is_grad_enabled())
-            self.sides.gpu_only_steps += self.step_mode == GPU and torch.is_grad_enabled()
+            self.step_mode = self.step_guard.step_begins(tokens, self._stream_mark(), training)
+            self.sides.gpu_only_steps += self.step_mode == GPU and training
 
     def wait_for_cpu_part(self, number: int) -> None:
         """Until CPU part ``number`` is published: on the device's stream where it can (this thread goes on), the

@@ -321,7 +321,7 @@ class OffloadEngine(Engine):
         self.lora_on_device = lora_on_device(model, self.layers, self.device, config)
         self.place_lora(expert_lora_params(self.layers))
 
-    def pass_begins(self, tokens: int) -> None:
+    def pass_begins(self, tokens: int, training: bool = True) -> None:
         if self.cache is not None:
             self.cache.refill(self.layers)  # from the routing of the passes so far
 

@@ -43,12 +43,15 @@ class StepGuard:
     _pending: list = field(default_factory=list)  # (bucket, mode, begin, end) not yet read
 
     def step_begins(self, tokens: int, mark: object, training: bool) -> str:
-        """A forward pass of ``tokens`` begins at ``mark``; returns the mode it runs in. Only training passes
-        (gradients on) are timed; another pass in between (an evaluation) leaves the step before it untimed."""
+        """A forward pass of ``tokens`` begins at ``mark``; returns the mode it runs in. Only training passes are
+        timed, each up to the next training pass; an evaluation in between leaves the step before it untimed, and
+        that mode is tried again."""
         if self._open is not None:
             bucket, mode, begin = self._open
-            if training and bucket == _bucket(tokens):  # the step before ran alone, up to this mark
+            if training:  # the step before ran alone, up to this mark (whatever this step's size)
                 self._pending.append((bucket, mode, begin, mark))
+            else:  # an evaluation ran in it: untimed, so that mode's trial is owed again
+                self.buckets[bucket].begun[mode] -= 1
             self._open = None
         self._read()
         bucket = self.buckets.setdefault(_bucket(tokens), _Bucket())

@@ -176,6 +176,21 @@ def test_plan_command_says_what_auto_would_pick_from_gpu_rates(capsys, monkeypat
     assert "paradigm='auto' picks 'hybrid' for this model: predicted seconds per step" in printed
 
 
+def test_auto_paradigm_without_readable_rates_for_the_shape_picks_nothing():
+    """``auto`` falls back (None: offload, with the command that measures) where the cache cannot price the model:
+    no shape timed, no GPU rates, timings cut short, or a config that is not a MoE's."""
+    from moecc.bench.plan import auto_paradigm
+
+    config = preset_config("qwen3-30b-a3b")
+    assert auto_paradigm(config, qwen3_rates(cpu_per_token=3e-6))[0] == "hybrid"
+    broken = qwen3_rates()
+    del broken["shapes"][key_of("qwen3-30b-a3b")]["cpu_forward_s"]  # an entry of the shape missing
+    no_gpu = {k: v for k, v in qwen3_rates().items() if k != "h2d_gbps"}
+    for rates in (broken, no_gpu, {**qwen3_rates(), "shapes": {}}):
+        assert auto_paradigm(config, rates) is None
+    assert auto_paradigm(object(), qwen3_rates()) is None
+
+
 def test_gpu_timings_run_on_any_device():
     """The GPU measurements are device-generic, so the code runs here on the CPU with the tiny preset."""
     cpu = torch.device("cpu")

@@ -232,6 +232,30 @@ def test_the_step_guard_keeps_whichever_mode_ran_the_faster_steps(faster):
         assert all(pairs > 0 and steps == 0 for pairs, steps in cpu_pairs[3:]) and guard.summary() == {32: "split"}
 
 
+def test_the_step_guard_times_training_forwards_without_gradients_under_reentrant_checkpointing():
+    """Reentrant checkpointing runs a training step's first forward without gradients: the model's training mode
+    still makes it a training pass for the guard; an evaluation (eval mode, no gradients) is not one."""
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid")
+    hybrid = engine.moecc.engine
+    seen = []
+
+    class Recording:
+        def step_begins(self, tokens, mark, training):
+            seen.append(training)
+            return "split"
+
+    hybrid.step_guard = Recording()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    engine.train()
+    with torch.no_grad():
+        engine(input_ids=ids)
+    engine.eval()
+    with torch.no_grad():
+        engine(input_ids=ids)
+    engine(input_ids=ids)  # gradients on in eval mode: a training pass all the same
+    assert seen == [True, False, True]
+
+
 def test_gaps_between_layers_are_measured_per_pass():
     """The work between one layer's experts and the next's (attention, router) is measured in both passes once a
     later pass begins; with reentrant checkpointing the backward's gaps hold recomputed layers (CPU parts and all),

@@ -68,3 +68,27 @@ def test_both_modes_are_tried_again_after_a_while():
     assert guard.summary() == {2048: SPLIT} and modes[-3:] == [SPLIT] * 3
     modes, _ = _run(guard, {SPLIT: 3.0, GPU: 1.0}, 12, start=clock)  # the machine got busier on the CPU side
     assert GPU in modes and modes[-1] == GPU and guard.summary() == {2048: GPU}
+
+
+def test_an_evaluation_during_the_trials_leaves_that_mode_owed_and_a_choice_still_comes():
+    guard = _guard(trials=1)
+    clock = 0.0
+    for mode_s in (2.0, 2.0):  # split (untimed), split (timed once the next training pass begins)
+        guard.step_begins(2048, clock, training=True)
+        clock += mode_s
+    assert guard.step_begins(2048, clock, training=True) == GPU  # the GPU's trial
+    clock += 1.0
+    assert guard.step_begins(2048, clock, training=False) == SPLIT  # an evaluation inside it: untimed
+    clock += 5.0
+    modes, _ = _run(guard, {SPLIT: 2.0, GPU: 1.0}, 4, start=clock)
+    assert modes[0] == GPU  # tried again
+    assert guard.summary() == {2048: GPU} and modes[-1] == GPU
+
+
+def test_batch_sizes_that_alternate_between_buckets_are_each_timed():
+    guard = _guard(trials=1)
+    clock, seconds = 0.0, {SPLIT: 2.0, GPU: 1.0}
+    for step in range(16):  # dynamic padding around a power of two: each step's size differs from the last's
+        tokens = 1000 if step % 2 else 2048
+        clock += seconds[guard.step_begins(tokens, clock, training=True)]
+    assert guard.summary() == {1024: GPU, 2048: GPU}
