@@ -82,16 +82,23 @@ def _save(plt, fig, rows: list[dict], path: Path) -> None:
 
 
 def _breakdown_plot(plt, rows: list[dict], title: str, path: Path) -> None:
+    """Per row, the step as disjoint parts (what the device waited for, and the rest) and, beside it, how long the
+    CPU experts and the PCIe copies were busy in it: both near the step's height is both sides working at once."""
     ok = [row for row in rows if "error" not in row]
     fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(ok) + 2), 5.5))
-    labels = [f"{row['paradigm']}\n{row['tokens']}" for row in ok]
+    x = list(range(len(ok)))
     bottom = [0.0] * len(ok)
     for key, label in (("cpu_wait_s", "waiting for the CPU experts"), ("copy_wait_s", "waiting for PCIe copies"),
                        ("expert_compute_s", "expert math on the GPU"),
                        ("gpu_other_s", "GPU: attention, dense layers, head; optimizer; host")):
         values = [row.get(key, 0.0) for row in ok]
-        ax.bar(labels, values, bottom=bottom, label=label, width=0.6)
+        ax.bar([i - 0.12 for i in x], values, bottom=bottom, label=label, width=0.5)
         bottom = [b + v for b, v in zip(bottom, values)]
+    for offset, key, color, label in ((0.2, "cpu_experts_s", "tab:blue", "CPU experts busy (beside the step)"),
+                                      (0.32, "pcie_s", "tab:orange", "PCIe copies busy (beside the step)")):
+        ax.bar([i + offset for i in x], [row.get(key, 0.0) for row in ok], width=0.1, color=color, alpha=0.55,
+               hatch="//", edgecolor=color, label=label)
+    ax.set_xticks(x, [f"{row['paradigm']}\n{row['tokens']}" for row in ok])
     ax.set_xlabel("paradigm, tokens per training step")
     ax.set_ylabel("seconds per training step")
     ax.set_title(f"Where a step goes — {title}")

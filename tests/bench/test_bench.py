@@ -292,3 +292,25 @@ def test_bench_optimizer_is_fused_where_it_can_be():
     assert adamw(model.parameters()).defaults["fused"] is True
     model.bias = torch.nn.Parameter(torch.zeros(4, device="meta"))
     assert not adamw(model.parameters()).defaults["fused"]
+
+
+def test_breakdown_plot_shows_each_sides_busy_time_beside_the_step(tmp_path, monkeypatch):
+    """Hybrid's CPU experts and PCIe copies each busy for most of the step: two bars beside the stacked step, both
+    near its height, which only both sides working at once can give."""
+    from moecc.bench import report
+
+    figures = []
+    monkeypatch.setattr(report, "_save", lambda plt, fig, rows, path: figures.append(fig))
+    row = {"paradigm": "hybrid", "tokens": 2048, "step_s": 2.1, "cpu_wait_s": 1.2, "copy_wait_s": 0.6,
+           "expert_compute_s": 0.3, "gpu_other_s": 0.0, "cpu_experts_s": 1.45, "pcie_s": 2.0}
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report._breakdown_plot(plt, [row], "t", tmp_path / "b.png")
+    bars = {container.get_label(): [patch.get_height() for patch in container.patches]
+            for container in figures[0].axes[0].containers}
+    assert bars["CPU experts busy (beside the step)"] == [1.45] and bars["PCIe copies busy (beside the step)"] == [2.0]
+    assert sum(bars[label][0] for label in bars if "busy" not in label) == pytest.approx(2.1)
+    plt.close(figures[0])
