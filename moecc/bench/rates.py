@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import time
 import warnings
 from pathlib import Path
@@ -38,12 +37,12 @@ import torch
 from .. import _ops
 from ..experts import ExpertLora, ExpertWeights, grouped
 from ..experts.native import NativeExperts
+from . import rates_cache
 from .presets import preset_config, random_model
 from .shapes import RANK, SEQUENCE, moe_shape, shape_key
+from .rates_cache import VERSION, cached
 from .timing import adamw, best_of, synchronize, time_training
 
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moecc" / "rates.json"
-VERSION = 8  # bumped whenever what is timed changes, so an older cache is measured again
 LOADS = (32, 128, 512)  # (token, expert) pairs per expert at which the CPU kernels and the GPU are timed
 # Every load, since launch-bound small steps extrapolate badly (benchmarks/results/README.md, planner rates).
 GPU_LOADS = LOADS
@@ -375,28 +374,15 @@ class MachineRates(dict):
 
 
 def measure(remeasure: bool = False, cache: Path | None = None) -> MachineRates:
-    """The machine's rates, from ``cache`` (default ``CACHE``) unless it is missing, from another version of this
-    module, or ``remeasure`` is set (which also drops every shape's rates)."""
-    cache = cache or CACHE
+    """The machine's rates, from ``cache`` (default ``rates_cache.CACHE``) unless it is missing, from another
+    version of this module, or ``remeasure`` is set (which also drops every shape's rates)."""
+    cache = cache or rates_cache.CACHE
     saved = None if remeasure else cached(cache)
     if saved is not None:
         return MachineRates(saved, cache)
     rates = MachineRates(machine_rates(), cache)
     rates.save()
     return rates
-
-
-def cached(cache: Path | None = None) -> dict | None:
-    """The rates saved in ``cache`` (default ``CACHE``) by this version of this module, measuring nothing; None
-    where there are none (never measured, another version, an unreadable file)."""
-    cache = cache or CACHE
-    try:
-        saved = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(saved, dict) or saved.pop("version", None) != VERSION:
-        return None
-    return saved
 
 
 def shape_rates(rates: dict, preset: str) -> dict | None:

@@ -38,7 +38,7 @@ def choose_paradigm(paradigm: str, device: torch.device, model_config=None, offl
         picked = "cocompute", "no CUDA device, so the experts run on the CPU"
     elif model_config is not None:
         from ..bench.plan import auto_paradigm  # the planner: pure arithmetic over the cached rates
-        from ..bench.rates import cached
+        from ..bench.rates_cache import cached
 
         rates = cached()
         picked = auto_paradigm(model_config, rates, offload_slots) if rates is not None else None

@@ -89,9 +89,9 @@ def test_presets_build_real_shapes():
 
 @pytest.fixture(autouse=True)
 def _rates_cache_in_tmp(tmp_path, monkeypatch):
-    from moecc.bench import rates
+    from moecc.bench import rates_cache
 
-    monkeypatch.setattr(rates, "CACHE", tmp_path / "rates.json")
+    monkeypatch.setattr(rates_cache, "CACHE", tmp_path / "rates.json")
 
 
 def cli_args(out):

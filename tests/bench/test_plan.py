@@ -9,6 +9,7 @@ import torch
 
 from moecc import cli
 from moecc.bench import rates as rates_module
+from moecc.bench import rates_cache
 from moecc.bench.plan import crossover, predict
 from moecc.bench.presets import PRESETS, preset_config
 
@@ -145,19 +146,19 @@ def test_rates_are_measured_once_and_each_shape_once(tmp_path, monkeypatch):
     assert set(first) == ({"cocompute", "offload", "gpu"} if torch.cuda.is_available() else {"cocompute"})
     predict("tiny", 256, rates, layers=5)  # the same shape with more layers: nothing new to time
     assert measured == ["tiny"]
-    saved = json.loads(rates_module.CACHE.read_text())
-    assert saved["version"] == rates_module.VERSION and list(saved["shapes"]) == [key_of("tiny")]
+    saved = json.loads(rates_cache.CACHE.read_text())
+    assert saved["version"] == rates_cache.VERSION and list(saved["shapes"]) == [key_of("tiny")]
 
     again = rates_module.measure()  # from the cache, with the tiny shape's timings
     assert predict("tiny", 64, again) == first and measured == ["tiny"]
     predict("tiny-wide", 64, again)  # a new shape is timed, and saved next to the first
     assert measured == ["tiny", "tiny-wide"] and len(rates_module.measure()["shapes"]) == 2
 
-    cached = json.loads(rates_module.CACHE.read_text())
-    rates_module.CACHE.write_text(json.dumps({**cached, "dram_gbps": 1234.0}))
+    cached = json.loads(rates_cache.CACHE.read_text())
+    rates_cache.CACHE.write_text(json.dumps({**cached, "dram_gbps": 1234.0}))
     assert rates_module.measure()["dram_gbps"] == 1234.0
     assert rates_module.measure(remeasure=True)["shapes"] == {}  # remeasuring starts over, shapes included
-    rates_module.CACHE.write_text(json.dumps({"dram_gbps": 1.0, "cpu_expert_tflops": 1.0}))  # an older layout
+    rates_cache.CACHE.write_text(json.dumps({"dram_gbps": 1.0, "cpu_expert_tflops": 1.0}))  # an older layout
     assert "host_optimizer_ns_per_param" in rates_module.measure()
 
 
@@ -240,7 +241,7 @@ def test_gpu_timings_fall_back_to_fewer_loads_and_layers_when_they_run_out_of_me
 
 @pytest.fixture(autouse=True)
 def _cache_in_tmp(tmp_path, monkeypatch):
-    monkeypatch.setattr(rates_module, "CACHE", tmp_path / "rates.json")
+    monkeypatch.setattr(rates_cache, "CACHE", tmp_path / "rates.json")
 
 
 def test_checkpointing_costs_a_forward_again_but_not_the_cpu_experts():

@@ -485,7 +485,7 @@ def test_auto_paradigm_on_a_gpu_takes_the_planners_choice_from_the_cached_rates(
     import json
     import logging
 
-    from moecc.bench import rates as rates_module
+    from moecc.bench import rates_cache as rates_module
     from moecc.bench.presets import preset_config
 
     from ..bench.test_plan import qwen3_rates
