@@ -13,7 +13,8 @@ With T tokens per step, each MoE layer, forward then backward:
               GPU for backward
   hybrid      per layer pass, the split ``moecc.paradigms.hybrid_split.plan_split`` picks for uniform routing:
               the GPU's experts stream over the link while the CPU computes the rest in place, so a pass costs
-              max(a/2 + the slower side's experts, link); the CPU slowed by sharing DRAM with the copies. Its
+              max(a/2 + the slower side's experts, link); the CPU slowed by sharing DRAM with the copies, and the
+              link by sharing it with the CPU. Its
               step guard runs every expert on the GPU where that is faster, so never above offload
   gpu         everything on the GPU: a timed training step of one MoE layer.
 Where co-compute's own steps were timed (models of one and three MoE layers), its prediction is those per-layer
@@ -157,6 +158,9 @@ def _offload_layers_s(s: dict, tokens: int, rates: dict, attention: float, forwa
 # cores left to the copies while PCIe streams (DESIGN.md: 1.04-1.07); the engine measures both as it runs.
 HYBRID_CPU_CALL_S = 5e-3
 HYBRID_CPU_SLOWDOWN = 1.1
+# The link while the CPU part reads DRAM beside it: 0.92-0.99 of offload's rate in the same bench run, median 0.94
+# (benchmarks/results/host_2026-12-05_s29, host_2026-12-06_s31).
+HYBRID_LINK_SHARE = 0.94
 
 
 def _hybrid_costs(s: dict, tokens: int, rates: dict, timed: dict, rank: int, phase: str, gpu_s: float) -> SideCosts:
@@ -170,7 +174,7 @@ def _hybrid_costs(s: dict, tokens: int, rates: dict, timed: dict, rank: int, pha
     weights_s = _expert_bytes(s) / (rates["dram_gbps"] * 1e9)
     cpu_pass = max(cpu_pass, routed * weights_s)
     return SideCosts(cpu_expert_s=weights_s, cpu_token_s=(cpu_pass - routed * weights_s) / pairs,
-                     copy_expert_s=_expert_bytes(s) / (rates["h2d_gbps"] * 1e9),
+                     copy_expert_s=_expert_bytes(s) / (HYBRID_LINK_SHARE * rates["h2d_gbps"] * 1e9),
                      gpu_expert_s=0.0, gpu_token_s=gpu_s / pairs, cpu_call_s=HYBRID_CPU_CALL_S)
 
 
@@ -191,7 +195,7 @@ def _hybrid_layers_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int, 
     """The MoE layers under hybrid: per layer pass the busier of (the GPU's attention share then the slower
     side's experts) and the link, which streams the next layer's GPU experts (and in backward the GPU share's
     parked state) all the while."""
-    parked_s = _parked_bytes(s, tokens) / (rates["h2d_gbps"] * 1e9)
+    parked_s = _parked_bytes(s, tokens) / (HYBRID_LINK_SHARE * rates["h2d_gbps"] * 1e9)
     total = 0.0
     splits = hybrid_splits(s, tokens, rates, timed, rank, forward, backward)
     routed = max(1, round(_routed_experts(s, tokens)))

@@ -192,6 +192,18 @@ def test_auto_paradigm_without_readable_rates_for_the_shape_picks_nothing():
     assert auto_paradigm(object(), qwen3_rates()) is None
 
 
+def test_hybrid_prices_the_link_at_its_rate_beside_the_cpu_part(monkeypatch):
+    """The copies run slower while the CPU part reads DRAM beside them: the link-bound hybrid prediction grows by
+    the rate's share, offload's (the link alone) does not move."""
+    from moecc.bench import plan
+
+    rates = qwen3_rates(cpu_per_token=3e-6)
+    shared = predict("qwen3-30b-a3b", 2048, rates, 48)
+    monkeypatch.setattr(plan, "HYBRID_LINK_SHARE", 1.0)
+    alone = predict("qwen3-30b-a3b", 2048, rates, 48)
+    assert shared["offload"] == alone["offload"] and shared["hybrid"] > alone["hybrid"]
+
+
 def test_gpu_timings_run_on_any_device():
     """The GPU measurements are device-generic, so the code runs here on the CPU with the tiny preset."""
     cpu = torch.device("cpu")
