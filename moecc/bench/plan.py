@@ -14,8 +14,8 @@ With T tokens per step, each MoE layer, forward then backward:
   hybrid      per layer pass, the split ``moecc.paradigms.hybrid_split.plan_split`` picks for uniform routing:
               the GPU's experts stream over the link while the CPU computes the rest in place, so a pass costs
               max(a/2 + the slower side's experts, link); the CPU slowed by sharing DRAM with the copies, and the
-              link by sharing it with the CPU. Its
-              step guard runs every expert on the GPU where that is faster, so never above offload
+              link by sharing it with the CPU. Its step guard runs every expert on the GPU where that is faster,
+              so never above offload
   gpu         everything on the GPU: a timed training step of one MoE layer.
 Where co-compute's own steps were timed (models of one and three MoE layers), its prediction is those per-layer
 and rest-of-step times instead of the sum of its parts above, which timed apart overstate the step
@@ -309,8 +309,8 @@ AUTO_MARGIN = 0.03  # a later choice must be predicted this much faster than an 
 def auto_paradigm(config, rates: dict, offload_slots: int = 2) -> tuple[str, str] | None:
     """(the paradigm predicted fastest for a model of transformers ``config``'s shape and layers, one line why)
     from ``rates`` measured on this machine: the one whose step time, over ``AUTO_TOKENS``, is least above the best
-    paradigm's at each, or a simpler one within ``AUTO_MARGIN`` of it. None where the rates hold no GPU rates or no timings of that shape (only presets' shapes
-    are timed: ``moecc plan --preset NAME``)."""
+    paradigm's at each, or a simpler one within ``AUTO_MARGIN`` of it. None where the rates hold no GPU rates or
+    no timings of that shape (only presets' shapes are timed: ``moecc plan --preset NAME``)."""
     try:
         shape = moe_shape(config)
         key = shape_key(shape)

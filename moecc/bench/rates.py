@@ -39,8 +39,8 @@ from ..experts import ExpertLora, ExpertWeights, grouped
 from ..experts.native import NativeExperts
 from . import rates_cache
 from .presets import preset_config, random_model
-from .shapes import RANK, SEQUENCE, moe_shape, shape_key
 from .rates_cache import VERSION, cached
+from .shapes import RANK, SEQUENCE, moe_shape, shape_key
 from .timing import adamw, best_of, synchronize, time_training
 
 LOADS = (32, 128, 512)  # (token, expert) pairs per expert at which the CPU kernels and the GPU are timed

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-COLUMNS = ("paradigm", "tokens", "step_s", "step_min_s", "step_max_s", "predicted_step_s", "tokens_per_s", "peak_gpu_gb", "cpu_experts_s",
-           "pcie_s", "gpu_wait_s", "gpu_other_s", "h2d_gb", "h2d_gbps_while_copying", "expert_compute_s",
-           "gpu_kernels_s", "alloc_retries_per_step", "checkpointing")
+COLUMNS = ("paradigm", "tokens", "step_s", "step_min_s", "step_max_s", "predicted_step_s", "tokens_per_s",
+           "peak_gpu_gb", "cpu_experts_s", "pcie_s", "gpu_wait_s", "gpu_other_s", "h2d_gb", "h2d_gbps_while_copying",
+           "expert_compute_s", "gpu_kernels_s", "alloc_retries_per_step", "checkpointing")
 MISSING = "–"  # not measured, or no prediction for that paradigm
-UNITS_NOTE = (f"Times are seconds per training step (median; step_min_s and step_max_s the fastest and slowest timed step), `_gb` columns are GB (10^9 bytes), "
+UNITS_NOTE = (f"Times are seconds per training step (median; step_min_s and step_max_s the fastest and slowest "
+              f"timed step), `_gb` columns are GB (10^9 bytes), "
               f"`{MISSING}` = not measured or no prediction. A row with an error has no plot point. "
               "cpu_experts_s: CPU time of the experts (co-compute); pcie_s: time the expert copies took (offload, "
               "mostly hidden behind compute); gpu_wait_s: time the device waited for either; expert_compute_s: "
