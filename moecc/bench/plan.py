@@ -131,16 +131,20 @@ def _gpu_experts_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int) ->
 
 
 def _offload_layers_s(s: dict, tokens: int, rates: dict, attention: float, forward: float, backward: float,
-                      slots: int) -> float:
+                      slots: int, checkpointing: bool = False) -> float:
     """The MoE layers under offload, copies overlapped with compute as the module docstring says; ``slots``
-    layers' experts fit on the GPU at once."""
+    layers' experts fit on the GPU at once. Under ``checkpointing`` each layer's backward first runs its expert
+    math forward again, beside the copies of the layers before; that forward keeps its state on the device, so
+    no parked state comes back (the bench's 8192-token steps took the copies' time plus ~0.1 s:
+    benchmarks/results/host_2026-12-06_s32)."""
     layers = s["moe_layers"]
     if layers == 0:
         return 0.0
     expert_s = _expert_bytes(s) / (rates["h2d_gbps"] * 1e9)
     routed = _routed_experts(s, tokens)
     copy_routed, copy_all = routed * expert_s, s["experts"] * expert_s
-    gpu_forward, gpu_backward = forward + attention / 2, backward + attention / 2
+    gpu_forward = forward + attention / 2
+    gpu_backward = backward + attention / 2 + (forward if checkpointing else 0.0)
     if 2 * routed >= s["experts"]:  # the next layer's experts, all of them, are copied during this one
         forward_s = copy_routed + gpu_forward + (layers - 1) * max(copy_all, gpu_forward)
     else:
@@ -148,7 +152,7 @@ def _offload_layers_s(s: dict, tokens: int, rates: dict, attention: float, forwa
     resident = min(slots, layers)
     # Backward also brings each layer's parked state back on the same stream (its forward sent it the other way,
     # on a stream of its own: PCIe is full duplex).
-    parked_s = _parked_bytes(s, tokens) / (rates["h2d_gbps"] * 1e9)
+    parked_s = 0.0 if checkpointing else _parked_bytes(s, tokens) / (rates["h2d_gbps"] * 1e9)
     # The resident layers' weights need no copy, but their parked state does, with little to hide behind.
     return (forward_s + resident * (gpu_backward + parked_s)
             + (layers - resident) * max(copy_routed + parked_s, gpu_backward))
@@ -282,9 +286,7 @@ def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, ra
     forward, backward = _gpu_experts_s(s, tokens, rates, timed, rank)
     recompute = RECOMPUTE if checkpointing else 0.0
     attention *= 1 + recompute
-    offload = _offload_layers_s(s, tokens, rates, attention, forward, backward, offload_slots)
-    if checkpointing:
-        offload += s["moe_layers"] * forward  # the expert math of each forward again (its experts are resident)
+    offload = _offload_layers_s(s, tokens, rates, attention, forward, backward, offload_slots, checkpointing)
     cocompute = s["moe_layers"] * (attention + cpu + _activations_s(s, tokens, rates)) + rest + optimizer
     if "cocompute_layer_s" in timed:  # timed in place
         cocompute = _cocompute_in_place_s(s, tokens, rates, timed, rank, attention * recompute / (1 + recompute))

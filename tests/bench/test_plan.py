@@ -62,6 +62,13 @@ def test_predictions_reproduce_hand_computed_numbers():
     assert host_lora["offload"] == pytest.approx(forward + backward + 0.015 + optimizer
                                                  + lora_bytes / 1e6 + lora_bytes / 2e6)
     assert times["gpu"] == pytest.approx(3 * 0.007 + 0.016)
+    # Checkpointing: attention a third more; each backward runs its expert forward again beside the copies, and
+    # that forward keeps its state on the device (no parked state comes back)
+    again = predict("tiny", 200, tiny_rates(), layers=3, checkpointing=True)
+    attention = 0.005 * 4 / 3
+    forward = copy + (0.002 + attention / 2) + 2 * copy
+    backward = 2 * (0.003 + attention / 2 + 0.002) + copy
+    assert again["offload"] == pytest.approx(forward + backward + 0.015)
 
 
 def test_without_a_gpu_only_cocompute_is_predicted_all_on_the_cpu():
@@ -264,7 +271,10 @@ def test_checkpointing_costs_a_forward_again_but_not_the_cpu_experts():
     # co-compute: only the GPU part of each layer grows (by a third); the CPU experts are replayed, not rerun
     attention = rates["shapes"][key_of("qwen3-30b-a3b")]["gpu_attention_layer_s"][1]
     assert again["cocompute"] - plain["cocompute"] == pytest.approx(layers * attention / 3, rel=1e-6)
-    assert again["offload"] > plain["offload"] and again["gpu"] == pytest.approx(plain["gpu"] * 4 / 3)
+    assert again["gpu"] == pytest.approx(plain["gpu"] * 4 / 3)
+    # offload: PCIe (55 GB/s) is the bottleneck, so the forward again hides behind the copies, and with no parked
+    # state to bring back the step takes no longer
+    assert plain["offload"] - 0.1 < again["offload"] <= plain["offload"]
 
 
 @pytest.mark.parametrize("cpu_per_token", [3e-6, 3e-5, 3e-4])
