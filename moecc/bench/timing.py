@@ -180,4 +180,7 @@ def _breakdown(records: list[tuple[float, dict]]) -> dict:
         **{key: median(key) for key in ("device_wait_share", "backward_device_wait_share", "moved_experts",
                                         "cold_cpu_parts", "gpu_only_steps")
            if any(key in r[1] for r in records)},
+        # each timed step in order, with the engine's counters of that step: a median of a few steps hides a
+        # host that switches between a fast and a slow state (bench.json only, not the table)
+        "steps": [{"step_s": seconds, **metrics} for seconds, metrics in records],
     }

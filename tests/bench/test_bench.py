@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from moecc import cli
+from moecc.bench import report
 from moecc.bench.presets import PRESETS, preset_config, random_model
 
 
@@ -18,10 +19,17 @@ def test_bench_writes_table_json_and_plots(tmp_path):
         assert abs(parts + row["gpu_other_s"] - row["step_s"]) < 1e-6 or parts > row["step_s"]
         assert row["cpu_wait_s"] == 0 or row["copy_wait_s"] == 0  # one paradigm waits for one thing
         assert row["step_min_s"] <= row["step_s"] <= row["step_max_s"]  # the median within the timed steps' range
+        steps = row["steps"]  # each timed step with its engine counters, in order
+        assert len(steps) == row["steps_timed"] and sorted(s["step_s"] for s in steps)[len(steps) // 2] == row["step_s"]
+        assert min(s["step_s"] for s in steps) == row["step_min_s"]
+        if row["paradigm"] == "cocompute":  # the engine's own counters of each step come along
+            assert all(s["cpu_experts_s"] > 0 for s in steps)
     cocompute = [row for row in rows if row["paradigm"] == "cocompute"]
     assert all(row["cpu_wait_s"] > 0 for row in cocompute)  # the device waits for the CPU experts in backward
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert len(saved["rows"]) == 6 and saved["command"].startswith("moecc bench")
+    assert [s["step_s"] for s in saved["rows"][0]["steps"]] == [s["step_s"] for s in rows[0]["steps"]]
+    assert "steps" not in report.COLUMNS  # a list per row: bench.json only
     assert saved["rates"]["dram_gbps"] > 0 and saved["rates"]["shapes"]  # what the predictions came from
     table = (tmp_path / "bench.md").read_text()
     assert "| cocompute | 16 |" in table and "| step_min_s | step_max_s |" in table
@@ -118,7 +126,9 @@ def test_max_seconds_times_fewer_steps():
 
     model = random_model("tiny", layers=1, dtype=torch.float32)
     assert time_training(model, torch.device("cpu"), 16, steps=4, max_seconds=0.0)["steps_timed"] == 1
-    assert time_training(model, torch.device("cpu"), 16, steps=3, max_seconds=1e6)["steps_timed"] == 3
+    row = time_training(model, torch.device("cpu"), 16, steps=3, max_seconds=1e6)
+    assert row["steps_timed"] == 3 and len(row["steps"]) == 3
+    assert sorted(s["step_s"] for s in row["steps"])[1] == row["step_s"]  # the median is one of the listed steps
 
 
 def test_warmup_steps_run_untimed_and_fewer_of_them_past_max_seconds():
@@ -297,7 +307,6 @@ def test_bench_optimizer_is_fused_where_it_can_be():
 def test_breakdown_plot_shows_each_sides_busy_time_beside_the_step(tmp_path, monkeypatch):
     """Hybrid's CPU experts and PCIe copies each busy for most of the step: two bars beside the stacked step, both
     near its height, which only both sides working at once can give."""
-    from moecc.bench import report
 
     figures = []
     monkeypatch.setattr(report, "_save", lambda plt, fig, rows, path: figures.append(fig))
