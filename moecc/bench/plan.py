@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from ..paradigms.hybrid_split import SideCosts, Split, forced_split, plan_split
+from ..paradigms.hybrid_split import SideCosts, Split, plan_split
 from .presets import PRESETS, preset_config
 from .shapes import RANK, SEQUENCE, moe_shape, shape_key
 
@@ -167,48 +167,44 @@ HYBRID_CPU_SLOWDOWN = 1.1
 HYBRID_LINK_SHARE = 0.94
 
 
-def _hybrid_costs(s: dict, tokens: int, rates: dict, timed: dict, rank: int, phase: str, gpu_s: float) -> SideCosts:
+def _hybrid_costs(s: dict, tokens: int, rates: dict, timed: dict, rank: int, phase: str, gpu_s: float,
+                  serial_s: float, parked_s: float) -> SideCosts:
     """One MoE layer's ``phase`` pass under hybrid, routing uniform: the CPU's timed pass cut into a per-expert
-    part (its DRAM floor: reading the weights) and a per-pair part; the link carries each GPU expert's weights;
-    the GPU's timed pass is per pair."""
+    part (its DRAM floor: reading the weights) and a per-pair part; the link carries each GPU expert's weights
+    and its share of ``parked_s`` (the GPU part's saved state coming back in backward); the GPU's timed pass is
+    per pair, after ``serial_s`` (the layer's attention share)."""
     routed = max(1, round(_routed_experts(s, tokens)))
     pairs = tokens * s["top_k"]
     scale = _lora_factor(s, rank) / _lora_factor(s, RANK)
     cpu_pass = HYBRID_CPU_SLOWDOWN * scale * _at(tokens, timed["tokens"], timed[f"cpu_{phase}_s"])
     weights_s = _expert_bytes(s) / (rates["dram_gbps"] * 1e9)
     cpu_pass = max(cpu_pass, routed * weights_s)
+    link_s = _expert_bytes(s) / (HYBRID_LINK_SHARE * rates["h2d_gbps"] * 1e9)
     return SideCosts(cpu_expert_s=weights_s, cpu_token_s=(cpu_pass - routed * weights_s) / pairs,
-                     copy_expert_s=_expert_bytes(s) / (HYBRID_LINK_SHARE * rates["h2d_gbps"] * 1e9),
-                     gpu_expert_s=0.0, gpu_token_s=gpu_s / pairs, cpu_call_s=HYBRID_CPU_CALL_S)
+                     copy_expert_s=link_s + parked_s / routed, gpu_expert_s=0.0, gpu_token_s=gpu_s / pairs,
+                     cpu_call_s=HYBRID_CPU_CALL_S, serial_s=serial_s)
 
 
 def hybrid_splits(s: dict, tokens: int, rates: dict, timed: dict, rank: int, gpu_forward_s: float,
-                  gpu_backward_s: float) -> tuple[Split, Split]:
-    """The (forward, backward) of one MoE layer under hybrid, routing uniform: one split for both passes, as the
-    engine plans it (the backward runs its forward's split, copying the GPU experts again)."""
+                  gpu_backward_s: float, attention: float = 0.0) -> tuple[Split, Split]:
+    """The (forward, backward) of one MoE layer under hybrid, routing uniform, as the engine plans them: per
+    pass the busier of (the GPU's ``attention`` share, then the slower side's experts) and the link, which streams
+    the next layer's GPU experts all the while (and in backward the GPU part's parked state); the backward runs
+    its forward's GPU experts again (copying them again) and may take some of its CPU experts too."""
     routed = max(1, round(_routed_experts(s, tokens)))
     counts = [tokens * s["top_k"] / routed] * routed
-    forward = _hybrid_costs(s, tokens, rates, timed, rank, "forward", gpu_forward_s)
-    backward = _hybrid_costs(s, tokens, rates, timed, rank, "backward", gpu_backward_s)
-    split = plan_split(counts, forward, then=backward)
-    return split, forced_split(counts, split.gpu, backward)
+    parked_s = _parked_bytes(s, tokens) / (HYBRID_LINK_SHARE * rates["h2d_gbps"] * 1e9)
+    forward = _hybrid_costs(s, tokens, rates, timed, rank, "forward", gpu_forward_s, attention / 2, 0.0)
+    backward = _hybrid_costs(s, tokens, rates, timed, rank, "backward", gpu_backward_s, attention / 2, parked_s)
+    split = plan_split(counts, forward, then=backward, then_grows=True)
+    return split, plan_split(counts, backward, required=split.gpu, recompute=forward)
 
 
 def _hybrid_layers_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int, attention: float,
                      forward: float, backward: float) -> float:
-    """The MoE layers under hybrid: per layer pass the busier of (the GPU's attention share then the slower
-    side's experts) and the link, which streams the next layer's GPU experts (and in backward the GPU share's
-    parked state) all the while."""
-    parked_s = _parked_bytes(s, tokens) / (HYBRID_LINK_SHARE * rates["h2d_gbps"] * 1e9)
-    total = 0.0
-    splits = hybrid_splits(s, tokens, rates, timed, rank, forward, backward)
-    routed = max(1, round(_routed_experts(s, tokens)))
-    for split, extra in zip(splits, (0.0, parked_s)):
-        experts_s = max(split.cpu_s, split.gpu_s)
-        link_s = split.copy_s + extra * len(split.gpu) / routed
-        both = split.side == "both"
-        total += max(attention / 2 + experts_s + (SideCosts.both_sides_s if both else 0.0), link_s)
-    return s["moe_layers"] * total
+    """The MoE layers under hybrid: each layer's two passes as ``hybrid_splits`` prices them."""
+    splits = hybrid_splits(s, tokens, rates, timed, rank, forward, backward, attention)
+    return s["moe_layers"] * sum(split.predicted_s for split in splits)
 
 
 def _parked_bytes(s: dict, tokens: int) -> int:
@@ -354,8 +350,10 @@ def hybrid_plan(preset: str, tokens: int, rates: dict, layers: int | None = None
     if timed is None or "h2d_gbps" not in rates:
         return {}
     forward, backward = _gpu_experts_s(s, tokens, rates, timed, rank)
+    attention = _gpu_nonexpert_s(s, tokens, rates, timed)[0]
     out = {}
-    for phase, split in zip(("forward", "backward"), hybrid_splits(s, tokens, rates, timed, rank, forward, backward)):
+    for phase, split in zip(("forward", "backward"),
+                            hybrid_splits(s, tokens, rates, timed, rank, forward, backward, attention)):
         out[phase] = {"gpu_experts": len(split.gpu), "routed_experts": round(_routed_experts(s, tokens)),
                       "cpu_s": split.cpu_s, "link_s": split.copy_s, "gpu_s": split.gpu_s, "side": split.side}
     return out

@@ -73,14 +73,20 @@ class Split:
 
 
 def plan_split(counts: Sequence[int], costs: SideCosts, resident: Iterable[int] = (),
-               committed: Iterable[int] = (), then: SideCosts | None = None, required: Iterable[int] = ()) -> Split:
+               committed: Iterable[int] = (), then: SideCosts | None = None, required: Iterable[int] = (),
+               then_grows: bool = False, recompute: SideCosts | None = None) -> Split:
     """The GPU set minimising max(serial + max(CPU, GPU), copy) seconds (+ ``both_sides_s`` when both work) for a
     pass whose experts get ``counts[e]`` tokens. ``resident`` experts are on the GPU already (cached: no copy);
     ``committed`` ones were copied for this pass already (a prefetch): their copies are charged whatever runs
     where, since the copy engine spent that time on this layer, and they run on the GPU first. ``then``: the
     costs of a later pass that runs the same split (backward after forward, copying its GPU experts again), whose
-    seconds are added to the score; the returned seconds are the first pass's. ``required`` experts run on the GPU
-    whatever they cost (a backward's experts whose forward ran there: the CPU holds no state of theirs).
+    seconds are added to the score; the returned seconds are the first pass's. ``then_grows``: the later pass may
+    run more experts on the GPU than the first (a backward moving CPU experts there, the GPU recomputing the forward
+    of all of its experts at the first pass's GPU cost), so each first split is scored with the later pass's best
+    growth: a forward can give the CPU more than its backward takes. ``required`` experts run on the GPU whatever
+    they cost (a backward's experts whose forward ran there: the CPU holds no state of theirs); with
+    ``recompute`` (the forward's costs) a split taking more than those pays the GPU's forward of all of its
+    experts first (the moved ones' saved state is made again from the GPU part's hidden states).
 
     O(E log E): experts sorted by tokens (resident and committed ones first, they cost no further copy), every
     prefix scored at once from cumulative sums (numpy: this runs on every layer call's critical path).
@@ -93,30 +99,49 @@ def plan_split(counts: Sequence[int], costs: SideCosts, resident: Iterable[int] 
     in_resident = np.array([e in resident for e in order], dtype=bool)
     in_committed = np.array([e in committed for e in order], dtype=bool)
     total = np.zeros(len(order) + 1)
+    needed = sum(1 for e in order if e in required)
     first = None
     for later, c in enumerate([costs] if then is None else [costs, then]):
         copied = ~in_resident if later else ~(in_resident | in_committed)
         parts = _prefix_parts(c, tokens, copied, 0.0 if later else len(committed) * c.copy_expert_s)
-        total += parts[0]
+        if not later and recompute is not None and needed:
+            moved = _prefix_parts(c, tokens, copied, len(committed) * c.copy_expert_s,
+                                  recompute_s=_gpu_prefix_s(recompute, tokens))
+            parts = tuple(np.concatenate((a[:needed + 1], b[needed + 1:])) for a, b in zip(parts, moved))
+        seconds = parts[0]
+        if later and then_grows:
+            # Growing from a first prefix of m (m > 0: the GPU part's saved hidden states feed the recompute) to
+            # any longer one
+            grown = _prefix_parts(c, tokens, copied, 0.0, recompute_s=first[3])[0]
+            best_longer = np.minimum.accumulate(grown[::-1])[::-1]
+            seconds = np.minimum(seconds, np.concatenate((best_longer[1:], [np.inf])))
+            seconds[0] = parts[0][0]
+        total += seconds
         first = parts if first is None else first
-    total[:sum(1 for e in order if e in required)] = np.inf  # prefixes that leave a required expert on the CPU
+    total[:needed] = np.inf  # prefixes that leave a required expert on the CPU
     m = int(np.lexsort((np.arange(total.size), first[1], total))[0])  # ties: the smaller CPU part, then fewer
     return Split(tuple(sorted(order[:m])), *(float(part[m]) for part in first))
 
 
-def _prefix_parts(c: SideCosts, tokens: np.ndarray, copied: np.ndarray, committed_s: float) -> tuple:
+def _prefix_parts(c: SideCosts, tokens: np.ndarray, copied: np.ndarray, committed_s: float,
+                  recompute_s: np.ndarray | float = 0.0) -> tuple:
     """(seconds, CPU, copy, GPU seconds) of a pass with the first m experts of ``tokens`` on the GPU, for every
-    m from 0 to all of them."""
+    m from 0 to all of them; ``recompute_s``: GPU seconds the pass spends first (per m, or one figure)."""
     m = np.arange(tokens.size + 1)
     cpu_total = c.cpu_s(tokens.tolist())
     cpu_left = cpu_total - np.concatenate(([0.0], np.cumsum(c.cpu_expert_s + tokens * c.cpu_token_s)))
     copy = committed_s + np.concatenate(([0.0], np.cumsum(np.where(copied, c.copy_expert_s, 0.0))))
-    gpu = np.concatenate(([0.0], np.cumsum(c.gpu_expert_s + tokens * c.gpu_token_s)))
+    gpu = recompute_s + _gpu_prefix_s(c, tokens)
     # The pure CPU pass (m = 0) has no CPU-call floor beyond its own cost; a pass with every expert on the GPU none.
     cpu_part = np.where(m == tokens.size, 0.0, np.where(m == 0, cpu_left, np.maximum(cpu_left, c.cpu_call_s)))
     busy = cpu_part > 0.0
     seconds = np.maximum(c.serial_s + np.maximum(cpu_part, gpu), copy) + np.where(busy & (m > 0), c.both_sides_s, 0.0)
     return seconds, cpu_part, copy, gpu
+
+
+def _gpu_prefix_s(c: SideCosts, tokens: np.ndarray) -> np.ndarray:
+    """GPU seconds of the first m experts of ``tokens``, for every m."""
+    return np.concatenate(([0.0], np.cumsum(c.gpu_expert_s + tokens * c.gpu_token_s)))
 
 
 def forced_split(counts: Sequence[int], gpu: Iterable[int], costs: SideCosts, resident: Iterable[int] = (),
