@@ -131,12 +131,11 @@ def _gpu_experts_s(s: dict, tokens: int, rates: dict, timed: dict, rank: int) ->
 
 
 def _offload_layers_s(s: dict, tokens: int, rates: dict, attention: float, forward: float, backward: float,
-                      slots: int, checkpointing: bool = False) -> float:
+                      slots: int, recomputed: bool = False) -> float:
     """The MoE layers under offload, copies overlapped with compute as the module docstring says; ``slots``
-    layers' experts fit on the GPU at once. Under ``checkpointing`` each layer's backward first runs its expert
-    math forward again, beside the copies of the layers before; that forward keeps its state on the device, so
-    no parked state comes back (the bench's 8192-token steps took the copies' time plus ~0.1 s:
-    benchmarks/results/host_2026-12-06_s32)."""
+    layers' experts fit on the GPU at once. ``recomputed``: each layer's backward first runs its expert math
+    forward again (``_recomputes_experts``), beside the copies of the layers before; its backward still uses
+    the first forward's parked state."""
     layers = s["moe_layers"]
     if layers == 0:
         return 0.0
@@ -144,7 +143,7 @@ def _offload_layers_s(s: dict, tokens: int, rates: dict, attention: float, forwa
     routed = _routed_experts(s, tokens)
     copy_routed, copy_all = routed * expert_s, s["experts"] * expert_s
     gpu_forward = forward + attention / 2
-    gpu_backward = backward + attention / 2 + (forward if checkpointing else 0.0)
+    gpu_backward = backward + attention / 2 + (forward if recomputed else 0.0)
     if 2 * routed >= s["experts"]:  # the next layer's experts, all of them, are copied during this one
         forward_s = copy_routed + gpu_forward + (layers - 1) * max(copy_all, gpu_forward)
     else:
@@ -152,7 +151,7 @@ def _offload_layers_s(s: dict, tokens: int, rates: dict, attention: float, forwa
     resident = min(slots, layers)
     # Backward also brings each layer's parked state back on the same stream (its forward sent it the other way,
     # on a stream of its own: PCIe is full duplex).
-    parked_s = 0.0 if checkpointing else _parked_bytes(s, tokens) / (rates["h2d_gbps"] * 1e9)
+    parked_s = _parked_bytes(s, tokens) / (rates["h2d_gbps"] * 1e9)
     # The resident layers' weights need no copy, but their parked state does, with little to hide behind.
     return (forward_s + resident * (gpu_backward + parked_s)
             + (layers - resident) * max(copy_routed + parked_s, gpu_backward))
@@ -246,6 +245,15 @@ def _shape_timings(rates: dict, preset: str) -> dict | None:
     return rates.get("shapes", {}).get(shape_key(moe_shape(preset_config(preset))))
 
 
+def _recomputes_experts(s: dict, checkpointing: bool) -> bool:
+    """Whether Hugging Face's non-reentrant checkpointing runs a layer's routed experts again in backward. Its
+    recomputation stops at the layer's last saved tensor, and the experts' autograd nodes save none: only a
+    shared expert after them (Qwen2-MoE, DeepSeek) carries it through the routed experts. Their backward uses
+    the first forward's state either way (Qwen3-30B-A3B, checkpointed at 8192 tokens, brought back every byte it
+    parked: benchmarks/results/host_2026-12-06_s32, H2D 8.48 GB above 2048 tokens' for 8.48 GB more parked)."""
+    return checkpointing and s["shared_inter"] > 0
+
+
 # With gradient checkpointing every layer's forward runs again before its backward: about a third more GPU
 # work for the layers (a forward is about a third of forward + backward).
 RECOMPUTE = 1 / 3
@@ -259,8 +267,9 @@ def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, ra
 
     ``rates``: from :func:`moecc.bench.rates.measure` (which times a preset's shape when it is first predicted),
     or a dict of the same form that already holds the preset's shape rates. ``checkpointing``: Hugging Face
-    gradient checkpointing (non-reentrant): the GPU recomputes each layer's forward, offload its expert math
-    too; co-compute replays the CPU experts' first result, so their time does not grow.
+    gradient checkpointing (non-reentrant): the GPU recomputes each layer's attention, and the routed experts
+    only where a shared expert after them carries the recomputation through them (``_recomputes_experts``);
+    co-compute replays the CPU experts' first result, so their time does not grow.
     ``offload_lora_on_device``: offload keeps the expert LoRA on the GPU (``MoeccConfig.offload_lora``), where
     the optimizer steps it in no time worth counting; otherwise it pays the host optimizer as co-compute does,
     and the factors' copies each way. ``offload_slots``: ``MoeccConfig.offload_slots`` of the engine predicted.
@@ -282,13 +291,14 @@ def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, ra
     forward, backward = _gpu_experts_s(s, tokens, rates, timed, rank)
     recompute = RECOMPUTE if checkpointing else 0.0
     attention *= 1 + recompute
-    offload = _offload_layers_s(s, tokens, rates, attention, forward, backward, offload_slots, checkpointing)
+    experts_again = _recomputes_experts(s, checkpointing)
+    offload = _offload_layers_s(s, tokens, rates, attention, forward, backward, offload_slots, experts_again)
     cocompute = s["moe_layers"] * (attention + cpu + _activations_s(s, tokens, rates)) + rest + optimizer
     if "cocompute_layer_s" in timed:  # timed in place
         cocompute = _cocompute_in_place_s(s, tokens, rates, timed, rank, attention * recompute / (1 + recompute))
     lora_s = 0.0 if offload_lora_on_device else optimizer + _host_lora_copies_s(s, rates, rank)
     hybrid = _hybrid_layers_s(s, tokens, rates, timed, rank, attention, forward, backward)
-    if checkpointing:
+    if experts_again:
         hybrid += s["moe_layers"] * forward
     return {
         "cocompute": cocompute,
