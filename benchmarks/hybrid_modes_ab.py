@@ -1,0 +1,137 @@
+"""Hybrid's step modes side by side in one process: the planner's splits under each setting asked for, and every
+routed expert on the GPU (offload's step, in the same engine), interleaved step by step on one built model.
+
+The host this project measures on drifts by tens of percent within minutes, so alternatives timed in separate
+processes (each building and pinning a 60 GB model first) can land in different states of it. Here one model is
+built per run, and each round times every setting in turn; the table gives per setting the median of its steps,
+their range, and the median of each round's ratio to the first setting. Settings are ``name=mode`` or
+``name=mode:VAR=value,VAR=value`` (``mode`` ``split`` or ``gpu``); the variables are set for that setting's steps
+(an engine that reads them at call time sees them). The step guard is replaced by the fixed mode.
+
+    python benchmarks/hybrid_modes_ab.py --tokens 512,2048 --rounds 3 \\
+        --setting split=split --setting gpu=gpu --out benchmarks/results/hybrid_modes_ab
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # as moecc bench runs hybrid (device_wait.py)
+
+import moecc  # noqa: E402,F401  (before torch: its OpenMP threads sleep between ops, as moecc runs them)
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from moecc.bench import runner  # noqa: E402
+from moecc.bench.timing import time_training  # noqa: E402
+from moecc.paradigms.step_guard import GPU, SPLIT  # noqa: E402
+
+KEYS = ("step_s", "cpu_experts_s", "pcie_s", "h2d_gb", "h2d_gbps_while_copying", "cpu_wait_s", "copy_wait_s",
+        "moved_experts", "gpu_only_steps")
+
+
+class FixedMode:
+    """A step guard that always answers one mode."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def step_begins(self, tokens: int, mark: object, training: bool) -> str:
+        return self.mode
+
+    def summary(self) -> dict[int, str]:
+        return {}
+
+
+def parse_setting(text: str) -> tuple[str, str, dict[str, str]]:
+    """``name=mode[:VAR=value,...]`` as (name, mode, variables)."""
+    name, _, rest = text.partition("=")
+    mode, _, assignments = rest.partition(":")
+    if not name or mode not in (SPLIT, GPU):
+        raise argparse.ArgumentTypeError(f"a setting is name=split|gpu[:VAR=value,...], got {text!r}")
+    variables = dict(item.split("=", 1) for item in assignments.split(",") if item)
+    return name, mode, variables
+
+
+def time_setting(model, device, tokens: int, steps: int, mode: str, variables: dict[str, str],
+                 state: dict) -> dict:
+    """One setting's steps (one untimed first) with its variables set and its mode fixed."""
+    engine = model.moecc.engine
+    saved = {k: os.environ.get(k) for k in variables}
+    os.environ.update(variables)
+    engine.step_guard = FixedMode(mode)
+    try:
+        return runner._fall_back_to_checkpointing(
+            model, state, lambda: time_training(model, device, tokens, steps, warmup=1, profile_gpu=False))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def table(rows: list[dict], names: list[str]) -> str:
+    """Per token count and setting: the median step, its range, and the median per-round ratio to the first."""
+    lines = ["| tokens | setting | step s [range] | / first (rounds' median) | CPU experts s | PCIe s | H2D GB |"
+             " GB/s copying | device waited CPU / copies s |", "|---" * 9 + "|"]
+    for tokens in sorted({r["tokens"] for r in rows}):
+        at = [r for r in rows if r["tokens"] == tokens]
+        first = {r["round"]: r["step_s"] for r in at if r["setting"] == names[0]}
+        for name in names:
+            mine = [r for r in at if r["setting"] == name]
+            if not mine:
+                continue
+            steps = [s["step_s"] for r in mine for s in r["steps"]]
+            ratios = [r["step_s"] / first[r["round"]] for r in mine if r["round"] in first]
+
+            def med(key: str) -> float:
+                return statistics.median(r[key] for r in mine)
+            lines.append(f"| {tokens} | {name} | {statistics.median(steps):.3f} [{min(steps):.3f}-{max(steps):.3f}]"
+                         f" | {statistics.median(ratios):.3f} | {med('cpu_experts_s'):.2f} | {med('pcie_s'):.2f} |"
+                         f" {med('h2d_gb'):.1f} | {med('h2d_gbps_while_copying'):.1f} |"
+                         f" {med('cpu_wait_s'):.2f} / {med('copy_wait_s'):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3-30b-a3b")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--tokens", default="2048")
+    parser.add_argument("--setting", action="append", type=parse_setting, required=True)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per setting and round")
+    parser.add_argument("--gpu-budget", type=float, default=24.0)
+    parser.add_argument("--out", default="benchmarks/results/hybrid_modes_ab")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = [name for name, _, _ in args.setting]
+    started = time.perf_counter()
+    model, _, state = runner.build_for_timing(args.preset, args.layers, "hybrid", device, args.gpu_budget)
+    print(f"built in {time.perf_counter() - started:.0f} s", flush=True)
+    rows: list[dict] = []
+    counts = [int(t) for t in args.tokens.split(",")]
+    with tqdm(total=len(counts) * args.rounds * len(names), desc="settings timed") as bar:
+        for tokens in counts:
+            for round_ in range(args.rounds):
+                for name, mode, variables in args.setting:
+                    timing = time_setting(model, device, tokens, args.steps, mode, variables, state)
+                    rows.append({"tokens": tokens, "round": round_, "setting": name, "mode": mode,
+                                 "variables": variables, "checkpointing": state["on"],
+                                 **{k: timing.get(k, 0.0) for k in KEYS}, "steps": timing["steps"]})
+                    (out / "ab.json").write_text(json.dumps({"settings": [list(s) for s in args.setting],
+                                                             "rows": rows}, indent=1))
+                    bar.update()
+            (out / "ab.md").write_text(table(rows, names))
+            print(table([r for r in rows if r["tokens"] == tokens], names), flush=True)
+
+
+if __name__ == "__main__":
+    main()
