@@ -195,7 +195,7 @@ def hybrid_splits(s: dict, tokens: int, rates: dict, timed: dict, rank: int, gpu
     parked_s = _parked_bytes(s, tokens) / (HYBRID_LINK_SHARE * rates["h2d_gbps"] * 1e9)
     forward = _hybrid_costs(s, tokens, rates, timed, rank, "forward", gpu_forward_s, attention / 2, 0.0)
     backward = _hybrid_costs(s, tokens, rates, timed, rank, "backward", gpu_backward_s, attention / 2, parked_s)
-    split = plan_split(counts, forward, then=backward, then_grows=True)
+    split = plan_split(counts, forward, then=backward)
     return split, plan_split(counts, backward, required=split.gpu, recompute=forward)
 
 

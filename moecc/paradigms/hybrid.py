@@ -273,20 +273,14 @@ class HybridEngine(OffloadEngine):
         cached = {e for e in present if self.cache is not None and self.cache.holds(layer.index, e, layer.revision())}
         # What the slot still holds from an earlier pass (the last backward's copies) cost this pass nothing.
         return plan_split(counts, self.costs("forward"), resident=cached | (present - copied), committed=copied,
-                          then=self.costs("backward"), then_grows=self.backward_moves).gpu
-
-    @property
-    def backward_moves(self) -> bool:
-        """Whether a backward can run some of its forward's CPU experts on the GPU (``backward_split``): the forward's
-        split is then planned with the backward's best growth, not the same split twice."""
-        return hasattr(self.cpu, "keep_experts")
+                          then=self.costs("backward")).gpu
 
     def backward_split(self, layer: HybridLayer, counts: list[int], gpu: tuple[int, ...]) -> tuple[int, ...]:
         """The experts layer ``layer``'s backward will run on the GPU after a forward that ran ``gpu`` there:
         those, plus CPU experts whose backward pays on the GPU (the CPU's backward costs about twice its forward,
         the copies the same), which the GPU recomputes from the hidden states its own part saved. Only where the
         GPU part has pairs (its saved hidden states) and the CPU backend can drop experts from its saved state."""
-        if not any(counts[e] for e in gpu if e < len(counts)) or not self.backward_moves:
+        if not any(counts[e] for e in gpu if e < len(counts)) or not hasattr(self.cpu, "keep_experts"):
             return gpu
         if self.split_rule is not None:
             chosen = {int(e) for e in self.split_rule(layer.index, counts, "backward")}
@@ -317,8 +311,7 @@ class HybridEngine(OffloadEngine):
         # Below half a token the forecast is an expert the recent passes stopped routing to, not a CPU part's cost.
         expected = [n if n >= 0.5 else 0.0 for n in expected]
         plan = (tuple(e for e, n in enumerate(expected) if n > 0) if self.step_mode == GPU else
-                plan_split(expected, self.costs("forward"), then=self.costs("backward"),
-                           then_grows=self.backward_moves).gpu)
+                plan_split(expected, self.costs("forward"), then=self.costs("backward")).gpu)
         self.planned[index] = plan
         if plan:
             self._timed_fetch("forward", self.layers[index], list(plan))

@@ -74,17 +74,14 @@ class Split:
 
 def plan_split(counts: Sequence[int], costs: SideCosts, resident: Iterable[int] = (),
                committed: Iterable[int] = (), then: SideCosts | None = None, required: Iterable[int] = (),
-               then_grows: bool = False, recompute: SideCosts | None = None) -> Split:
+               recompute: SideCosts | None = None) -> Split:
     """The GPU set minimising max(serial + max(CPU, GPU), copy) seconds (+ ``both_sides_s`` when both work) for a
     pass whose experts get ``counts[e]`` tokens. ``resident`` experts are on the GPU already (cached: no copy);
     ``committed`` ones were copied for this pass already (a prefetch): their copies are charged whatever runs
     where, since the copy engine spent that time on this layer, and they run on the GPU first. ``then``: the
     costs of a later pass that runs the same split (backward after forward, copying its GPU experts again), whose
-    seconds are added to the score; the returned seconds are the first pass's. ``then_grows``: the later pass may
-    run more experts on the GPU than the first (a backward moving CPU experts there, the GPU recomputing the forward
-    of all of its experts at the first pass's GPU cost), so each first split is scored with the later pass's best
-    growth: a forward can give the CPU more than its backward takes. ``required`` experts run on the GPU whatever
-    they cost (a backward's experts whose forward ran there: the CPU holds no state of theirs); with
+    seconds are added to the score; the returned seconds are the first pass's. ``required`` experts run on the GPU
+    whatever they cost (a backward's experts whose forward ran there: the CPU holds no state of theirs); with
     ``recompute`` (the forward's costs) a split taking more than those pays the GPU's forward of all of its
     experts first (the moved ones' saved state is made again from the GPU part's hidden states).
 
@@ -108,15 +105,7 @@ def plan_split(counts: Sequence[int], costs: SideCosts, resident: Iterable[int] 
             moved = _prefix_parts(c, tokens, copied, len(committed) * c.copy_expert_s,
                                   recompute_s=_gpu_prefix_s(recompute, tokens))
             parts = tuple(np.concatenate((a[:needed + 1], b[needed + 1:])) for a, b in zip(parts, moved))
-        seconds = parts[0]
-        if later and then_grows:
-            # Growing from a first prefix of m (m > 0: the GPU part's saved hidden states feed the recompute) to
-            # any longer one
-            grown = _prefix_parts(c, tokens, copied, 0.0, recompute_s=first[3])[0]
-            best_longer = np.minimum.accumulate(grown[::-1])[::-1]
-            seconds = np.minimum(seconds, np.concatenate((best_longer[1:], [np.inf])))
-            seconds[0] = parts[0][0]
-        total += seconds
+        total += parts[0]
         first = parts if first is None else first
     total[:needed] = np.inf  # prefixes that leave a required expert on the CPU
     m = int(np.lexsort((np.arange(total.size), first[1], total))[0])  # ties: the smaller CPU part, then fewer

@@ -102,30 +102,6 @@ def test_native_cpu_part_keeps_its_other_experts_when_some_backward_moves_to_the
     assert calls and calls == [1] * len(calls), calls
 
 
-def test_own_split_gives_the_idle_cpu_more_in_forward_and_its_backward_moves_them_to_the_gpu(monkeypatch):
-    """Costs where the CPU's forward is cheap and its backward dear, the link the bottleneck: the engine's own
-    forward split gives the CPU experts that the backward then runs on the GPU (recomputing their forward there),
-    and training still matches HF + PEFT."""
-    from moecc.paradigms.hybrid_split import SideCosts
-
-    reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid")
-    hybrid = engine.moecc.engine
-    forward = SideCosts(cpu_expert_s=1e-4, cpu_token_s=2e-6, copy_expert_s=4e-4, gpu_expert_s=1e-5,
-                        gpu_token_s=1e-8, both_sides_s=0.0)
-    fixed = {"forward": forward, "backward": replace(forward, cpu_expert_s=4e-4, cpu_token_s=8e-6)}
-    monkeypatch.setattr(hybrid, "costs", lambda phase: fixed[phase])
-    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05)
-                  for m in (reference, engine)]
-    for batch in batches(256, 2, batch=3, seq=10, seed=7):
-        forward_backward_both(reference, engine, batch, TOLERANCE[torch.float32])
-        assert_grads_match(reference, engine, TOLERANCE[torch.float32])
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-    metrics = hybrid.metrics_since_reset()
-    assert metrics["moved_experts"] > 0 and metrics["cpu_pairs"] > 0 and metrics["gpu_pairs"] > 0
-
-
 def _count_device_backwards(monkeypatch) -> list[int]:
     """The device backend's backward calls within each hybrid layer backward call, one entry per layer call."""
     calls, layer_backward, device_backend = [], hybrid_module.HybridExpertsFunction._backward, \

@@ -222,57 +222,6 @@ def _grown_backward_s(counts, gpu, grown, forward, backward) -> float:
     return max(backward.serial_s + max(split.cpu_s, split.gpu_s + recompute), split.copy_s) + both
 
 
-@pytest.mark.parametrize("seed", range(10))
-def test_a_backward_that_may_grow_frees_the_forward_split(seed):
-    """With ``then_grows`` each forward split is scored with its backward's best superset (a grown one paying the
-    GPU's recomputed forward): the choice matches brute force over every nested pair, and where the backward's
-    CPU is dear the forward gives the CPU more than the one-split plan does."""
-    rng = random.Random(seed)
-    counts = [rng.choice([0, 1, 3, 10, 40, 200]) for _ in range(7)]
-    forward = replace(COSTS, gpu_expert_s=rng.choice([1e-5, 2e-4]), gpu_token_s=rng.choice([0.0, 1e-6]),
-                      serial_s=rng.choice([0.0, 1e-3]), cpu_call_s=rng.choice([0.0, 3e-3]))
-    backward = replace(forward, cpu_expert_s=4 * forward.cpu_expert_s, cpu_token_s=4 * forward.cpu_token_s,
-                       gpu_token_s=2 * forward.gpu_token_s)
-    split = plan_split(counts, forward, then=backward, then_grows=True)
-    routed = [e for e in range(7) if counts[e] > 0]
-
-    def best_backward(gpu):
-        if not any(counts[e] for e in gpu):  # no GPU part: no saved hidden states to recompute from
-            return forced_split(counts, gpu, backward).predicted_s
-        others = [e for e in routed if e not in gpu]
-        return min(_grown_backward_s(counts, gpu, set(gpu) | set(extra), forward, backward)
-                   for m in range(len(others) + 1) for extra in itertools.combinations(others, m))
-
-    def score(gpu):
-        return forced_split(counts, gpu, forward).predicted_s + best_backward(gpu)
-
-    # The GPU's per-token cost makes some non-prefix sets cost the same as prefixes: compare scores, not sets
-    prefixes = [tuple(sorted(routed, key=lambda e: (-counts[e], e))[:m]) for m in range(len(routed) + 1)]
-    assert score(split.gpu) == pytest.approx(min(score(p) for p in prefixes), rel=1e-12, abs=1e-15)
-    if forward.gpu_token_s == 0.0:  # the most-loaded experts are then the best set of each size
-        assert score(split.gpu) == pytest.approx(_brute_force(counts, score), rel=1e-12, abs=1e-15)
-    assert split.predicted_s == pytest.approx(forced_split(counts, split.gpu, forward).predicted_s)
-    same = plan_split(counts, forward, then=backward)
-    assert len(split.gpu) <= len(same.gpu)
-
-
-def test_a_growing_backward_lets_a_link_bound_forward_use_the_idle_cpu():
-    """Forward CPU cheap, backward CPU dear, link the bottleneck: one split for both passes keeps the CPU small for
-    the backward's sake; letting the backward grow gives the forward's CPU more experts and the two passes
-    together cost less."""
-    counts = [100] * 32
-    forward = SideCosts(cpu_expert_s=1e-4, cpu_token_s=2e-6, copy_expert_s=4e-4, gpu_expert_s=1e-5,
-                        gpu_token_s=1e-8, both_sides_s=2e-4, serial_s=1e-3)
-    backward = replace(forward, cpu_expert_s=4e-4, cpu_token_s=8e-6)
-    same = plan_split(counts, forward, then=backward)
-    grown = plan_split(counts, forward, then=backward, then_grows=True)
-    assert len(grown.gpu) < len(same.gpu)
-    after = plan_split(counts, backward, required=grown.gpu)
-    assert len(after.gpu) > len(grown.gpu)
-    one = same.predicted_s + forced_split(counts, same.gpu, backward).predicted_s
-    assert grown.predicted_s + after.predicted_s < one
-
-
 def test_serial_gpu_work_delays_both_sides_and_only_copies_overlap_it():
     """The GPU's work between layers comes before either side's experts: a pass costs max(serial + max(CPU, GPU),
     copy), so with the link idle the split still balances CPU against GPU, and long copies hide the gap."""
