@@ -270,10 +270,9 @@ class HybridEngine(OffloadEngine):
             return tuple(e for e, n in enumerate(counts) if n > 0)
         present = self._present(layer)
         copied = self._copied_this_pass.get(layer.index, set()) & present
-        cached = {e for e in present if self.cache is not None and self.cache.holds(layer.index, e, layer.revision())}
         # What the slot still holds from an earlier pass (the last backward's copies) cost this pass nothing.
-        return plan_split(counts, self.costs("forward"), resident=cached | (present - copied), committed=copied,
-                          then=self.costs("backward")).gpu
+        return plan_split(counts, self.costs("forward"), resident=self._cached(layer) | (present - copied),
+                          committed=copied, then=self.costs("backward")).gpu
 
     def backward_split(self, layer: HybridLayer, counts: list[int], gpu: tuple[int, ...]) -> tuple[int, ...]:
         """The experts layer ``layer``'s backward will run on the GPU after a forward that ran ``gpu`` there:
@@ -285,11 +284,17 @@ class HybridEngine(OffloadEngine):
         if self.split_rule is not None:
             chosen = {int(e) for e in self.split_rule(layer.index, counts, "backward")}
         else:
-            cached = {e for e in range(len(counts))
-                      if self.cache is not None and self.cache.holds(layer.index, e, layer.revision())}
-            chosen = set(plan_split(counts, self.costs("backward"), resident=cached, required=gpu,
+            chosen = set(plan_split(counts, self.costs("backward"), resident=self._cached(layer), required=gpu,
                                     recompute=self.costs("forward")).gpu)
         return tuple(sorted(chosen | set(gpu)))
+
+    def _cached(self, layer: HybridLayer) -> set[int]:
+        """Experts of ``layer`` the expert cache holds current copies of: on the GPU without crossing PCIe."""
+        if self.cache is None:
+            return set()
+        revision = layer.revision()
+        return {e for layer_index, e in self.cache.entries if layer_index == layer.index
+                and self.cache.holds(layer.index, e, revision)}
 
     def _present(self, layer: HybridLayer) -> set[int]:
         slot = self.slots.get(layer.index)
@@ -311,7 +316,8 @@ class HybridEngine(OffloadEngine):
         # Below half a token the forecast is an expert the recent passes stopped routing to, not a CPU part's cost.
         expected = [n if n >= 0.5 else 0.0 for n in expected]
         plan = (tuple(e for e, n in enumerate(expected) if n > 0) if self.step_mode == GPU else
-                plan_split(expected, self.costs("forward"), then=self.costs("backward")).gpu)
+                plan_split(expected, self.costs("forward"), resident=self._cached(self.layers[index]),
+                           then=self.costs("backward")).gpu)
         self.planned[index] = plan
         if plan:
             self._timed_fetch("forward", self.layers[index], list(plan))
@@ -736,6 +742,8 @@ def _record_forward(engine: HybridEngine, layer: HybridLayer, counts: list[int],
     engine.metrics.add_expert_counts(counts)
     engine.metrics.tokens_routed += sum(counts)
     engine.forecast.observe(layer.index, counts)
+    if engine.cache is not None:  # its refill keeps the most routed experts (offload feeds it the same way)
+        engine.cache.observe(layer.index, counts)
     if engine.trackers is not None and any(counts) and engine.step_mode == SPLIT:  # the guard's steps: no verdict
         with engine.measure_lock:
             engine.trackers["forward"].ran(bool(cpu))

@@ -1,4 +1,4 @@
-"""Offload's cache of hot experts: served instead of PCIe copies, within its budget, never stale."""
+"""The cache of hot experts (offload and hybrid): served instead of PCIe copies, within its budget, never stale."""
 from __future__ import annotations
 
 import copy
@@ -12,14 +12,14 @@ from moecc.tiny_models import tiny_model
 from ..parity import assert_grads_match, batches, lora_config, randomize_lora, rel_err
 
 
-def _pair(cache_gb: float, family: str = "qwen3_moe"):
+def _pair(cache_gb: float, family: str = "qwen3_moe", paradigm: str = "offload"):
     from peft import get_peft_model
 
     base = tiny_model(family, dtype=torch.float32, seed=0)
     reference = get_peft_model(copy.deepcopy(base), lora_config(family))
     randomize_lora(reference, 3)
     config = moecc.MoeccConfig(backend="reference", offload_cache_gb=cache_gb, offload_slots=1)
-    engine = moecc.prepare(copy.deepcopy(base), lora_config=lora_config(family), device="cpu", paradigm="offload",
+    engine = moecc.prepare(copy.deepcopy(base), lora_config=lora_config(family), device="cpu", paradigm=paradigm,
                            config=config)
     engine.load_state_dict(reference.state_dict())
     return reference, engine
@@ -51,10 +51,11 @@ def test_cache_serves_hot_experts_instead_of_copies_and_training_matches():
     assert_grads_match(reference, engine, 1e-4)
 
 
-def test_cache_stays_within_its_budget():
+@pytest.mark.parametrize("paradigm", ["offload", "hybrid"])
+def test_cache_stays_within_its_budget(paradigm):
     _, engine = _pair(cache_gb=0.0)
     budget = 3 * _expert_bytes(engine)  # three experts' worth
-    _, engine = _pair(cache_gb=budget / 1e9)
+    _, engine = _pair(cache_gb=budget / 1e9, paradigm=paradigm)
     (ids, mask, _), = batches(256, 1, batch=2, seq=12, seed=5)
     for _ in range(2):
         with torch.no_grad():
@@ -63,6 +64,36 @@ def test_cache_stays_within_its_budget():
     assert 0 < cache.bytes <= budget and len(cache.entries) == 3
     hottest = {key for key, _ in cache.counts.most_common(3)}
     assert set(cache.entries) == hottest
+
+
+def test_hybrid_runs_cached_experts_on_the_gpu_where_copying_them_would_not_pay(monkeypatch):
+    """Copies dearer than the CPU: the first pass runs every expert on the CPU; once the cache holds them (fed by
+    hybrid's routing) the split takes them as resident and runs them on the GPU, served from the cache, and
+    training still matches HF + PEFT."""
+    from moecc.paradigms.hybrid_split import SideCosts
+
+    reference, engine = _pair(cache_gb=1.0, paradigm="hybrid")
+    hybrid = engine.moecc.engine
+    costs = SideCosts(cpu_expert_s=1e-3, cpu_token_s=1e-5, copy_expert_s=0.1, gpu_expert_s=1e-5, gpu_token_s=1e-8,
+                      both_sides_s=0.0)
+    monkeypatch.setattr(hybrid, "costs", lambda phase: costs)
+    (ids, mask, labels), = batches(256, 1, batch=2, seq=12, seed=5)
+    runs = []
+    for _ in range(3):
+        hybrid.reset_metrics()
+        out = engine(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        runs.append(hybrid.metrics_since_reset())
+    assert runs[0]["gpu_experts"] == 0 and runs[0]["cpu_experts"] > 0
+    for later in runs[1:]:
+        assert later["cpu_experts"] == 0 and later["gpu_experts"] > 0
+    assert runs[1]["cache_hits"] > 0  # the slots fill from the cache (later passes may find them still there)
+    a = reference(input_ids=ids, attention_mask=mask, labels=labels)
+    for _ in range(2):
+        reference(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    a.loss.backward()
+    assert rel_err(out.logits, a.logits) <= 1e-5
+    assert_grads_match(reference, engine, 1e-4)
 
 
 def test_merge_makes_cached_copies_stale():
