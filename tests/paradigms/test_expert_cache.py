@@ -30,25 +30,31 @@ def _expert_bytes(engine) -> int:
     return weights.gate_up[0].nbytes + weights.down[0].nbytes
 
 
-def test_cache_serves_hot_experts_instead_of_copies_and_training_matches():
-    reference, engine = _pair(cache_gb=1.0)  # room for every expert of the tiny model
+def _three_passes_match_reference(reference, engine) -> list[dict]:
+    """Three training passes of one batch through ``engine`` (metrics of each, CUDA names), then the reference
+    through as many backward passes: logits and accumulated gradients must match."""
     state = engine.moecc.engine
     (ids, mask, labels), = batches(256, 1, batch=2, seq=12, seed=5)
-    h2d = []
+    runs = []
     for _ in range(3):
         state.reset_metrics()
         out = engine(input_ids=ids, attention_mask=mask, labels=labels)
         out.loss.backward()
-        metrics = state.counters_since_reset()
-        h2d.append(metrics["h2d_gb"])
-    assert metrics["cache_hits"] > 0 and metrics["cache_gb"] > 0
-    assert h2d[-1] < h2d[0]  # after the first pass the routed experts come from the cache
+        runs.append(state.counters_since_reset())
     a = reference(input_ids=ids, attention_mask=mask, labels=labels)
     for _ in range(2):  # the reference accumulates as many backward passes as the engine did
         reference(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     a.loss.backward()
     assert rel_err(out.logits, a.logits) <= 1e-5
     assert_grads_match(reference, engine, 1e-4)
+    return runs
+
+
+def test_cache_serves_hot_experts_instead_of_copies_and_training_matches():
+    reference, engine = _pair(cache_gb=1.0)  # room for every expert of the tiny model
+    runs = _three_passes_match_reference(reference, engine)
+    assert runs[-1]["cache_hits"] > 0 and runs[-1]["cache_gb"] > 0
+    assert runs[-1]["h2d_gb"] < runs[0]["h2d_gb"]  # after the first pass the routed experts come from the cache
 
 
 @pytest.mark.parametrize("paradigm", ["offload", "hybrid"])
@@ -77,23 +83,11 @@ def test_hybrid_runs_cached_experts_on_the_gpu_where_copying_them_would_not_pay(
     costs = SideCosts(cpu_expert_s=1e-3, cpu_token_s=1e-5, copy_expert_s=0.1, gpu_expert_s=1e-5, gpu_token_s=1e-8,
                       both_sides_s=0.0)
     monkeypatch.setattr(hybrid, "costs", lambda phase: costs)
-    (ids, mask, labels), = batches(256, 1, batch=2, seq=12, seed=5)
-    runs = []
-    for _ in range(3):
-        hybrid.reset_metrics()
-        out = engine(input_ids=ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
-        runs.append(hybrid.metrics_since_reset())
+    runs = _three_passes_match_reference(reference, engine)
     assert runs[0]["gpu_experts"] == 0 and runs[0]["cpu_experts"] > 0
     for later in runs[1:]:
         assert later["cpu_experts"] == 0 and later["gpu_experts"] > 0
     assert runs[1]["cache_hits"] > 0  # the slots fill from the cache (later passes may find them still there)
-    a = reference(input_ids=ids, attention_mask=mask, labels=labels)
-    for _ in range(2):
-        reference(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-    a.loss.backward()
-    assert rel_err(out.logits, a.logits) <= 1e-5
-    assert_grads_match(reference, engine, 1e-4)
 
 
 def test_merge_makes_cached_copies_stale():
