@@ -19,6 +19,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # as moecc bench runs hybrid (device_wait.py)
 
@@ -60,19 +61,10 @@ def parse_setting(text: str) -> tuple[str, str, dict[str, str]]:
 def time_setting(model, device, tokens: int, steps: int, mode: str, variables: dict[str, str],
                  state: dict) -> dict:
     """One setting's steps (one untimed first) with its variables set and its mode fixed."""
-    engine = model.moecc.engine
-    saved = {k: os.environ.get(k) for k in variables}
-    os.environ.update(variables)
-    engine.step_guard = FixedMode(mode)
-    try:
+    model.moecc.engine.step_guard = FixedMode(mode)
+    with mock.patch.dict(os.environ, variables):
         return runner._fall_back_to_checkpointing(
             model, state, lambda: time_training(model, device, tokens, steps, warmup=1, profile_gpu=False))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def table(rows: list[dict], names: list[str]) -> str:

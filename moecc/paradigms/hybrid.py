@@ -293,8 +293,7 @@ class HybridEngine(OffloadEngine):
         if self.cache is None:
             return set()
         revision = layer.revision()
-        return {e for layer_index, e in self.cache.entries if layer_index == layer.index
-                and self.cache.holds(layer.index, e, revision)}
+        return {e for e in range(layer.weights.num_experts) if self.cache.holds(layer.index, e, revision)}
 
     def _present(self, layer: HybridLayer) -> set[int]:
         slot = self.slots.get(layer.index)
