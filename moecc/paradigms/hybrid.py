@@ -364,8 +364,10 @@ class HybridEngine(OffloadEngine):
         self._gap_open.clear()
         if self.trackers is None:
             return
+        passes: dict[str, list[float]] = {}
         for phase, begin, end in gaps:
-            seconds = _seconds_between(begin, end)
+            passes.setdefault(phase, []).append(_seconds_between(begin, end))
+        for phase, seconds in passes.items():
             with self.measure_lock:
                 self.trackers[phase].observe_serial(seconds)
         for phase, experts, timing in samples:  # long done: the layer's compute waited for them

@@ -16,6 +16,7 @@ lost to plain streaming in other engines) is replaced by what this machine does 
 """
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
@@ -189,6 +190,8 @@ class CostTracker:
     cpu_fixed_s: float = 0.0
     copy_scale: float = 1.0
     serial_s: float | None = None  # measured SideCosts.serial_s; None until a pass measured it
+    serial_rise: float = 0.5  # share of the way to a pass's longer gaps the estimate moves
+    serial_fall: float = 0.1  # ... and to its shorter ones
     samples: int = 0
     # Layer passes without a CPU part since the last one with (``ran``)
     idle_passes: int = 0
@@ -215,11 +218,22 @@ class CostTracker:
         if self.idle_passes == self.probe_after:
             self.cpu_fixed_s, self._sums = 0.0, [0.0] * 5
 
-    def observe_serial(self, seconds: float) -> None:
-        """One measured gap between a layer's expert result and the next layer's expert inputs on the GPU."""
-        if seconds >= 0:
-            previous = self.serial_s
-            self.serial_s = seconds if previous is None else (1 - self.decay) * previous + self.decay * seconds
+    def observe_serial(self, gaps: Sequence[float]) -> None:
+        """One pass's measured gaps between a layer's expert result and the next layer's expert inputs on the GPU.
+        The estimate follows their median up quickly and down slowly: a pass whose device waited on copies
+        measures only the GPU's share of the gap, the host's (the routing brought to the host, the CPU part's
+        staging) hidden behind the copies, while a pass that waited on the CPU measures the chain a CPU part is
+        on. Followed alike, each kind of pass planned the other kind next, and the splits swung between copy-bound
+        and CPU-bound steps (``benchmarks/results/host_2026-12-06_s35``)."""
+        gaps = [g for g in gaps if g >= 0]
+        if not gaps:
+            return
+        median = statistics.median(gaps)
+        if self.serial_s is None:
+            self.serial_s = median
+        else:
+            share = self.serial_rise if median > self.serial_s else self.serial_fall
+            self.serial_s += share * (median - self.serial_s)
 
     def observe(self, cpu_counts: Sequence[int], cpu_s: float, copied_experts: int, copy_s: float) -> None:
         """One pass's CPU part (its experts' token counts, measured seconds) and copies (experts, seconds)."""

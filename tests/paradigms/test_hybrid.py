@@ -280,6 +280,27 @@ def test_gaps_between_layers_are_measured_per_pass():
     assert inner.trackers["forward"].serial_s is not None and inner.trackers["backward"].serial_s is None
 
 
+def test_each_pass_gives_its_trackers_every_gap_at_once():
+    """The serial estimate follows a pass's median gap, so each pass's gaps between consecutive layers go to its
+    phase's tracker in one call: one fewer than the layers, forward and backward alike."""
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
+                           num_hidden_layers=4)
+    hybrid = engine.moecc.engine
+    calls = {phase: [] for phase in hybrid.trackers}
+    for phase, tracker in hybrid.trackers.items():
+        observe = tracker.observe_serial
+        tracker.observe_serial = lambda gaps, phase=phase, observe=observe: (calls[phase].append(list(gaps)),
+                                                                              observe(gaps))
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        engine(input_ids=ids, labels=ids).loss.backward()
+    engine(input_ids=ids)  # the third pass begins: the first two passes' gaps have been read, a pass at a time
+    for phase in ("forward", "backward"):
+        assert [len(gaps) for gaps in calls[phase]] == [3, 3], phase
+        assert all(g >= 0 for gaps in calls[phase] for g in gaps)
+        assert hybrid.trackers[phase].serial_s > 0
+
+
 def test_cpu_part_marks_give_each_part_in_order_and_the_chain_between_layers():
     """With ``cpu_marks`` set, each CPU part is marked submitted, started, computed and done in that order, and
     the timeline's ``chain`` reads one part per layer and pass from them."""

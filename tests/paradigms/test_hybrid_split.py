@@ -235,13 +235,26 @@ def test_serial_gpu_work_delays_both_sides_and_only_copies_overlap_it():
     assert forced_split([1, 1], [], slow_link).predicted_s == pytest.approx(18e-3)  # the CPU does not
 
 
-def test_tracker_follows_measured_gaps():
-    tracker = CostTracker(COSTS, decay=0.5)
+def test_tracker_follows_each_passs_median_gap_up_quickly_and_down_slowly():
+    """A pass's median gap sets the first estimate; longer gaps move it half the way, shorter ones a tenth, so
+    passes that waited on copies (the GPU's share of the gap alone) wear down the gap a CPU-bound pass measured
+    only over several steps; a pass with no gap (or only negative readings) changes nothing."""
+    tracker = CostTracker(COSTS, serial_rise=0.5, serial_fall=0.1)
     assert tracker.costs().serial_s == COSTS.serial_s
-    tracker.observe_serial(4e-3)
+    tracker.observe_serial([1e-3, 4e-3, 4e-3, 50e-3])  # one outlier: the median is 4 ms
     assert tracker.costs().serial_s == pytest.approx(4e-3)
-    tracker.observe_serial(2e-3)
-    assert tracker.costs().serial_s == pytest.approx(3e-3)
+    tracker.observe_serial([1e-3, 1e-3, 2e-3])
+    assert tracker.costs().serial_s == pytest.approx(4e-3 - 0.1 * 3e-3)
+    tracker.observe_serial([])
+    tracker.observe_serial([-1.0])
+    assert tracker.costs().serial_s == pytest.approx(3.7e-3)
+    tracker.observe_serial([5.7e-3])
+    assert tracker.costs().serial_s == pytest.approx(4.7e-3)
+    estimates = []
+    for step in range(10):  # copy-bound passes (1 ms) with a CPU-bound one (4 ms) every fifth step
+        tracker.observe_serial([4e-3 if step % 5 == 4 else 1e-3] * 8)
+        estimates.append(tracker.serial_s)
+    assert min(estimates) > 2.5e-3  # a plain average of the passes would sit near 1.6 ms
 
 
 @pytest.mark.parametrize("seed", range(8))
