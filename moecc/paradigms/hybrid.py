@@ -42,7 +42,7 @@ from .device_wait import CpuDone
 from .hybrid_parts import (_add, _add_part, _backward_publish_target, _cpu_backward, _cpu_backward_published,
                            _cpu_forward, _cpu_forward_published, _cpu_sources, _mask, _publish_target)
 from .hybrid_split import CostTracker, RoutingForecast, SideCosts, hit_rate, physical_costs, plan_split
-from .step_guard import GPU, SPLIT, StepGuard
+from .step_guard import GPU, SPLIT, StepGuard, size_bucket
 from .event_spans import EventSpans
 from .offload import (OffloadEngine, OffloadLayer, ParkedState, _Call, _timed_event, lora_on_device,
                       offload_gpu_bytes)
@@ -107,6 +107,8 @@ class HybridEngine(OffloadEngine):
         self._gap_open: dict[str, tuple[int, object]] = {}
         self._copied_this_pass: dict[int, set[int]] = {}  # layer -> experts its slot got in this forward pass
         self._gap_samples: list[tuple[str, object, object]] = []
+        self._sizes_seen: set[int] = set()  # batch-size buckets (tokens, a power of two) a pass has run
+        self._first_of_size = False  # this pass is its batch size's first: its gaps are not taken
         # Device-resident LoRA factors: the CPU part reads host mirrors, copied once per pass on their own stream.
         self.mirror_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._mirrors: dict[int, tuple[list, list[torch.Tensor]]] = {}  # layer -> (factors, pinned host copies)
@@ -178,6 +180,8 @@ class HybridEngine(OffloadEngine):
         super().pass_begins(tokens, training)
         self._copied_this_pass = {}
         self._learn_copy_rates()
+        self._first_of_size = size_bucket(tokens) not in self._sizes_seen
+        self._sizes_seen.add(size_bucket(tokens))
         self.step_mode = SPLIT
         if self.step_guard is not None and self.split_rule is None:
             self.step_mode = self.step_guard.step_begins(tokens, self._stream_mark(), training)
@@ -358,9 +362,10 @@ class HybridEngine(OffloadEngine):
         self._gap_open.pop(phase, None)
 
     def _learn_copy_rates(self) -> None:
-        """Feeds the last pass's copy timings and gaps (complete by now) to the cost trackers."""
+        """Feeds the last pass's copy timings and gaps (complete by now) to the cost trackers; a batch size's first
+        pass's gaps are dropped (its buffers grow, its kernels load: a chain the estimate would keep for steps)."""
         samples, self._copy_samples = self._copy_samples, []
-        gaps, self._gap_samples = self._gap_samples, []
+        gaps, self._gap_samples = ([] if self._first_of_size else self._gap_samples), []
         self._gap_open.clear()
         if self.trackers is None:
             return

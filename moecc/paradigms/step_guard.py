@@ -56,13 +56,13 @@ class StepGuard:
                 self.buckets[bucket].begun[mode] -= 1
             self._open = None
         self._read()
-        bucket = self.buckets.setdefault(_bucket(tokens), _Bucket())
+        bucket = self.buckets.setdefault(size_bucket(tokens), _Bucket())
         if not training:
             return bucket.chosen or SPLIT
         mode = self._mode(bucket)
         bucket.steps += 1
         if bucket.steps > 1:  # a batch size's first step grows buffers and loads kernels: not timed
-            self._open = (_bucket(tokens), mode, mark)
+            self._open = (size_bucket(tokens), mode, mark)
             bucket.begun[mode] += 1
         return mode
 
@@ -99,6 +99,6 @@ class StepGuard:
         return {bucket: state.chosen or "trying" for bucket, state in sorted(self.buckets.items())}
 
 
-def _bucket(tokens: int) -> int:
+def size_bucket(tokens: int) -> int:
     """Tokens per step to the next power of two: batches of about one size share their timings."""
     return 1 << max(0, int(tokens) - 1).bit_length()
