@@ -109,6 +109,7 @@ class HybridEngine(OffloadEngine):
         self._gap_samples: list[tuple[str, object, object]] = []
         self._sizes_seen: set[int] = set()  # batch-size buckets (tokens, a power of two) a pass has run
         self._first_of_size = False  # this pass is its batch size's first: its gaps are not taken
+        self._size = 0  # this pass's batch-size bucket
         # Device-resident LoRA factors: the CPU part reads host mirrors, copied once per pass on their own stream.
         self.mirror_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._mirrors: dict[int, tuple[list, list[torch.Tensor]]] = {}  # layer -> (factors, pinned host copies)
@@ -180,8 +181,9 @@ class HybridEngine(OffloadEngine):
         super().pass_begins(tokens, training)
         self._copied_this_pass = {}
         self._learn_copy_rates()
-        self._first_of_size = size_bucket(tokens) not in self._sizes_seen
-        self._sizes_seen.add(size_bucket(tokens))
+        self._size = size_bucket(tokens)
+        self._first_of_size = self._size not in self._sizes_seen
+        self._sizes_seen.add(self._size)
         self.step_mode = SPLIT
         if self.step_guard is not None and self.split_rule is None:
             self.step_mode = self.step_guard.step_begins(tokens, self._stream_mark(), training)
@@ -203,7 +205,7 @@ class HybridEngine(OffloadEngine):
     def costs(self, phase: str) -> SideCosts:
         """The costs ``phase``'s splits are planned with."""
         with self.measure_lock:
-            return self.trackers[phase].costs()
+            return self.trackers[phase].costs(self._size)
 
     def record_cpu(self, phase: str, index: int, counts: list[int], seconds: float, began_ns: int,
                    cold: bool = False) -> None:
@@ -374,7 +376,7 @@ class HybridEngine(OffloadEngine):
             passes.setdefault(phase, []).append(_seconds_between(begin, end))
         for phase, seconds in passes.items():
             with self.measure_lock:
-                self.trackers[phase].observe_serial(seconds)
+                self.trackers[phase].observe_serial(seconds, self._size)  # the size of the pass that ended
         for phase, experts, timing in samples:  # long done: the layer's compute waited for them
             seconds = timing if isinstance(timing, float) else _seconds_between(*timing)
             with self.measure_lock:

@@ -189,7 +189,10 @@ class CostTracker:
     cpu_scale: float = 1.0
     cpu_fixed_s: float = 0.0
     copy_scale: float = 1.0
-    serial_s: float | None = None  # measured SideCosts.serial_s; None until a pass measured it
+    # Measured SideCosts.serial_s per batch size (the attention's share grows with the tokens), and the one
+    # measured last (a size not measured yet plans with it; None until a pass measured any)
+    serial_by_size: dict[int, float] = field(default_factory=dict)
+    serial_s: float | None = None
     serial_rise: float = 0.5  # share of the way to a pass's longer gaps the estimate moves
     serial_fall: float = 0.1  # ... and to its shorter ones
     samples: int = 0
@@ -200,12 +203,13 @@ class CostTracker:
     # The last CPU samples fitted, (predicted by the first costs, measured) seconds beyond a call's: diagnostics
     recent: deque = field(default_factory=lambda: deque(maxlen=512))
 
-    def costs(self) -> SideCosts:
-        """The fitted costs."""
+    def costs(self, size: int | None = None) -> SideCosts:
+        """The fitted costs, with the serial gap measured for batch size ``size``."""
         b = self.base
+        serial = self.serial_by_size.get(size, self.serial_s)
         return replace(b, cpu_expert_s=b.cpu_expert_s * self.cpu_scale, cpu_token_s=b.cpu_token_s * self.cpu_scale,
                        cpu_call_s=b.cpu_call_s + self.cpu_fixed_s, copy_expert_s=b.copy_expert_s * self.copy_scale,
-                       serial_s=b.serial_s if self.serial_s is None else self.serial_s)
+                       serial_s=b.serial_s if serial is None else serial)
 
     def ran(self, cpu_part: bool) -> None:
         """A layer pass ran with or without a CPU part. After ``probe_after`` passes without, the CPU fit starts
@@ -218,8 +222,9 @@ class CostTracker:
         if self.idle_passes == self.probe_after:
             self.cpu_fixed_s, self._sums = 0.0, [0.0] * 5
 
-    def observe_serial(self, gaps: Sequence[float]) -> None:
-        """One pass's measured gaps between a layer's expert result and the next layer's expert inputs on the GPU.
+    def observe_serial(self, gaps: Sequence[float], size: int = 0) -> None:
+        """One pass's measured gaps between a layer's expert result and the next layer's expert inputs on the GPU,
+        at batch size ``size``.
         The estimate follows their median up quickly and down slowly: a pass whose device waited on copies
         measures only the GPU's share of the gap, the host's (the routing brought to the host, the CPU part's
         staging) hidden behind the copies, while a pass that waited on the CPU measures the chain a CPU part is
@@ -229,11 +234,12 @@ class CostTracker:
         if not gaps:
             return
         median = statistics.median(gaps)
-        if self.serial_s is None:
-            self.serial_s = median
+        estimate = self.serial_by_size.get(size)
+        if estimate is None:
+            estimate = median
         else:
-            share = self.serial_rise if median > self.serial_s else self.serial_fall
-            self.serial_s += share * (median - self.serial_s)
+            estimate += (self.serial_rise if median > estimate else self.serial_fall) * (median - estimate)
+        self.serial_by_size[size] = self.serial_s = estimate
 
     def observe(self, cpu_counts: Sequence[int], cpu_s: float, copied_experts: int, copy_s: float) -> None:
         """One pass's CPU part (its experts' token counts, measured seconds) and copies (experts, seconds)."""

@@ -282,24 +282,27 @@ def test_gaps_between_layers_are_measured_per_pass():
 
 def test_each_pass_gives_its_trackers_every_gap_at_once():
     """The serial estimate follows a pass's median gap, so each pass's gaps between consecutive layers go to its
-    phase's tracker in one call: one fewer than the layers, forward and backward alike. A batch size's first pass
-    (buffers growing, kernels loading) gives none."""
+    phase's tracker in one call, for its batch size: one fewer than the layers, forward and backward alike. A batch
+    size's first pass (buffers growing, kernels loading) gives none."""
     _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
                            num_hidden_layers=4)
     hybrid = engine.moecc.engine
     calls = {phase: [] for phase in hybrid.trackers}
     for phase, tracker in hybrid.trackers.items():
         observe = tracker.observe_serial
-        tracker.observe_serial = lambda gaps, phase=phase, observe=observe: (calls[phase].append(list(gaps)),
-                                                                              observe(gaps))
+        tracker.observe_serial = lambda gaps, size, phase=phase, observe=observe: (
+            calls[phase].append((list(gaps), size)), observe(gaps, size))
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     longer = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2))
     for batch in (ids, ids, longer, longer, ids):  # each pass's gaps are read as the next one begins
         engine(input_ids=batch, labels=batch).loss.backward()
     for phase in ("forward", "backward"):
-        assert [len(gaps) for gaps in calls[phase]] == [3, 3], phase  # the second and fourth passes
-        assert all(g >= 0 for gaps in calls[phase] for g in gaps)
-        assert hybrid.trackers[phase].serial_s > 0
+        assert [len(gaps) for gaps, _ in calls[phase]] == [3, 3], phase  # the second and fourth passes
+        assert [size for _, size in calls[phase]] == [32, 128]  # each with its own size's estimate
+        assert all(g >= 0 for gaps, _ in calls[phase] for g in gaps)
+        assert set(hybrid.trackers[phase].serial_by_size) == {32, 128}
+        # the pass running now (32 tokens) plans with its size's estimate, not the one measured last (128)
+        assert hybrid.costs(phase).serial_s == hybrid.trackers[phase].serial_by_size[32]
 
 
 def test_cpu_part_marks_give_each_part_in_order_and_the_chain_between_layers():

@@ -257,6 +257,21 @@ def test_tracker_follows_each_passs_median_gap_up_quickly_and_down_slowly():
     assert min(estimates) > 2.5e-3  # a plain average of the passes would sit near 1.6 ms
 
 
+def test_each_batch_size_keeps_its_own_serial_estimate():
+    """The attention's share of the gap grows with the tokens: a step of another size neither raises nor wears
+    down a size's estimate; a size not measured yet plans with the estimate measured last."""
+    tracker = CostTracker(COSTS)
+    tracker.observe_serial([20e-3], size=8192)
+    tracker.observe_serial([4e-3], size=512)
+    assert tracker.costs(8192).serial_s == pytest.approx(20e-3)
+    assert tracker.costs(512).serial_s == pytest.approx(4e-3)
+    assert tracker.costs(2048).serial_s == pytest.approx(4e-3)
+    tracker.observe_serial([1e-3], size=512)
+    tracker.observe_serial([30e-3], size=8192)
+    assert tracker.costs(512).serial_s == pytest.approx(4e-3 - 0.1 * 3e-3)
+    assert tracker.costs(8192).serial_s == pytest.approx(25e-3)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_required_experts_stay_on_the_gpu_and_the_rest_is_the_best_completion(seed):
     """A backward's split keeps the forward's GPU experts there (``required``) and picks the best of every
