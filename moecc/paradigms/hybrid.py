@@ -48,6 +48,7 @@ from .offload import (OffloadEngine, OffloadLayer, ParkedState, _Call, _timed_ev
                       offload_gpu_bytes)
 
 _KEPT_ERRORS = 16  # backward parts' errors kept for passes that have not claimed them
+_PASSES_KEPT = 16  # forward passes whose sizes are kept for their backwards' gaps
 # Split hook: (layer index, tokens per expert, "forward") -> the experts to run on the GPU.
 SplitRule = Callable[[int, list, str], Iterable[int]]
 
@@ -102,13 +103,18 @@ class HybridEngine(OffloadEngine):
         self._bytes_mark_staging = (0, 0)
         self.measure_lock = threading.Lock()  # the worker's CPU timings against the caller's reads and resets
         self._copy_samples: list[tuple[str, int, object]] = []  # (pass, experts copied, (begin, end) | seconds)
-        # The GPU's work between one layer's experts and the next's (SideCosts.serial_s): pass -> (layer, mark) of
-        # the gap open now, and (pass, begin, end) of the gaps measured, read at the next pass.
-        self._gap_open: dict[str, tuple[int, object]] = {}
+        # The GPU's work between one layer's experts and the next's (SideCosts.serial_s): phase -> (layer, forward
+        # pass, mark) of the gap open now, and (phase, forward pass, begin, end) of the gaps measured, read at the
+        # next pass; a backward's gaps are its forward pass's (another pass may begin in between: a reference
+        # model's forward, a second micro-batch)
+        self._gap_open: dict[str, tuple[int, int, object]] = {}
         self._copied_this_pass: dict[int, set[int]] = {}  # layer -> experts its slot got in this forward pass
-        self._gap_samples: list[tuple[str, object, object]] = []
-        self._sizes_seen: set[int] = set()  # batch-size buckets (tokens, a power of two) a pass has run
-        self._first_of_size = False  # this pass is its batch size's first: its gaps are not taken
+        self._gap_samples: list[tuple[str, int, object, object]] = []
+        # Forward pass -> (batch-size bucket, whether its gaps are not taken: the first training or first other
+        # pass of its size, whose buffers grow and kernels load, or a pass with every expert on the GPU), for the
+        # last few passes
+        self._passes: dict[int, tuple[int, bool]] = {}
+        self._sizes_seen: set[tuple[int, bool]] = set()
         self._size = 0  # this pass's batch-size bucket
         # Device-resident LoRA factors: the CPU part reads host mirrors, copied once per pass on their own stream.
         self.mirror_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -181,13 +187,17 @@ class HybridEngine(OffloadEngine):
         super().pass_begins(tokens, training)
         self._copied_this_pass = {}
         self._learn_copy_rates()
-        self._size = size_bucket(tokens)
-        self._first_of_size = self._size not in self._sizes_seen
-        self._sizes_seen.add(self._size)
         self.step_mode = SPLIT
         if self.step_guard is not None and self.split_rule is None:
             self.step_mode = self.step_guard.step_begins(tokens, self._stream_mark(), training)
             self.sides.gpu_only_steps += self.step_mode == GPU and training
+        self._size = size_bucket(tokens)
+        first = (self._size, training) not in self._sizes_seen
+        self._sizes_seen.add((self._size, training))
+        # A pass with every expert on the GPU measures the GPU's share of the gap alone, not a split's
+        self._passes[self.forward_passes] = (self._size, first or self.step_mode == GPU)
+        for old in [p for p in self._passes if p < self.forward_passes - _PASSES_KEPT]:
+            del self._passes[old]
 
     def wait_for_cpu_part(self, number: int) -> None:
         """Until CPU part ``number`` is published: on the device's stream where it can (this thread goes on), the
@@ -348,15 +358,17 @@ class HybridEngine(OffloadEngine):
             return event
         return time.perf_counter()
 
-    def gap_begins(self, phase: str, index: int) -> None:
-        """Layer ``index``'s experts are done in this ``phase`` pass (their output summed)."""
-        self._gap_open[phase] = (index, self._stream_mark())
+    def gap_begins(self, phase: str, index: int, forward_pass: int) -> None:
+        """Layer ``index``'s experts are done in this ``phase`` pass (their output summed); ``forward_pass``: the
+        forward pass it is (a backward: the one it differentiates)."""
+        self._gap_open[phase] = (index, forward_pass, self._stream_mark())
 
-    def gap_ends(self, phase: str, index: int) -> None:
+    def gap_ends(self, phase: str, index: int, forward_pass: int) -> None:
         """Layer ``index``'s experts' inputs are ready; the gap since the layer before in this pass is a sample."""
         opened = self._gap_open.pop(phase, None)
-        if opened is not None and opened[0] + (1 if phase == "forward" else -1) == index:
-            self._gap_samples.append((phase, opened[1], self._stream_mark()))
+        if (opened is not None and opened[0] + (1 if phase == "forward" else -1) == index
+                and opened[1] == forward_pass):
+            self._gap_samples.append((phase, forward_pass, opened[2], self._stream_mark()))
 
     def gap_interrupted(self, phase: str) -> None:
         """Drops the ``phase`` gap open now: other layer work ran inside it (a checkpointed layer's recomputed
@@ -364,19 +376,22 @@ class HybridEngine(OffloadEngine):
         self._gap_open.pop(phase, None)
 
     def _learn_copy_rates(self) -> None:
-        """Feeds the last pass's copy timings and gaps (complete by now) to the cost trackers; a batch size's first
-        pass's gaps are dropped (its buffers grow, its kernels load: a chain the estimate would keep for steps)."""
+        """Feeds the copy timings and gaps since the last call (complete by now) to the cost trackers, each pass's
+        gaps at once for its batch size; a batch size's first pass's gaps are dropped (its buffers grow, its
+        kernels load: a chain the estimate would keep for steps)."""
         samples, self._copy_samples = self._copy_samples, []
-        gaps, self._gap_samples = ([] if self._first_of_size else self._gap_samples), []
+        gaps, self._gap_samples = self._gap_samples, []
         self._gap_open.clear()
         if self.trackers is None:
             return
-        passes: dict[str, list[float]] = {}
-        for phase, begin, end in gaps:
-            passes.setdefault(phase, []).append(_seconds_between(begin, end))
-        for phase, seconds in passes.items():
-            with self.measure_lock:
-                self.trackers[phase].observe_serial(seconds, self._size)  # the size of the pass that ended
+        passes: dict[tuple[str, int], list[float]] = {}
+        for phase, forward_pass, begin, end in gaps:
+            passes.setdefault((phase, forward_pass), []).append(_seconds_between(begin, end))
+        for (phase, forward_pass), seconds in passes.items():
+            size, skipped = self._passes.get(forward_pass, (0, True))
+            if not skipped:
+                with self.measure_lock:
+                    self.trackers[phase].observe_serial(seconds, size)
         for phase, experts, timing in samples:  # long done: the layer's compute waited for them
             seconds = timing if isinstance(timing, float) else _seconds_between(*timing)
             with self.measure_lock:
@@ -595,7 +610,7 @@ class HybridPending:
                                                                                               out_tokens))
             engine.cpu.release_result(host)
         if not parts.done and self._index is not None:
-            engine.gap_begins("forward", self._index)
+            engine.gap_begins("forward", self._index, engine.forward_passes)
         parts.done = True
         return self._output
 
@@ -615,7 +630,7 @@ class HybridExpertsFunction(torch.autograd.Function):
         if call.recompute:
             engine.gap_interrupted("backward")
         else:
-            engine.gap_ends("forward", layer.index)
+            engine.gap_ends("forward", layer.index, engine.forward_passes)
         # The CPU part's inputs start for the host before the split where the layer's last forward had one
         staged = _stage_cpu_inputs(engine, layer.index, hidden, top_k_index, top_k_weights, lora) \
             if layer.last_cpu else None
@@ -671,7 +686,7 @@ class HybridExpertsFunction(torch.autograd.Function):
         join_part(parts)
         if not parts.done or (parts.cpu and parts.cpu_saved is None) or (parts.gpu and parts.gpu_state is None):
             raise saved_state_gone("hybrid")
-        engine.gap_ends("backward", layer.index)
+        engine.gap_ends("backward", layer.index, ctx.call.key[0])
         cpu_future = published = None
         moved = tuple(e for e in parts.gpu_backward if e not in set(parts.gpu))
         cpu_experts = tuple(e for e in parts.cpu if e not in set(moved))
@@ -719,7 +734,7 @@ class HybridExpertsFunction(torch.autograd.Function):
         if grads is None:  # no routed pair on either side (no tokens): every gradient is zero
             grads = _zero_grads(grad_out, ctx.weights_shape, parts.lora)
         grad_hidden, grad_weights, lora_grads = grads
-        engine.gap_begins("backward", layer.index)
+        engine.gap_begins("backward", layer.index, ctx.call.key[0])
         return node_gradients(grad_hidden.to(ctx.dtypes[0]), grad_weights.to(ctx.dtypes[1]), 6, parts.lora,
                               lora_grads)
 

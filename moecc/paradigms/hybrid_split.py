@@ -182,7 +182,8 @@ class CostTracker:
     """Costs corrected from what passes measured, so the split follows the rates this machine achieves with
     both sides running. CPU: measured seconds of each CPU part fitted as ``fixed + scale * predicted`` by
     exponentially weighted least squares (the fixed part is per call: staging, gathers, the pool's start), with
-    a prior on the scale (``_fit_line``); copies: a scale factor (measured / predicted seconds), exponentially averaged."""
+    a prior on the scale (``_fit_line``); copies: a scale factor (measured / predicted seconds), exponentially
+    averaged; the serial gap: per batch size, from each pass's median gap (``observe_serial``)."""
 
     base: SideCosts
     decay: float = 0.3

@@ -280,29 +280,78 @@ def test_gaps_between_layers_are_measured_per_pass():
     assert inner.trackers["forward"].serial_s is not None and inner.trackers["backward"].serial_s is None
 
 
-def test_each_pass_gives_its_trackers_every_gap_at_once():
-    """The serial estimate follows a pass's median gap, so each pass's gaps between consecutive layers go to its
-    phase's tracker in one call, for its batch size: one fewer than the layers, forward and backward alike. A batch
-    size's first pass (buffers growing, kernels loading) gives none."""
-    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
-                           num_hidden_layers=4)
-    hybrid = engine.moecc.engine
+def _recording_gaps(hybrid) -> dict[str, list]:
+    """phase -> [(gaps, size)] of every ``observe_serial`` call from now on."""
     calls = {phase: [] for phase in hybrid.trackers}
     for phase, tracker in hybrid.trackers.items():
         observe = tracker.observe_serial
         tracker.observe_serial = lambda gaps, size, phase=phase, observe=observe: (
             calls[phase].append((list(gaps), size)), observe(gaps, size))
+    return calls
+
+
+def test_each_pass_gives_its_trackers_every_gap_at_once():
+    """The serial estimate follows a pass's median gap, so each pass's gaps between consecutive layers go to its
+    phase's tracker in one call, for its batch size: one fewer than the layers, forward and backward alike. A batch
+    size's first pass (buffers growing, kernels loading) gives none; a size met again gives them."""
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
+                           num_hidden_layers=4)
+    hybrid = engine.moecc.engine
+    calls = _recording_gaps(hybrid)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     longer = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2))
-    for batch in (ids, ids, longer, longer, ids):  # each pass's gaps are read as the next one begins
+    for batch in (ids, ids, longer, longer, ids, ids):  # each pass's gaps are read as the next one begins
         engine(input_ids=batch, labels=batch).loss.backward()
     for phase in ("forward", "backward"):
-        assert [len(gaps) for gaps, _ in calls[phase]] == [3, 3], phase  # the second and fourth passes
-        assert [size for _, size in calls[phase]] == [32, 128]  # each with its own size's estimate
+        assert [len(gaps) for gaps, _ in calls[phase]] == [3, 3, 3], phase  # the second, fourth and fifth passes
+        assert [size for _, size in calls[phase]] == [32, 128, 32]  # each with its own size's estimate
         assert all(g >= 0 for gaps, _ in calls[phase] for g in gaps)
         assert set(hybrid.trackers[phase].serial_by_size) == {32, 128}
         # the pass running now (32 tokens) plans with its size's estimate, not the one measured last (128)
         assert hybrid.costs(phase).serial_s == hybrid.trackers[phase].serial_by_size[32]
+
+
+def test_a_backwards_gaps_are_its_own_forward_passs_when_another_pass_runs_in_between():
+    """A reference model's forward between a policy's forward and its backward (DPO), or a second micro-batch's
+    forward before both backwards: each backward's gaps are its own forward pass's, dropped with that pass when it
+    was its size's first, and never mixed with another pass's in one median."""
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
+                           num_hidden_layers=4)
+    hybrid = engine.moecc.engine
+    calls = _recording_gaps(hybrid)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    engine.train()
+    policy = engine(input_ids=ids, labels=ids).loss  # pass 1: the size's first training pass
+    with torch.no_grad():
+        engine(input_ids=ids)  # pass 2: a train-mode forward without gradients (DPO's reference)
+    policy.backward()  # pass 1's backward: dropped with it
+    first = engine(input_ids=ids, labels=ids).loss  # pass 3
+    second = engine(input_ids=ids, labels=ids).loss  # pass 4
+    (first + second).backward()  # both backwards, one after the other
+    engine(input_ids=ids)  # pass 5 begins: everything before it has been read
+    assert len(calls["forward"]) == 3  # passes 2, 3 and 4
+    assert [len(gaps) for gaps, _ in calls["backward"]] == [3, 3]  # passes 3 and 4, each on its own
+
+
+def test_passes_with_every_expert_on_the_gpu_give_no_gaps():
+    """A step the guard runs with every expert on the GPU measures the GPU's share of the gap alone: it would wear
+    down the splits' estimate, so its gaps are not taken."""
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
+                           num_hidden_layers=4)
+    hybrid = engine.moecc.engine
+    calls = _recording_gaps(hybrid)
+    modes = iter(["split", "split", "gpu", "split", "split"])
+
+    class Scripted:
+        def step_begins(self, tokens, mark, training):
+            return next(modes)
+
+    hybrid.step_guard = Scripted()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(5):
+        engine(input_ids=ids, labels=ids).loss.backward()
+    # pass 1 is its size's first, pass 3 ran on the GPU alone, pass 5's gaps are read when a sixth begins
+    assert len(calls["forward"]) == 2 and len(calls["backward"]) == 2
 
 
 def test_cpu_part_marks_give_each_part_in_order_and_the_chain_between_layers():
