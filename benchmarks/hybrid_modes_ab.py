@@ -68,9 +68,12 @@ def time_setting(model, device, tokens: int, steps: int, mode: str, variables: d
 
 
 def table(rows: list[dict], names: list[str]) -> str:
-    """Per token count and setting: the median step, its range, and the median per-round ratio to the first."""
+    """Per token count and setting: the median step, its range, and the median per-round ratio to the first; then
+    the settings that failed, with their errors."""
     lines = ["| tokens | setting | step s [range] | / first (rounds' median) | CPU experts s | PCIe s | H2D GB |"
              " GB/s copying | device waited CPU / copies s |", "|---" * 9 + "|"]
+    failed = [r for r in rows if "error" in r]
+    rows = [r for r in rows if "error" not in r]
     for tokens in sorted({r["tokens"] for r in rows}):
         at = [r for r in rows if r["tokens"] == tokens]
         first = {r["round"]: r["step_s"] for r in at if r["setting"] == names[0]}
@@ -87,7 +90,13 @@ def table(rows: list[dict], names: list[str]) -> str:
                          f" | {statistics.median(ratios):.3f} | {med('cpu_experts_s'):.2f} | {med('pcie_s'):.2f} |"
                          f" {med('h2d_gb'):.1f} | {med('h2d_gbps_while_copying'):.1f} |"
                          f" {med('cpu_wait_s'):.2f} / {med('copy_wait_s'):.2f} |")
+    lines += [f"\n{r['tokens']} tokens, round {r['round']}, {r['setting']} failed: {r['error']}" for r in failed]
     return "\n".join(lines) + "\n"
+
+
+def write(out: Path, settings: list, rows: list[dict]) -> None:
+    """The rows so far, as `ab.json` under `out` (a run cut short keeps what it timed)."""
+    (out / "ab.json").write_text(json.dumps({"settings": [list(s) for s in settings], "rows": rows}, indent=1))
 
 
 def main() -> None:
@@ -112,15 +121,21 @@ def main() -> None:
     counts = [int(t) for t in args.tokens.split(",")]
     with tqdm(total=len(counts) * args.rounds * len(names), desc="settings timed") as bar:
         for tokens in counts:
-            for round_ in range(args.rounds):
-                for name, mode, variables in args.setting:
-                    timing = time_setting(model, device, tokens, args.steps, mode, variables, state)
-                    rows.append({"tokens": tokens, "round": round_, "setting": name, "mode": mode,
-                                 "variables": variables, "checkpointing": state["on"],
-                                 **{k: timing.get(k, 0.0) for k in KEYS}, "steps": timing["steps"]})
-                    (out / "ab.json").write_text(json.dumps({"settings": [list(s) for s in args.setting],
-                                                             "rows": rows}, indent=1))
-                    bar.update()
+            try:
+                for round_ in range(args.rounds):
+                    for name, mode, variables in args.setting:
+                        where = {"tokens": tokens, "round": round_, "setting": name, "mode": mode,
+                                 "variables": variables}
+                        timing = time_setting(model, device, tokens, args.steps, mode, variables, state)
+                        rows.append({**where, "checkpointing": state["on"], **{k: timing.get(k, 0.0) for k in KEYS},
+                                     "steps": timing["steps"]})
+                        write(out, args.setting, rows)
+                        bar.update()
+            except runner.EXPECTED_FAILURES as error:  # out of GPU memory at this size: the next size still runs
+                rows.append({**where, "error": f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"})
+                write(out, args.setting, rows)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             (out / "ab.md").write_text(table(rows, names))
             print(table([r for r in rows if r["tokens"] == tokens], names), flush=True)
 

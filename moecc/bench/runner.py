@@ -21,7 +21,7 @@ from .timing import time_training
 PARADIGMS = ("cocompute", "offload", "hybrid", "gpu", "hf-offload")
 HF_OFFLOAD_NEEDS_CUDA = ("hf-offload needs a CUDA GPU: accelerate's offload copies the experts from host memory to "
                          "the GPU at each forward, and there is no GPU here")
-_EXPECTED_FAILURES = (RuntimeError, ValueError, torch.OutOfMemoryError)
+EXPECTED_FAILURES = (RuntimeError, ValueError, torch.OutOfMemoryError)
 
 
 def _check_whole_model_fits(needed_bytes: int, device: torch.device, budget_gb: float | None) -> None:
@@ -168,7 +168,7 @@ def run_case(preset: str, layers: int | None, paradigm: str, tokens: list[int], 
             if on_row is not None:
                 on_row(rows[-1])
     except Exception as error:
-        if paradigm != "hf-offload" and not isinstance(error, _EXPECTED_FAILURES):
+        if paradigm != "hf-offload" and not isinstance(error, EXPECTED_FAILURES):
             raise
         done = {row["tokens"] for row in rows}
         rows += [{"paradigm": paradigm, "tokens": count, "error": _error_message(paradigm, error)}

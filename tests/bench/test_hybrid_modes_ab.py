@@ -54,3 +54,27 @@ def test_runs_interleaved_on_the_cpu_device(tmp_path):
     assert all(len(r["steps"]) == 1 and r["step_s"] > 0 for r in rows)
     table = (tmp_path / "ab.md").read_text()
     assert "| 64 | a |" in table and "| 64 | b |" in table
+
+
+def test_a_token_count_that_fails_is_recorded_and_the_next_one_still_runs(tmp_path, monkeypatch):
+    """Out of GPU memory at one size (activations beside a cache): that size's error is a row and a line under the
+    table, and the sizes after it are timed."""
+    ab = load_benchmark("hybrid_modes_ab")
+
+    def fake_time_setting(model, device, tokens, steps, mode, variables, state):
+        if tokens == 128:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 192.00 MiB\nmore")
+        return {"step_s": 1.0, "steps": [{"step_s": 1.0}]}
+
+    monkeypatch.setattr(ab, "time_setting", fake_time_setting)
+    monkeypatch.setattr(ab.runner, "build_for_timing", lambda *args: (None, None, {"on": False}))
+    monkeypatch.setattr(sys, "argv", ["hybrid_modes_ab.py", "--preset", "tiny", "--tokens", "64,128,256",
+                                      "--rounds", "2", "--setting", "a=split", "--setting", "b=gpu",
+                                      "--out", str(tmp_path)])
+    ab.main()
+    rows = json.loads((tmp_path / "ab.json").read_text())["rows"]
+    assert [(r["tokens"], "error" in r) for r in rows] == [(64, False)] * 4 + [(128, True)] + [(256, False)] * 4
+    assert rows[4]["error"] == "RuntimeError: CUDA out of memory. Tried to allocate 192.00 MiB"
+    table = (tmp_path / "ab.md").read_text()
+    assert "| 64 | a |" in table and "| 256 | b |" in table and "| 128 |" not in table
+    assert "128 tokens, round 0, a failed: RuntimeError: CUDA out of memory" in table
