@@ -48,7 +48,7 @@ from .offload import (OffloadEngine, OffloadLayer, ParkedState, _Call, _timed_ev
                       offload_gpu_bytes)
 
 _KEPT_ERRORS = 16  # backward parts' errors kept for passes that have not claimed them
-_PASSES_KEPT = 16  # forward passes whose sizes are kept for their backwards' gaps
+_PASSES_KEPT = 1024  # forward passes whose sizes are kept for their backwards' gaps (micro-batches before them)
 # Split hook: (layer index, tokens per expert, "forward") -> the experts to run on the GPU.
 SplitRule = Callable[[int, list, str], Iterable[int]]
 
@@ -110,11 +110,10 @@ class HybridEngine(OffloadEngine):
         self._gap_open: dict[str, tuple[int, int, object]] = {}
         self._copied_this_pass: dict[int, set[int]] = {}  # layer -> experts its slot got in this forward pass
         self._gap_samples: list[tuple[str, int, object, object]] = []
-        # Forward pass -> (batch-size bucket, whether its gaps are not taken: the first training or first other
-        # pass of its size, whose buffers grow and kernels load, or a pass with every expert on the GPU), for the
-        # last few passes
+        # Forward pass -> (batch-size bucket, whether every expert ran on the GPU: its gaps are not a split's), for
+        # the last passes; (phase, bucket) whose first pass with gaps came (buffers grow, kernels load: not taken)
         self._passes: dict[int, tuple[int, bool]] = {}
-        self._sizes_seen: set[tuple[int, bool]] = set()
+        self._gaps_seen: set[tuple[str, int]] = set()
         self._size = 0  # this pass's batch-size bucket
         # Device-resident LoRA factors: the CPU part reads host mirrors, copied once per pass on their own stream.
         self.mirror_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -192,10 +191,8 @@ class HybridEngine(OffloadEngine):
             self.step_mode = self.step_guard.step_begins(tokens, self._stream_mark(), training)
             self.sides.gpu_only_steps += self.step_mode == GPU and training
         self._size = size_bucket(tokens)
-        first = (self._size, training) not in self._sizes_seen
-        self._sizes_seen.add((self._size, training))
         # A pass with every expert on the GPU measures the GPU's share of the gap alone, not a split's
-        self._passes[self.forward_passes] = (self._size, first or self.step_mode == GPU)
+        self._passes[self.forward_passes] = (self._size, self.step_mode == GPU)
         for old in [p for p in self._passes if p < self.forward_passes - _PASSES_KEPT]:
             del self._passes[old]
 
@@ -358,16 +355,20 @@ class HybridEngine(OffloadEngine):
             return event
         return time.perf_counter()
 
-    def gap_begins(self, phase: str, index: int, forward_pass: int) -> None:
+    def gap_begins(self, phase: str, index: int, forward_pass: int | None) -> None:
         """Layer ``index``'s experts are done in this ``phase`` pass (their output summed); ``forward_pass``: the
-        forward pass it is (a backward: the one it differentiates)."""
-        self._gap_open[phase] = (index, forward_pass, self._stream_mark())
+        forward pass it is (a backward: the one it differentiates), None where that is not known (a recomputed
+        layer's backward): no gap is taken."""
+        if forward_pass is None:
+            self._gap_open.pop(phase, None)
+        else:
+            self._gap_open[phase] = (index, forward_pass, self._stream_mark())
 
-    def gap_ends(self, phase: str, index: int, forward_pass: int) -> None:
+    def gap_ends(self, phase: str, index: int, forward_pass: int | None) -> None:
         """Layer ``index``'s experts' inputs are ready; the gap since the layer before in this pass is a sample."""
         opened = self._gap_open.pop(phase, None)
-        if (opened is not None and opened[0] + (1 if phase == "forward" else -1) == index
-                and opened[1] == forward_pass):
+        if (opened is not None and forward_pass is not None
+                and opened[0] + (1 if phase == "forward" else -1) == index and opened[1] == forward_pass):
             self._gap_samples.append((phase, forward_pass, opened[2], self._stream_mark()))
 
     def gap_interrupted(self, phase: str) -> None:
@@ -377,8 +378,8 @@ class HybridEngine(OffloadEngine):
 
     def _learn_copy_rates(self) -> None:
         """Feeds the copy timings and gaps since the last call (complete by now) to the cost trackers, each pass's
-        gaps at once for its batch size; a batch size's first pass's gaps are dropped (its buffers grow, its
-        kernels load: a chain the estimate would keep for steps)."""
+        gaps at once for its batch size; each phase's first pass with gaps at a batch size is dropped (its buffers
+        grow, its kernels load: a chain the estimate would keep for steps)."""
         samples, self._copy_samples = self._copy_samples, []
         gaps, self._gap_samples = self._gap_samples, []
         self._gap_open.clear()
@@ -388,8 +389,10 @@ class HybridEngine(OffloadEngine):
         for phase, forward_pass, begin, end in gaps:
             passes.setdefault((phase, forward_pass), []).append(_seconds_between(begin, end))
         for (phase, forward_pass), seconds in passes.items():
-            size, skipped = self._passes.get(forward_pass, (0, True))
-            if not skipped:
+            size, gpu_only = self._passes.get(forward_pass, (0, True))
+            first = (phase, size) not in self._gaps_seen
+            self._gaps_seen.add((phase, size))
+            if not gpu_only and not first:
                 with self.measure_lock:
                     self.trackers[phase].observe_serial(seconds, size)
         for phase, experts, timing in samples:  # long done: the layer's compute waited for them
@@ -486,6 +489,12 @@ def _seconds_between(begin, end) -> float:
         return end - begin
     end.synchronize()
     return begin.elapsed_time(end) / 1e3
+
+
+def _differentiated_pass(call: _Call) -> int | None:
+    """The forward pass a layer call's backward differentiates; None for a recomputed call (numbered when the
+    backward recomputed it, after any pass that began since)."""
+    return None if call.recompute else call.key[0]
 
 
 def _mark_done(mark) -> bool:
@@ -686,7 +695,7 @@ class HybridExpertsFunction(torch.autograd.Function):
         join_part(parts)
         if not parts.done or (parts.cpu and parts.cpu_saved is None) or (parts.gpu and parts.gpu_state is None):
             raise saved_state_gone("hybrid")
-        engine.gap_ends("backward", layer.index, ctx.call.key[0])
+        engine.gap_ends("backward", layer.index, _differentiated_pass(ctx.call))
         cpu_future = published = None
         moved = tuple(e for e in parts.gpu_backward if e not in set(parts.gpu))
         cpu_experts = tuple(e for e in parts.cpu if e not in set(moved))
@@ -734,7 +743,7 @@ class HybridExpertsFunction(torch.autograd.Function):
         if grads is None:  # no routed pair on either side (no tokens): every gradient is zero
             grads = _zero_grads(grad_out, ctx.weights_shape, parts.lora)
         grad_hidden, grad_weights, lora_grads = grads
-        engine.gap_begins("backward", layer.index, ctx.call.key[0])
+        engine.gap_begins("backward", layer.index, _differentiated_pass(ctx.call))
         return node_gradients(grad_hidden.to(ctx.dtypes[0]), grad_weights.to(ctx.dtypes[1]), 6, parts.lora,
                               lora_grads)
 

@@ -333,6 +333,32 @@ def test_a_backwards_gaps_are_its_own_forward_passs_when_another_pass_runs_in_be
     assert [len(gaps) for gaps, _ in calls["backward"]] == [3, 3]  # passes 3 and 4, each on its own
 
 
+def test_a_sizes_first_backward_gives_no_gaps_after_a_forward_without_gradients():
+    """Each phase's first pass with gaps at a size is dropped on its own: a train-mode forward without gradients
+    (a reference model's, a log-probability pass) warms the forward at that size, not the backward."""
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
+                           num_hidden_layers=4)
+    hybrid = engine.moecc.engine
+    calls = _recording_gaps(hybrid)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    engine.train()
+    with torch.no_grad():
+        engine(input_ids=ids)  # pass 1: the forward's first at this size
+    engine(input_ids=ids, labels=ids).loss.backward()  # pass 2: its backward is the backward's first
+    engine(input_ids=ids, labels=ids).loss.backward()  # pass 3
+    engine(input_ids=ids)  # pass 4 begins
+    assert len(calls["forward"]) == 2 and len(calls["backward"]) == 1  # passes 2 and 3; pass 3
+
+
+def test_a_recomputed_layers_backward_is_filed_under_no_pass():
+    """A recomputed call is numbered when the backward recomputes it, after any pass that began since its own
+    forward: its backward's gaps are not filed under that pass."""
+    from moecc.paradigms.offload import _Call
+
+    assert hybrid_module._differentiated_pass(_Call(True, False, (7, 2))) == 7
+    assert hybrid_module._differentiated_pass(_Call(True, True, (9, 2))) is None
+
+
 def test_passes_with_every_expert_on_the_gpu_give_no_gaps():
     """A step the guard runs with every expert on the GPU measures the GPU's share of the gap alone: it would wear
     down the splits' estimate, so its gaps are not taken."""
