@@ -280,6 +280,15 @@ def test_gaps_between_layers_are_measured_per_pass():
     assert inner.trackers["forward"].serial_s is not None and inner.trackers["backward"].serial_s is None
 
 
+def _recording_model():
+    """A four-layer hybrid model whose trackers record the gaps they are given, and a batch of 32 tokens."""
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
+                           num_hidden_layers=4)
+    hybrid = engine.moecc.engine
+    return engine, hybrid, _recording_gaps(hybrid), torch.randint(0, 256, (2, 16),
+                                                                  generator=torch.Generator().manual_seed(1))
+
+
 def _recording_gaps(hybrid) -> dict[str, list]:
     """phase -> [(gaps, size)] of every ``observe_serial`` call from now on."""
     calls = {phase: [] for phase in hybrid.trackers}
@@ -294,11 +303,7 @@ def test_each_pass_gives_its_trackers_every_gap_at_once():
     """The serial estimate follows a pass's median gap, so each pass's gaps between consecutive layers go to its
     phase's tracker in one call, for its batch size: one fewer than the layers, forward and backward alike. A batch
     size's first pass (buffers growing, kernels loading) gives none; a size met again gives them."""
-    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
-                           num_hidden_layers=4)
-    hybrid = engine.moecc.engine
-    calls = _recording_gaps(hybrid)
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    engine, hybrid, calls, ids = _recording_model()
     longer = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2))
     for batch in (ids, ids, longer, longer, ids, ids):  # each pass's gaps are read as the next one begins
         engine(input_ids=batch, labels=batch).loss.backward()
@@ -315,11 +320,7 @@ def test_a_backwards_gaps_are_its_own_forward_passs_when_another_pass_runs_in_be
     """A reference model's forward between a policy's forward and its backward (DPO), or a second micro-batch's
     forward before both backwards: each backward's gaps are its own forward pass's, dropped with that pass when it
     was its size's first, and never mixed with another pass's in one median."""
-    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
-                           num_hidden_layers=4)
-    hybrid = engine.moecc.engine
-    calls = _recording_gaps(hybrid)
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    engine, hybrid, calls, ids = _recording_model()
     engine.train()
     policy = engine(input_ids=ids, labels=ids).loss  # pass 1: the size's first training pass
     with torch.no_grad():
@@ -336,11 +337,7 @@ def test_a_backwards_gaps_are_its_own_forward_passs_when_another_pass_runs_in_be
 def test_a_sizes_first_backward_gives_no_gaps_after_a_forward_without_gradients():
     """Each phase's first pass with gaps at a size is dropped on its own: a train-mode forward without gradients
     (a reference model's, a log-probability pass) warms the forward at that size, not the backward."""
-    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
-                           num_hidden_layers=4)
-    hybrid = engine.moecc.engine
-    calls = _recording_gaps(hybrid)
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    engine, hybrid, calls, ids = _recording_model()
     engine.train()
     with torch.no_grad():
         engine(input_ids=ids)  # pass 1: the forward's first at this size
@@ -362,10 +359,7 @@ def test_a_recomputed_layers_backward_is_filed_under_no_pass():
 def test_passes_with_every_expert_on_the_gpu_give_no_gaps():
     """A step the guard runs with every expert on the GPU measures the GPU's share of the gap alone: it would wear
     down the splits' estimate, so its gaps are not taken."""
-    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
-                           num_hidden_layers=4)
-    hybrid = engine.moecc.engine
-    calls = _recording_gaps(hybrid)
+    engine, hybrid, calls, ids = _recording_model()
     modes = iter(["split", "split", "gpu", "split", "split"])
 
     class Scripted:
@@ -373,7 +367,6 @@ def test_passes_with_every_expert_on_the_gpu_give_no_gaps():
             return next(modes)
 
     hybrid.step_guard = Scripted()
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     for _ in range(5):
         engine(input_ids=ids, labels=ids).loss.backward()
     # pass 1 is its size's first, pass 3 ran on the GPU alone, pass 5's gaps are read when a sixth begins
