@@ -193,8 +193,7 @@ class HybridEngine(OffloadEngine):
         self._size = size_bucket(tokens)
         # A pass with every expert on the GPU measures the GPU's share of the gap alone, not a split's
         self._passes[self.forward_passes] = (self._size, self.step_mode == GPU)
-        for old in [p for p in self._passes if p < self.forward_passes - _PASSES_KEPT]:
-            del self._passes[old]
+        self._passes.pop(self.forward_passes - _PASSES_KEPT, None)  # passes are numbered one by one
 
     def wait_for_cpu_part(self, number: int) -> None:
         """Until CPU part ``number`` is published: on the device's stream where it can (this thread goes on), the
@@ -367,8 +366,7 @@ class HybridEngine(OffloadEngine):
     def gap_ends(self, phase: str, index: int, forward_pass: int | None) -> None:
         """Layer ``index``'s experts' inputs are ready; the gap since the layer before in this pass is a sample."""
         opened = self._gap_open.pop(phase, None)
-        if (opened is not None and forward_pass is not None
-                and opened[0] + (1 if phase == "forward" else -1) == index and opened[1] == forward_pass):
+        if opened is not None and opened[0] + (1 if phase == "forward" else -1) == index and opened[1] == forward_pass:
             self._gap_samples.append((phase, forward_pass, opened[2], self._stream_mark()))
 
     def gap_interrupted(self, phase: str) -> None:
