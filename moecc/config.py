@@ -29,9 +29,12 @@ class MoeccConfig:
         gpu_memory_budget_gb: cap on this process's GPU memory (enforced with the allocator's per-process
             fraction); ``prepare`` fails up front, saying how much is needed, when the resident parts do not
             fit. None: no cap. Environment: ``MOECC_GPU_BUDGET_GB``.
-        offload_cache_gb: device memory for offload's cache of the most frequently routed experts, served to the
-            slots without crossing PCIe again (0: no cache). Counted in the GPU budget. Environment:
-            ``MOECC_OFFLOAD_CACHE_GB``.
+        offload_cache_gb: device memory for offload's (and hybrid's) cache of the most frequently routed experts,
+            served to the slots without crossing PCIe again (0: no cache). Counted in the GPU budget. ``"auto"``:
+            whatever the GPU budget (the device's memory without one) leaves at each batch size, less a 12% margin,
+            from the peak each training pass of that size measured; a batch size's first pass runs without a
+            cache. Under ``"auto"`` the engine resets the allocator's peak statistics at each forward pass, so
+            ``torch.cuda.max_memory_allocated`` covers the pass since. Environment: ``MOECC_OFFLOAD_CACHE_GB``.
         offload_slots: layers of experts the offload and hybrid paradigms keep on the device at once (2 = the
             current layer plus the one being prefetched). Hybrid copies ``offload_slots - 1`` layers ahead in
             both passes, so its copies go on while a layer's CPU part outlasts the next layer's copies (3 slots:
@@ -64,7 +67,7 @@ class MoeccConfig:
     isa: str = "auto"
     gpu_memory_budget_gb: float | None = None
     offload_slots: int = 2
-    offload_cache_gb: float = 0.0
+    offload_cache_gb: float | str = 0.0
     offload_lora: str = "auto"
     offload_compute: str = "auto"
     prepack_weights: bool = False
@@ -75,7 +78,10 @@ class MoeccConfig:
             raise ValueError(f"unknown moecc backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
         if self.gpu_memory_budget_gb is not None and self.gpu_memory_budget_gb <= 0:
             raise ValueError(f"gpu_memory_budget_gb must be positive, got {self.gpu_memory_budget_gb}")
-        if self.offload_cache_gb < 0:
+        if isinstance(self.offload_cache_gb, str):
+            if self.offload_cache_gb != "auto":
+                raise ValueError(f"offload_cache_gb must be a number of GB or 'auto', got {self.offload_cache_gb!r}")
+        elif self.offload_cache_gb < 0:
             raise ValueError(f"offload_cache_gb must be >= 0 (0 = no cache), got {self.offload_cache_gb}")
         if self.offload_slots < 1:
             raise ValueError(f"offload_slots must be >= 1, got {self.offload_slots}")
@@ -112,11 +118,14 @@ class MoeccConfig:
         for variable, field_name in (("MOECC_OFFLOAD_CACHE_GB", "offload_cache_gb"),
                                      ("MOECC_GPU_BUDGET_GB", "gpu_memory_budget_gb")):
             value = os.environ.get(variable)
-            if value:
+            if value and field_name == "offload_cache_gb" and value.strip().lower() == "auto":
+                kwargs[field_name] = "auto"
+            elif value:
                 try:
                     kwargs[field_name] = float(value)
                 except ValueError:
-                    raise ValueError(f"{variable}={value!r} is not a number of GB") from None
+                    raise ValueError(f"{variable}={value!r} is not a number of GB"
+                                     + (" or 'auto'" if field_name == "offload_cache_gb" else "")) from None
         for variable, field_name in (("MOECC_PIN_THREADS", "pin_threads"),
                                      ("MOECC_PREPACK_WEIGHTS", "prepack_weights"),
                                      ("MOECC_CHECK_FINITE", "check_finite")):

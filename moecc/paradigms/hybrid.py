@@ -44,8 +44,8 @@ from .hybrid_parts import (_add, _add_part, _backward_publish_target, _cpu_backw
 from .hybrid_split import CostTracker, RoutingForecast, SideCosts, hit_rate, physical_costs, plan_split
 from .step_guard import GPU, SPLIT, StepGuard, size_bucket
 from .event_spans import EventSpans
-from .offload import (OffloadEngine, OffloadLayer, ParkedState, _Call, _timed_event, lora_on_device,
-                      offload_gpu_bytes)
+from .offload import (OffloadEngine, OffloadLayer, ParkedState, _Call, _timed_event, cache_setting,
+                      lora_on_device, offload_gpu_bytes)
 
 _KEPT_ERRORS = 16  # backward parts' errors kept for passes that have not claimed them
 _PASSES_KEPT = 1024  # forward passes whose sizes are kept for their backwards' gaps (micro-batches before them)
@@ -81,8 +81,8 @@ class HybridEngine(OffloadEngine):
     name = "hybrid"
 
     def __init__(self, device: torch.device, cpu: ExpertBackend, slots: int = 2, compute: str | None = None,
-                 cache_bytes: int = 0) -> None:
-        super().__init__(device, max(2, slots), compute, cache_bytes)
+                 cache_bytes: int = 0, cache_limit: int | None = None) -> None:
+        super().__init__(device, max(2, slots), compute, cache_bytes, cache_limit)
         self.cpu = cpu
         self.staging = StagingBuffers(self.device)  # offload's: numbered ("cuda" as "cuda:0")
         self.worker = Worker("moecc-hybrid-cpu")
@@ -135,7 +135,7 @@ class HybridEngine(OffloadEngine):
         compute = config.offload_compute
         return cls(device, cpu_backend(config.backend, config.isa, prepack=config.prepack_weights),
                    config.offload_slots, default_device_backend(device) if compute == "auto" else compute,
-                   int(config.offload_cache_gb * 1e9))
+                   *cache_setting(device, config))
 
     def finish(self, model: torch.nn.Module, config: MoeccConfig) -> None:
         """Expert LoRA on the GPU where it fits (offload's rule: the optimizer steps it there and the GPU part uses

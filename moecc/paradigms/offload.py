@@ -44,7 +44,9 @@ from .base import (BUDGET_SLACK, Engine, ExpertLayer, Pending, Ready, expert_lor
                    resident_weight_bytes, routed_counts, saved_state_gone)
 from .driver_copies import DriverCopies, run_copies
 from .event_spans import EventSpans
-from .expert_cache import ExpertCache
+from .cache_sizing import CacheSizer
+from .expert_cache import CudaPeakMemory, ExpertCache
+from .step_guard import size_bucket
 
 SAVED_TENSORS = ("hidden", "top_k_weights", "offsets", "order", "gate_up_out")  # SavedState's tensor fields
 _PARK_ALIGN = 64  # bytes; each tensor's offset in a parked buffer
@@ -263,12 +265,18 @@ class OffloadEngine(Engine):
     name = "offload"
 
     def __init__(self, device: torch.device, slots: int = 2, compute: str | None = None,
-                 cache_bytes: int = 0) -> None:
+                 cache_bytes: int = 0, cache_limit: int | None = None) -> None:
         if device.type == "cuda" and device.index is None:  # compared with tensors' devices, which have one
             device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(device)
         # Device copies of the hottest experts (moecc.paradigms.expert_cache); None when no budget is given.
-        self.cache = ExpertCache(device, cache_bytes) if cache_bytes > 0 else None
+        # With ``cache_limit`` (offload_cache_gb="auto") the budget follows each batch size's measured peak
+        # (moecc.paradigms.cache_sizing), read through ``peak_memory`` (None off CUDA: the cache stays empty).
+        auto = cache_limit is not None
+        self.cache = ExpertCache(device, cache_bytes) if cache_bytes > 0 or auto else None
+        self.cache_sizer = CacheSizer(cache_limit) if auto else None
+        self.peak_memory = CudaPeakMemory(device) if auto and device.type == "cuda" else None
+        self._cache_pass: tuple[int, int] | None = None  # (batch size bucket, cache bytes) of the pass running
         self.capacity = max(1, slots)
         self.compute = default_device_backend(device) if compute in (None, "auto") else compute
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -306,7 +314,7 @@ class OffloadEngine(Engine):
 
     @classmethod
     def from_config(cls, device: torch.device, config: MoeccConfig) -> OffloadEngine:
-        return cls(device, config.offload_slots, config.offload_compute, int(config.offload_cache_gb * 1e9))
+        return cls(device, config.offload_slots, config.offload_compute, *cache_setting(device, config))
 
     def add_layer(self, name: str, experts: torch.nn.Module, wrappers: dict) -> OffloadLayer:
         """The layer, its experts' weights pinned on CUDA: copied to the device every layer call, from pageable
@@ -322,8 +330,22 @@ class OffloadEngine(Engine):
         self.place_lora(expert_lora_params(self.layers))
 
     def pass_begins(self, tokens: int, training: bool = True) -> None:
+        if self.cache_sizer is not None:
+            self._size_cache(tokens)
         if self.cache is not None:
-            self.cache.refill(self.layers)  # from the routing of the passes so far
+            self.cache.refill(self.layers, self.copy_stream)  # from the routing of the passes so far
+            if self.cache_sizer is not None:
+                self._cache_pass = (size_bucket(tokens), self.cache.bytes)
+                if self.peak_memory is not None:
+                    self.peak_memory.reset()  # this pass's peak starts with its cache in place
+
+    def _size_cache(self, tokens: int) -> None:
+        """Files the pass before's peak, less its cache, under its batch size; gives the cache what this pass's
+        batch size leaves."""
+        if self._cache_pass is not None and self.peak_memory is not None:
+            bucket, cache_bytes = self._cache_pass
+            self.cache_sizer.observe(bucket, self.peak_memory.peak(), cache_bytes)
+        self.cache.resize(self.cache_sizer.budget(size_bucket(tokens)))
 
     def gpu_bytes(self, config: MoeccConfig) -> int:
         return offload_gpu_bytes(self.layers, config, self.lora_on_device)
@@ -669,7 +691,21 @@ def offload_gpu_bytes(layers: list, config: MoeccConfig, lora_on_device: bool) -
     ``lora_on_device`` the expert LoRA factors, their gradients and two AdamW moments (4x the float32 factors)."""
     slot = max((layer.experts.gate_up_proj.nbytes + layer.experts.down_proj.nbytes for layer in layers), default=0)
     lora = 4 * sum(p.nbytes for p in expert_lora_params(layers)) if lora_on_device else 0
-    return config.offload_slots * slot + int(config.offload_cache_gb * 1e9) + lora
+    return config.offload_slots * slot + cache_setting(None, config)[0] + lora
+
+
+def cache_setting(device: torch.device | None, config: MoeccConfig) -> tuple[int, int | None]:
+    """``(cache_bytes, cache_limit)`` for the engines from ``config.offload_cache_gb``: a fixed budget, or under
+    ``"auto"`` none fixed and the limit the cache's sizing works within (the GPU budget, else the device's memory;
+    0 off CUDA, where host and device are one memory)."""
+    if config.offload_cache_gb != "auto":
+        return int(config.offload_cache_gb * 1e9), None
+    if config.gpu_memory_budget_gb is not None:
+        return 0, int(config.gpu_memory_budget_gb * 1e9)
+    if device is None or device.type != "cuda":
+        return 0, 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return 0, torch.cuda.get_device_properties(index).total_memory
 
 
 def lora_on_device(model: torch.nn.Module, layers: list, device: torch.device, config: MoeccConfig) -> bool:

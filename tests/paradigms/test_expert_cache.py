@@ -130,3 +130,119 @@ def test_cache_on_cuda_serves_copies_and_matches():
     with torch.no_grad():
         expected = reference(input_ids=ids, attention_mask=mask).logits
     assert rel_err(out.logits, expected) <= 1e-4
+
+
+def _fill(cache, layers, keys):
+    for layer, expert in keys:
+        counts = [0] * layers[layer].weights.num_experts
+        counts[expert] = 100 - len(cache.counts)  # earlier keys hotter
+        cache.observe(layer, counts)
+    cache.refill(layers)
+
+
+def test_shrinking_cache_frees_chunks_and_keeps_the_experts_of_the_rest(monkeypatch):
+    from moecc.paradigms import expert_cache
+    from moecc.paradigms.expert_cache import ExpertCache
+
+    _, engine = _pair(cache_gb=0.0)
+    layers = engine.moecc.layers
+    slot = expert_cache._aligned(layers[0].weights.gate_up[0].nbytes) + expert_cache._aligned(
+        layers[0].weights.down[0].nbytes)
+    monkeypatch.setattr(expert_cache, "CHUNK_BYTES", 2 * slot)  # two slots a chunk
+    cache = ExpertCache(torch.device("cpu"), 5 * slot)
+    keys = [(layer, expert) for layer in range(len(layers)) for expert in range(3)][:5]
+    _fill(cache, layers, keys)
+    assert set(cache.entries) == set(keys) and cache.bytes == 5 * slot  # chunks of 2, 2 and a cut one of 1
+    for (layer, expert), (gate_up, down, _) in cache.entries.items():
+        assert torch.equal(gate_up, layers[layer].weights.gate_up[expert])
+        assert torch.equal(down, layers[layer].weights.down[expert])
+    kept_before = {key for key, slot_index in cache._slot_of.items() if slot_index < 2}
+    cache.resize(2 * slot)
+    assert cache.bytes == 2 * slot and set(cache.entries) == kept_before  # freed at once, the first chunk intact
+    cache.resize(4 * slot)
+    cache.refill(layers)
+    assert cache.bytes == 4 * slot and set(cache.entries) == set(keys[:4])  # the four hottest
+    for (layer, expert), (gate_up, down, _) in cache.entries.items():
+        assert torch.equal(gate_up, layers[layer].weights.gate_up[expert])
+        assert torch.equal(down, layers[layer].weights.down[expert])
+
+
+class _FakePeak:
+    """Stands in for the CUDA allocator's peak: what the test says the pass used, plus the cache held."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.used = engine, 0
+
+    def peak(self) -> int:
+        return self.used + self.engine.cache.bytes
+
+    def reset(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("paradigm", ["offload", "hybrid"])
+def test_auto_cache_takes_what_each_batch_size_leaves(paradigm):
+    """Under "auto" a batch size's first pass runs without a cache, the next ones with the limit less the margin
+    less that size's peak; a larger size that leaves less shrinks the cache before its passes; training still
+    matches HF + PEFT."""
+    reference, engine = _pair(cache_gb="auto", paradigm=paradigm)
+    state = engine.moecc.engine
+    assert state.cache is not None and state.peak_memory is None  # the CPU device has no allocator peak
+    state.peak_memory = fake = _FakePeak(state)
+    expert = _expert_bytes(engine)
+    state.cache_sizer.limit_bytes = limit = 100 * expert
+    state.cache_sizer.margin = 0.0
+    small = batches(256, 1, batch=2, seq=12, seed=5)[0]  # 24 tokens: bucket 32
+    large = batches(256, 1, batch=4, seq=12, seed=6)[0]  # 48 tokens: bucket 64
+    held = []
+    for (ids, mask, labels), used in [(small, 90 * expert), (small, 90 * expert), (small, 90 * expert),
+                                      (large, 97 * expert), (large, 97 * expert), (small, 90 * expert)]:
+        for model in (engine, reference):
+            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        held.append(state.cache.bytes)
+        fake.used = used  # what this pass used besides the cache, read when the next pass begins
+    assert held[0] == 0  # a size's first pass: no cache
+    assert 0 < held[1] <= limit - 90 * expert and held[2] == held[1]
+    assert held[3] == 0  # the larger size's first pass: the cache made way
+    assert 0 < held[4] <= limit - 97 * expert < held[1]
+    assert held[5] == held[1]  # back to the small size: its budget again
+    assert_grads_match(reference, engine, 1e-4)
+
+
+def test_auto_cache_is_accepted_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MOECC_OFFLOAD_CACHE_GB", "Auto")
+    assert moecc.MoeccConfig.from_env().offload_cache_gb == "auto"
+    with pytest.raises(ValueError, match="a number of GB or 'auto', got 'most'"):
+        moecc.MoeccConfig(offload_cache_gb="most")
+
+
+@pytest.mark.gpu
+def test_auto_cache_on_cuda_fills_what_the_budget_leaves_and_matches():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from peft import get_peft_model
+
+    base = tiny_model("qwen3_moe", dtype=torch.float32, seed=0)
+    reference = get_peft_model(copy.deepcopy(base), lora_config("qwen3_moe"))
+    randomize_lora(reference, 3)
+    config = moecc.MoeccConfig(offload_cache_gb="auto", gpu_memory_budget_gb=1.0, offload_slots=1)
+    engine = moecc.prepare(copy.deepcopy(base), lora_config=lora_config("qwen3_moe"), device="cuda",
+                           paradigm="offload", config=config)
+    engine.load_state_dict(reference.state_dict())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    (ids, mask, labels), = batches(256, 1, batch=2, seq=12, seed=5)
+    state = engine.moecc.engine
+    held = []
+    for _ in range(3):
+        state.reset_metrics()
+        out = engine(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=labels.cuda())
+        out.loss.backward()
+        held.append(state.cache.bytes)
+    assert held[0] == 0 and 0 < held[1] <= 1e9 * (1 - state.cache_sizer.margin)
+    assert state.metrics_since_reset()["cache_hits"] > 0
+    a = reference(input_ids=ids, attention_mask=mask, labels=labels)
+    for _ in range(2):
+        reference(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    a.loss.backward()
+    assert rel_err(out.logits.cpu(), a.logits) <= 1e-4
+    assert_grads_match(reference, engine, 1e-3)
