@@ -79,7 +79,9 @@ class MoeccConfig:
         if self.gpu_memory_budget_gb is not None and self.gpu_memory_budget_gb <= 0:
             raise ValueError(f"gpu_memory_budget_gb must be positive, got {self.gpu_memory_budget_gb}")
         if isinstance(self.offload_cache_gb, str):
-            if self.offload_cache_gb != "auto":
+            if self.offload_cache_gb.strip().lower() == "auto":
+                self.offload_cache_gb = "auto"
+            else:
                 raise ValueError(f"offload_cache_gb must be a number of GB or 'auto', got {self.offload_cache_gb!r}")
         elif self.offload_cache_gb < 0:
             raise ValueError(f"offload_cache_gb must be >= 0 (0 = no cache), got {self.offload_cache_gb}")

@@ -233,6 +233,7 @@ class ExpertLayer(ABC):
         """``backward()`` of this layer's autograd node under :meth:`backward_lock`, with the incoming gradient and
         the node's gradients checked under ``check_finite``."""
         self.check_finite("incoming gradient (of the output)", grad_out)
+        self.engine.backward_calls += 1
         with self.backward_lock():
             return self.check_gradients(backward())
 
@@ -274,6 +275,7 @@ class Engine(ABC):
         self.metrics = StepMetrics()
         self.layers: list[ExpertLayer] = []
         self.forward_passes = 0  # forward passes begun (not recomputations): the step errors name
+        self.backward_calls = 0  # layer backwards begun
         self.check_finite = False  # MoeccConfig.check_finite: layers check their inputs, outputs and gradients
 
     @classmethod

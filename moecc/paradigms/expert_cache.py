@@ -52,9 +52,11 @@ class ExpertCache:
         self.budget_bytes = max(0, int(budget_bytes))
         if not self._per_chunk:
             return
-        keep = -(-self._slots_within(self.budget_bytes) // self._per_chunk)
-        if keep < len(self._chunks):
-            self._drop_chunks(keep)
+        slots = self._slots_within(self.budget_bytes)
+        for index, chunk in enumerate(self._chunks):  # the first chunk past the budget, or cut larger than it
+            if chunk.nbytes > max(0, min(self._per_chunk, slots - index * self._per_chunk)) * self._slot_bytes:
+                self._drop_chunks(index)
+                break
 
     def refill(self, layers: list, reader: torch.cuda.Stream | None = None) -> None:
         """Folds the routing seen since the last refill into the counts, then keeps the hottest pairs that fit.

@@ -276,7 +276,7 @@ class OffloadEngine(Engine):
         self.cache = ExpertCache(device, cache_bytes) if cache_bytes > 0 or auto else None
         self.cache_sizer = CacheSizer(cache_limit) if auto else None
         self.peak_memory = CudaPeakMemory(device) if auto and device.type == "cuda" else None
-        self._cache_pass: tuple[int, int] | None = None  # (batch size bucket, cache bytes) of the pass running
+        self._cache_pass: tuple[int, int, int] | None = None  # (tokens, cache bytes, backward_calls) at its start
         self.capacity = max(1, slots)
         self.compute = default_device_backend(device) if compute in (None, "auto") else compute
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -335,17 +335,18 @@ class OffloadEngine(Engine):
         if self.cache is not None:
             self.cache.refill(self.layers, self.copy_stream)  # from the routing of the passes so far
             if self.cache_sizer is not None:
-                self._cache_pass = (size_bucket(tokens), self.cache.bytes)
+                self._cache_pass = (tokens, self.cache.bytes, self.backward_calls)
                 if self.peak_memory is not None:
                     self.peak_memory.reset()  # this pass's peak starts with its cache in place
 
     def _size_cache(self, tokens: int) -> None:
-        """Files the pass before's peak, less its cache, under its batch size; gives the cache what this pass's
-        batch size leaves."""
+        """Files the span of the pass before (up to now) with its peak, less its cache; gives the cache what a pass
+        of ``tokens`` leaves."""
         if self._cache_pass is not None and self.peak_memory is not None:
-            bucket, cache_bytes = self._cache_pass
-            self.cache_sizer.observe(bucket, self.peak_memory.peak(), cache_bytes)
-        self.cache.resize(self.cache_sizer.budget(size_bucket(tokens)))
+            before, cache_bytes, backward_calls = self._cache_pass
+            self.cache_sizer.observe(before, self.peak_memory.peak(), cache_bytes,
+                                     backward=self.backward_calls > backward_calls)
+        self.cache.resize(self.cache_sizer.budget(tokens))
 
     def gpu_bytes(self, config: MoeccConfig) -> int:
         return offload_gpu_bytes(self.layers, config, self.lora_on_device)
@@ -696,16 +697,16 @@ def offload_gpu_bytes(layers: list, config: MoeccConfig, lora_on_device: bool) -
 
 def cache_setting(device: torch.device | None, config: MoeccConfig) -> tuple[int, int | None]:
     """``(cache_bytes, cache_limit)`` for the engines from ``config.offload_cache_gb``: a fixed budget, or under
-    ``"auto"`` none fixed and the limit the cache's sizing works within (the GPU budget, else the device's memory;
-    0 off CUDA, where host and device are one memory)."""
+    ``"auto"`` none fixed and the limit the cache's sizing works within (the GPU budget, else the device memory free
+    now plus what this process holds; 0 off CUDA, where host and device are one memory)."""
     if config.offload_cache_gb != "auto":
         return int(config.offload_cache_gb * 1e9), None
     if config.gpu_memory_budget_gb is not None:
         return 0, int(config.gpu_memory_budget_gb * 1e9)
     if device is None or device.type != "cuda":
         return 0, 0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return 0, torch.cuda.get_device_properties(index).total_memory
+    free, _ = torch.cuda.mem_get_info(device)  # other processes' memory is not ours to fill
+    return 0, free + torch.cuda.memory_reserved(device)
 
 
 def lora_on_device(model: torch.nn.Module, layers: list, device: torch.device, config: MoeccConfig) -> bool:

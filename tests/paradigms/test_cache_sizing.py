@@ -1,4 +1,5 @@
-"""The auto cache's budgets per batch size: what each size's measured peak leaves, nothing for an unseen size."""
+"""The auto cache's budgets per batch size: what each size's measured peak leaves, nothing before a training pass
+of that size and at least as many tokens was measured."""
 from moecc.paradigms.cache_sizing import CacheSizer
 
 
@@ -8,19 +9,33 @@ def test_unseen_batch_size_gets_no_cache():
 
 def test_budget_is_the_limit_less_margin_less_the_peak_without_the_cache():
     sizer = CacheSizer(limit_bytes=1000, margin=0.1)
-    sizer.observe(512, peak_bytes=700, cache_bytes=300)  # the pass itself used 400
+    sizer.observe(512, peak_bytes=700, cache_bytes=300, backward=True)  # the pass itself used 400
     assert sizer.budget(512) == 900 - 400
+    assert sizer.budget(300) == 900 - 400  # fewer tokens of the same size (bucket 512)
     assert sizer.budget(2048) == 0  # another size is not inferred from this one
 
 
-def test_largest_peak_of_a_size_is_kept():
+def test_more_tokens_of_a_measured_size_get_no_cache_until_measured():
     sizer = CacheSizer(limit_bytes=1000, margin=0.0)
-    sizer.observe(512, peak_bytes=600, cache_bytes=0)  # a training pass
-    sizer.observe(512, peak_bytes=300, cache_bytes=0)  # an evaluation of the same size
+    sizer.observe(1100, peak_bytes=300, cache_bytes=0, backward=True)  # bucket 2048
+    assert sizer.budget(1100) == 700
+    assert sizer.budget(2048) == 0  # up to twice the activations of the pass measured
+    sizer.observe(2048, peak_bytes=550, cache_bytes=0, backward=True)
+    assert sizer.budget(2048) == 450 and sizer.budget(1100) == 450
+
+
+def test_a_pass_without_backward_does_not_open_the_cache():
+    """An evaluation or a DPO reference forward keeps few activations: its peak alone would size the cache for a
+    training pass far too large."""
+    sizer = CacheSizer(limit_bytes=1000, margin=0.0)
+    sizer.observe(512, peak_bytes=200, cache_bytes=0, backward=False)
+    assert sizer.budget(512) == 0
+    sizer.observe(512, peak_bytes=600, cache_bytes=0, backward=True)
+    sizer.observe(512, peak_bytes=300, cache_bytes=0, backward=False)  # the largest peak of a size is kept
     assert sizer.budget(512) == 400
 
 
 def test_budget_is_never_negative():
     sizer = CacheSizer(limit_bytes=1000, margin=0.12)
-    sizer.observe(8192, peak_bytes=990, cache_bytes=0)
+    sizer.observe(8192, peak_bytes=990, cache_bytes=0, backward=True)
     assert sizer.budget(8192) == 0
