@@ -300,6 +300,14 @@ def test_prepare_logs_what_runs_where(caplog):
         moecc.prepare(tiny_model("qwen3_moe"), device="cpu")
     warning, = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "float32" in warning and "reference backend" in warning and "dtype=torch.bfloat16" in warning
+    for cache, said in (("auto", "expert cache: what the GPU budget leaves at each batch size"),
+                        (0.5, "expert cache 0.5 GB")):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="moecc"):
+            moecc.prepare(tiny_model("qwen3_moe"), device="cpu", paradigm="offload",
+                          config=moecc.MoeccConfig(offload_cache_gb=cache))
+        line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("moecc prepared"))
+        assert said in line
 
 
 def test_saved_settings_travel_with_the_adapter(tmp_path):
