@@ -25,6 +25,22 @@ def _pair(cache_gb: float, family: str = "qwen3_moe", paradigm: str = "offload")
     return reference, engine
 
 
+def _cuda_pair(config: moecc.MoeccConfig):
+    """HF + PEFT on the CPU, and the same model under offload on CUDA with ``config`` (skips without a GPU)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from peft import get_peft_model
+
+    base = tiny_model("qwen3_moe", dtype=torch.float32, seed=0)
+    reference = get_peft_model(copy.deepcopy(base), lora_config("qwen3_moe"))
+    randomize_lora(reference, 3)
+    engine = moecc.prepare(copy.deepcopy(base), lora_config=lora_config("qwen3_moe"), device="cuda",
+                           paradigm="offload", config=config)
+    engine.load_state_dict(reference.state_dict())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return reference, engine
+
+
 def _expert_bytes(engine) -> int:
     weights = engine.moecc.layers[0].weights
     return weights.gate_up[0].nbytes + weights.down[0].nbytes
@@ -108,18 +124,7 @@ def test_negative_cache_budget_is_refused():
 
 @pytest.mark.gpu
 def test_cache_on_cuda_serves_copies_and_matches():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from peft import get_peft_model
-
-    base = tiny_model("qwen3_moe", dtype=torch.float32, seed=0)
-    reference = get_peft_model(copy.deepcopy(base), lora_config("qwen3_moe"))
-    randomize_lora(reference, 3)
-    config = moecc.MoeccConfig(offload_cache_gb=1.0, offload_slots=1)
-    engine = moecc.prepare(copy.deepcopy(base), lora_config=lora_config("qwen3_moe"), device="cuda",
-                           paradigm="offload", config=config)
-    engine.load_state_dict(reference.state_dict())
-    torch.backends.cuda.matmul.allow_tf32 = False
+    reference, engine = _cuda_pair(moecc.MoeccConfig(offload_cache_gb=1.0, offload_slots=1))
     (ids, mask, labels), = batches(256, 1, batch=2, seq=12, seed=5)
     state = engine.moecc.engine
     for _ in range(2):
@@ -232,18 +237,8 @@ def test_auto_cache_is_accepted_from_the_environment(monkeypatch):
 
 @pytest.mark.gpu
 def test_auto_cache_on_cuda_fills_what_the_budget_leaves_and_matches():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from peft import get_peft_model
-
-    base = tiny_model("qwen3_moe", dtype=torch.float32, seed=0)
-    reference = get_peft_model(copy.deepcopy(base), lora_config("qwen3_moe"))
-    randomize_lora(reference, 3)
-    config = moecc.MoeccConfig(offload_cache_gb="auto", gpu_memory_budget_gb=1.0, offload_slots=1)
-    engine = moecc.prepare(copy.deepcopy(base), lora_config=lora_config("qwen3_moe"), device="cuda",
-                           paradigm="offload", config=config)
-    engine.load_state_dict(reference.state_dict())
-    torch.backends.cuda.matmul.allow_tf32 = False
+    reference, engine = _cuda_pair(moecc.MoeccConfig(offload_cache_gb="auto", gpu_memory_budget_gb=1.0,
+                                                     offload_slots=1))
     (ids, mask, labels), = batches(256, 1, batch=2, seq=12, seed=5)
     state = engine.moecc.engine
     held = []
