@@ -6,10 +6,14 @@ processes (each building and pinning a 60 GB model first) can land in different 
 built per run, and each round times every setting in turn; the table gives per setting the median of its steps,
 their range, and the median of each round's ratio to the first setting. Settings are ``name=mode`` or
 ``name=mode:VAR=value,VAR=value`` (``mode`` ``split`` or ``gpu``); the variables are set for that setting's steps
-(an engine that reads them at call time sees them). The step guard is replaced by the fixed mode.
+(an engine that reads them at call time sees them); ``cache=off`` among them runs the setting without the expert
+cache the model was built with (``MOECC_OFFLOAD_CACHE_GB``), so cache and none interleave too. The step guard is
+replaced by the fixed mode.
 
     python benchmarks/hybrid_modes_ab.py --tokens 512,2048 --rounds 3 \\
         --setting split=split --setting gpu=gpu --out benchmarks/results/hybrid_modes_ab
+    MOECC_OFFLOAD_CACHE_GB=auto python benchmarks/hybrid_modes_ab.py --tokens 512,8192 --setting split=split \\
+        --setting split-none=split:cache=off --setting gpu=gpu --setting gpu-none=gpu:cache=off
 """
 from __future__ import annotations
 
@@ -58,10 +62,34 @@ def parse_setting(text: str) -> tuple[str, str, dict[str, str]]:
     return name, mode, variables
 
 
+def use_cache(engine, on: bool) -> None:
+    """Turns the engine's expert cache (built with ``MOECC_OFFLOAD_CACHE_GB``) off, emptied so its memory is free,
+    or back on as built; its next pass refills it. Neither state's passes feed the auto cache's peaks."""
+    if not hasattr(engine, "ab_cache"):
+        engine.ab_cache = (engine.cache, engine.cache_sizer,
+                           engine.cache.budget_bytes if engine.cache is not None else 0)
+    cache, sizer, budget = engine.ab_cache
+    if cache is None:
+        return
+    if not on:
+        cache.resize(0)
+    elif engine.cache is None:
+        cache.resize(budget)
+    engine.cache, engine.cache_sizer = (cache, sizer) if on else (None, None)
+    engine._cache_pass = None  # a peak spanning the other state's steps would mislead the sizing
+
+
 def time_setting(model, device, tokens: int, steps: int, mode: str, variables: dict[str, str],
                  state: dict) -> dict:
-    """One setting's steps (one untimed first) with its variables set and its mode fixed."""
+    """One setting's steps (one untimed first) with its variables set and its mode fixed; ``cache=off`` among the
+    variables runs them without the expert cache."""
+    variables = dict(variables)
+    cache = variables.pop("cache", "on")
+    if cache not in ("on", "off"):
+        raise ValueError(f"a setting's cache is on or off, got {cache!r}")
     model.moecc.engine.step_guard = FixedMode(mode)
+    if hasattr(model.moecc.engine, "cache"):
+        use_cache(model.moecc.engine, cache == "on")
     with mock.patch.dict(os.environ, variables):
         return runner._fall_back_to_checkpointing(
             model, state, lambda: time_training(model, device, tokens, steps, warmup=1, profile_gpu=False))

@@ -78,3 +78,34 @@ def test_a_token_count_that_fails_is_recorded_and_the_next_one_still_runs(tmp_pa
     table = (tmp_path / "ab.md").read_text()
     assert "| 64 | a |" in table and "| 256 | b |" in table and "| 128 |" not in table
     assert "128 tokens, round 0, a failed: RuntimeError: CUDA out of memory" in table
+
+
+def test_cache_off_runs_a_setting_without_the_cache_and_on_restores_it(monkeypatch):
+    """``cache=off`` empties and detaches the expert cache for its steps only; the next setting gets it back as
+    built, and neither state's passes feed the auto cache's peaks."""
+    import torch
+
+    from moecc.bench import runner
+
+    ab = load_benchmark("hybrid_modes_ab")
+    monkeypatch.setenv("MOECC_OFFLOAD_CACHE_GB", "1")
+    model, _, state = runner.build_for_timing("tiny", None, "hybrid", torch.device("cpu"), None)
+    engine = model.moecc.engine
+    cache = engine.cache
+    seen = []
+
+    def fake_time_training(model, device, tokens, steps, warmup, profile_gpu):
+        span = engine._cache_pass
+        ids = torch.randint(0, 100, (1, tokens))
+        for _ in range(2):  # a pass counts the routing, the next one's start refills whatever cache is on
+            model(input_ids=ids, labels=ids).loss.backward()
+        seen.append((engine.cache is cache, cache.bytes > 0, span))
+        return {"steps": []}
+
+    monkeypatch.setattr(ab, "time_training", fake_time_training)
+    for variables in ({}, {"cache": "off"}, {}):
+        engine._cache_pass = (32, 1, 0)  # a span the other state's steps would have extended
+        ab.time_setting(model, "cpu", 32, 1, "split", variables, state)
+    assert seen == [(True, True, None), (False, False, None), (True, True, None)]
+    with pytest.raises(ValueError, match="cache is on or off, got 'maybe'"):
+        ab.time_setting(model, "cpu", 32, 1, "split", {"cache": "maybe"}, state)
