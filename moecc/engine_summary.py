@@ -69,11 +69,12 @@ def describe(state, config) -> tuple[str, list[str]]:
     if done is not None and engine.device.type == "cuda":
         parts.append("the GPU waits for the CPU parts itself" if done.on_device
                      else f"the host waits for the CPU parts: {done.reason}")
-    cache = getattr(engine, "cache", None)  # offload, hybrid: the expert cache's budget
-    if cache is not None:
-        parts.append("expert cache: what the GPU budget leaves at each batch size"
-                     if getattr(engine, "cache_sizer", None) is not None
-                     else f"expert cache {cache.budget_bytes / 1e9:g} GB")
+    cache, sizer = getattr(engine, "cache", None), getattr(engine, "cache_sizer", None)  # offload, hybrid
+    if sizer is not None:
+        parts.append("expert cache: what the GPU budget leaves at each batch size" if sizer.limit_bytes
+                     else "expert cache: none (host and device are one memory)")
+    elif cache is not None:
+        parts.append(f"expert cache {cache.budget_bytes / 1e9:g} GB")
     budget = config.gpu_memory_budget_gb
     line = (f"moecc prepared {state.family.model_type}: paradigm={state.paradigm}, device={state.device}, "
             f"experts: {'; '.join(parts)}, threads={_ops.num_threads()}"

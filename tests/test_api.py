@@ -288,7 +288,7 @@ def test_prepare_refuses_peft_models_it_cannot_adopt():
         moecc.prepare(prepared, device="cpu")
 
 
-def test_prepare_logs_what_runs_where(caplog):
+def test_prepare_logs_what_runs_where(caplog, monkeypatch):
     with caplog.at_level("INFO", logger="moecc"):
         moecc.prepare(tiny_model("qwen3_moe", dtype=torch.bfloat16), device="cpu")
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("moecc prepared"))
@@ -300,7 +300,7 @@ def test_prepare_logs_what_runs_where(caplog):
         moecc.prepare(tiny_model("qwen3_moe"), device="cpu")
     warning, = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "float32" in warning and "reference backend" in warning and "dtype=torch.bfloat16" in warning
-    for cache, said in (("auto", "expert cache: what the GPU budget leaves at each batch size"),
+    for cache, said in (("auto", "expert cache: none (host and device are one memory)"),
                         (0.5, "expert cache 0.5 GB")):
         caplog.clear()
         with caplog.at_level("INFO", logger="moecc"):
@@ -308,6 +308,15 @@ def test_prepare_logs_what_runs_where(caplog):
                           config=moecc.MoeccConfig(offload_cache_gb=cache))
         line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("moecc prepared"))
         assert said in line
+    from moecc.paradigms import offload
+
+    monkeypatch.setattr(offload, "cache_setting", lambda device, config: (0, 10**9))  # as on a GPU
+    caplog.clear()
+    with caplog.at_level("INFO", logger="moecc"):
+        moecc.prepare(tiny_model("qwen3_moe"), device="cpu", paradigm="offload",
+                      config=moecc.MoeccConfig(offload_cache_gb="auto"))
+    assert any("expert cache: what the GPU budget leaves at each batch size" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_saved_settings_travel_with_the_adapter(tmp_path):
