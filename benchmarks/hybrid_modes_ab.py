@@ -70,6 +70,9 @@ def use_cache(engine, on: bool) -> None:
                            engine.cache.budget_bytes if engine.cache is not None else 0)
     cache, sizer, budget = engine.ab_cache
     if cache is None:
+        if not on:
+            raise ValueError("cache=off asks for a model built with an expert cache: set MOECC_OFFLOAD_CACHE_GB "
+                             "(a number of GB, or auto)")
         return
     if not on:
         cache.resize(0)
@@ -88,8 +91,7 @@ def time_setting(model, device, tokens: int, steps: int, mode: str, variables: d
     if cache not in ("on", "off"):
         raise ValueError(f"a setting's cache is on or off, got {cache!r}")
     model.moecc.engine.step_guard = FixedMode(mode)
-    if hasattr(model.moecc.engine, "cache"):
-        use_cache(model.moecc.engine, cache == "on")
+    use_cache(model.moecc.engine, cache == "on")
     with mock.patch.dict(os.environ, variables):
         return runner._fall_back_to_checkpointing(
             model, state, lambda: time_training(model, device, tokens, steps, warmup=1, profile_gpu=False))

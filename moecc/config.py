@@ -31,10 +31,11 @@ class MoeccConfig:
             fit. None: no cap. Environment: ``MOECC_GPU_BUDGET_GB``.
         offload_cache_gb: device memory for offload's (and hybrid's) cache of the most frequently routed experts,
             served to the slots without crossing PCIe again (0: no cache). Counted in the GPU budget. ``"auto"``:
-            whatever the GPU budget (the device's memory without one) leaves at each batch size, less a 12% margin,
-            from the peak each training pass of that size measured; a batch size's first pass runs without a
-            cache. Under ``"auto"`` the engine resets the allocator's peak statistics at each forward pass, so
-            ``torch.cuda.max_memory_allocated`` covers the pass since. Environment: ``MOECC_OFFLOAD_CACHE_GB``.
+            whatever the GPU budget (without one, the device's free memory) leaves at each batch size, less a 12%
+            margin, from the peak measured for that size; a pass runs without a cache until one of at least its
+            tokens was measured with its backward (an evaluation: its forward). Under ``"auto"`` the engine resets
+            the allocator's peak statistics at each forward pass, so ``torch.cuda.max_memory_allocated`` covers
+            the pass since. Environment: ``MOECC_OFFLOAD_CACHE_GB``.
         offload_slots: layers of experts the offload and hybrid paradigms keep on the device at once (2 = the
             current layer plus the one being prefetched). Hybrid copies ``offload_slots - 1`` layers ahead in
             both passes, so its copies go on while a layer's CPU part outlasts the next layer's copies (3 slots:

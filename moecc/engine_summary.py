@@ -71,8 +71,8 @@ def describe(state, config) -> tuple[str, list[str]]:
                      else f"the host waits for the CPU parts: {done.reason}")
     cache, sizer = getattr(engine, "cache", None), getattr(engine, "cache_sizer", None)  # offload, hybrid
     if sizer is not None:
-        parts.append("expert cache: what the GPU budget leaves at each batch size" if sizer.limit_bytes
-                     else "expert cache: none (host and device are one memory)")
+        parts.append("expert cache: what the GPU budget (or free memory) leaves at each batch size"
+                     if sizer.limit_bytes else "expert cache: none (host and device are one memory)")
     elif cache is not None:
         parts.append(f"expert cache {cache.budget_bytes / 1e9:g} GB")
     budget = config.gpu_memory_budget_gb

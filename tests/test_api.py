@@ -315,7 +315,7 @@ def test_prepare_logs_what_runs_where(caplog, monkeypatch):
     with caplog.at_level("INFO", logger="moecc"):
         moecc.prepare(tiny_model("qwen3_moe"), device="cpu", paradigm="offload",
                       config=moecc.MoeccConfig(offload_cache_gb="auto"))
-    assert any("expert cache: what the GPU budget leaves at each batch size" in r.getMessage()
+    assert any("expert cache: what the GPU budget (or free memory) leaves at each batch size" in r.getMessage()
                for r in caplog.records)
 
 

@@ -276,7 +276,8 @@ class OffloadEngine(Engine):
         self.cache = ExpertCache(device, cache_bytes) if cache_bytes > 0 or auto else None
         self.cache_sizer = CacheSizer(cache_limit) if auto else None
         self.peak_memory = CudaPeakMemory(device) if auto and device.type == "cuda" else None
-        self._cache_pass: tuple[int, int, int] | None = None  # (tokens, cache bytes, backward_calls) at its start
+        # (tokens, training, cache bytes, backward_calls) of the pass running, at its start
+        self._cache_pass: tuple[int, bool, int, int] | None = None
         self.capacity = max(1, slots)
         self.compute = default_device_backend(device) if compute in (None, "auto") else compute
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -331,22 +332,22 @@ class OffloadEngine(Engine):
 
     def pass_begins(self, tokens: int, training: bool = True) -> None:
         if self.cache_sizer is not None:
-            self._size_cache(tokens)
+            self._size_cache(tokens, training)
         if self.cache is not None:
             self.cache.refill(self.layers, self.copy_stream)  # from the routing of the passes so far
             if self.cache_sizer is not None:
-                self._cache_pass = (tokens, self.cache.bytes, self.backward_calls)
+                self._cache_pass = (tokens, training, self.cache.bytes, self.backward_calls)
                 if self.peak_memory is not None:
                     self.peak_memory.reset()  # this pass's peak starts with its cache in place
 
-    def _size_cache(self, tokens: int) -> None:
+    def _size_cache(self, tokens: int, training: bool) -> None:
         """Files the span of the pass before (up to now) with its peak, less its cache; gives the cache what a pass
         of ``tokens`` leaves."""
         if self._cache_pass is not None and self.peak_memory is not None:
-            before, cache_bytes, backward_calls = self._cache_pass
+            before, was_training, cache_bytes, backward_calls = self._cache_pass
             self.cache_sizer.observe(before, self.peak_memory.peak(), cache_bytes,
-                                     backward=self.backward_calls > backward_calls)
-        self.cache.resize(self.cache_sizer.budget(tokens))
+                                     backward=self.backward_calls > backward_calls, training=was_training)
+        self.cache.resize(self.cache_sizer.budget(tokens, training))
 
     def gpu_bytes(self, config: MoeccConfig) -> int:
         return offload_gpu_bytes(self.layers, config, self.lora_on_device)

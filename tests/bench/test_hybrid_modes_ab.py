@@ -26,7 +26,7 @@ def test_a_settings_variables_hold_during_its_steps_only(monkeypatch):
     seen = []
 
     class Engine:
-        step_guard = None
+        step_guard = cache = cache_sizer = None
 
     class Model:
         class moecc:  # noqa: N801  (the attribute the engine hangs off)
@@ -109,3 +109,25 @@ def test_cache_off_runs_a_setting_without_the_cache_and_on_restores_it(monkeypat
     assert seen == [(True, True, None), (False, False, None), (True, True, None)]
     with pytest.raises(ValueError, match="cache is on or off, got 'maybe'"):
         ab.time_setting(model, "cpu", 32, 1, "split", {"cache": "maybe"}, state)
+
+
+def test_cache_off_restores_the_auto_sizer_and_needs_a_cache(monkeypatch):
+    import torch
+
+    from moecc.bench import runner
+
+    ab = load_benchmark("hybrid_modes_ab")
+    monkeypatch.setattr(ab, "time_training", lambda *args, **kwargs: {"steps": []})
+    monkeypatch.setenv("MOECC_OFFLOAD_CACHE_GB", "auto")
+    model, _, state = runner.build_for_timing("tiny", None, "hybrid", torch.device("cpu"), None)
+    engine = model.moecc.engine
+    cache, sizer = engine.cache, engine.cache_sizer
+    assert cache is not None and sizer is not None
+    ab.time_setting(model, "cpu", 32, 1, "split", {"cache": "off"}, state)
+    assert engine.cache is None and engine.cache_sizer is None
+    ab.time_setting(model, "cpu", 32, 1, "split", {}, state)
+    assert engine.cache is cache and engine.cache_sizer is sizer
+    monkeypatch.delenv("MOECC_OFFLOAD_CACHE_GB")
+    model, _, state = runner.build_for_timing("tiny", None, "hybrid", torch.device("cpu"), None)
+    with pytest.raises(ValueError, match="cache=off asks for a model built with an expert cache"):
+        ab.time_setting(model, "cpu", 32, 1, "split", {"cache": "off"}, state)
