@@ -80,8 +80,6 @@ class ExpertCache:
             return
         self._grow(len(wanted))
         free = sorted(set(range(self._capacity())) - set(self._slot_of.values()), reverse=True)
-        if reader is not None:
-            torch.cuda.current_stream(self.device).wait_stream(reader)
         for layer_index, expert in wanted:
             layer = layers[layer_index]
             revision = layer.revision()
@@ -91,6 +89,9 @@ class ExpertCache:
             slot = self._slot_of.get((layer_index, expert))
             if slot is None:
                 slot = self._slot_of[(layer_index, expert)] = free.pop()
+            if reader is not None:  # only a pass that writes a slot waits, and once
+                torch.cuda.current_stream(self.device).wait_stream(reader)
+                reader = None
             weights = layer.weights
             gate_up, down = self._views(slot, weights.gate_up[expert], weights.down[expert])
             gate_up.copy_(weights.gate_up[expert])  # blocking: served by the copy stream right after
