@@ -8,7 +8,7 @@ mkdir -p .host/cache/moecc && cp benchmarks/results/host_2026-12-06_s31/call1/ra
 export XDG_CACHE_HOME=.host/cache PYTHONPATH=.
 timeout 60 python -m pytest -q -m gpu tests/paradigms/test_expert_cache.py > $OUT/gpu_tests.log 2>&1
 tail -3 $OUT/gpu_tests.log
-MOECC_OFFLOAD_CACHE_GB=auto timeout 380 python benchmarks/hybrid_modes_ab.py --tokens 512,2048,8192 --rounds 2 \
+MOECC_OFFLOAD_CACHE_GB=auto timeout 380 python benchmarks/hybrid_modes_ab.py --tokens ${AB_TOKENS:-512,2048,8192} --rounds 2 \
     --setting split=split --setting split-none=split:cache=off --setting gpu=gpu --setting gpu-none=gpu:cache=off \
     --out $OUT/auto > $OUT/auto.log 2>&1
 echo auto rc $?
