@@ -474,9 +474,16 @@ class NativeExperts:
         num_tokens, top_k = saved.routing_shape
         pair_ids = saved.pair_ids
         tokens = torch.div(pair_ids, top_k, rounding_mode="floor", out=None if into is None else into.tokens)
-        # The rows go in as they come (bf16 or float32) and their gradients come out float32, for the sum
-        grad_rows, grad_routing, grads = self._backward(weights, saved, grad_out[tokens], gate_up_lora, down_lora,
-                                                        rows=True, into=into)  # [P, H] float32 (scratch), [P, 1]
+        # The rows go in as they come (bf16 or float32) and their gradients come out float32, for the sum. Gathered
+        # into a pooled buffer: fresh pages fault on every call, and index_select beats advanced indexing.
+        grad_out = grad_out.contiguous()
+        gathered = self._scratch.take((pair_ids.numel(), grad_out.shape[1]), grad_out.dtype)
+        try:
+            torch.index_select(grad_out, 0, tokens, out=gathered)
+            grad_rows, grad_routing, grads = self._backward(weights, saved, gathered, gate_up_lora, down_lora,
+                                                            rows=True, into=into)  # [P, H] float32 (scratch), [P, 1]
+        finally:
+            self._scratch.give(gathered)
         grad_weights = (torch.zeros(num_tokens * top_k, dtype=torch.float32) if into is None
                         else into.grad_weights.zero_().view(-1))
         grad_weights.index_copy_(0, pair_ids, grad_routing.view(-1))

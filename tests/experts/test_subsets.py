@@ -205,6 +205,33 @@ def test_native_pairs_into_are_forward_pairs_written_in_place(backend):
                                   rows=rows, tokens=at)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_native_pairs_backward_takes_any_grad_layout_and_pools_its_rows(dtype):
+    """``backward_pairs`` gathers the subset's rows of ``grad_out`` itself: a strided ``grad_out`` gives what its
+    contiguous copy gives, bit for bit, in every dtype; and the gathered rows come from the backend's pools, so
+    steps after the first allocate nothing new."""
+    native = _native()
+    weights, x, index, w, loras, _ = _problem(13, torch.bfloat16, seed=6)
+    mask = torch.arange(EXPERTS) % 3 == 1
+    assert 0 < int(mask[index].sum()) <= 2 * 13
+    strided = torch.randn(HIDDEN, 13, generator=torch.Generator().manual_seed(7)).to(dtype).t()
+    assert not strided.is_contiguous()
+    results, fresh = [], []
+    for grad_out in (strided.contiguous(), strided, strided, strided):
+        rows, _, saved = native.forward_pairs(weights, x, index, w, *loras, expert_mask=mask)
+        grad_rows, grad_at, grad_w, grads = native.backward_pairs(weights, saved, grad_out, *loras)
+        results.append([grad_rows.clone(), grad_at, grad_w] + [getattr(grads, n).clone() for n in GRAD_NAMES])
+        native.release_result(rows)
+        native.release_result(grad_rows)
+        for name in GRAD_NAMES:
+            native.release_result(getattr(grads, name))
+        fresh.append(native.fresh_bytes)
+    for got in results[1:]:
+        for a, b in zip(got, results[0]):
+            assert torch.equal(a, b)
+    assert fresh[1] == fresh[2] == fresh[3], fresh
+
+
 def test_per_layer_pairs_of_a_layer_the_kernels_do_not_run_are_dense():
     module = PerLayerExperts(_native())
     problem = _problem(5, torch.float32, seed=4)
