@@ -476,7 +476,6 @@ class NativeExperts:
         tokens = torch.div(pair_ids, top_k, rounding_mode="floor", out=None if into is None else into.tokens)
         # The rows go in as they come (bf16 or float32) and their gradients come out float32, for the sum. Gathered
         # into a pooled buffer: fresh pages fault on every call, and index_select beats advanced indexing.
-        grad_out = grad_out.contiguous()
         gathered = self._scratch.take((pair_ids.numel(), grad_out.shape[1]), grad_out.dtype)
         try:
             torch.index_select(grad_out, 0, tokens, out=gathered)
