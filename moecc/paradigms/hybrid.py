@@ -645,9 +645,6 @@ class HybridExpertsFunction(torch.autograd.Function):
         on_gpu = set(gpu)
         cpu = tuple(e for e, n in enumerate(counts) if n > 0 and e not in on_gpu)
         parts.gpu, parts.cpu, parts.lora, parts.weights_host = gpu, cpu, lora, layer.weights
-        parts.gpu_backward = engine.backward_split(layer, counts, gpu) if cpu and call.keep else gpu
-        if parts.gpu_backward != gpu:
-            ctx.top_k_index = top_k_index  # the GPU recomputes the moved experts' forward from it in backward
         if cpu:  # first: the CPU starts as soon as the activations reach the host
             staged, parts.cpu_lora, ready = staged or _stage_cpu_inputs(engine, layer.index, hidden, top_k_index,
                                                                         top_k_weights, lora)
@@ -662,6 +659,10 @@ class HybridExpertsFunction(torch.autograd.Function):
                 except BaseException:
                     engine.cpu_done.publish(parts.published[0])  # never run: no stream may wait for it
                     raise
+        # Planned once the CPU part runs: the forward's CPU part does not depend on it
+        parts.gpu_backward = engine.backward_split(layer, counts, gpu) if cpu and call.keep else gpu
+        if parts.gpu_backward != gpu:
+            ctx.top_k_index = top_k_index  # the GPU recomputes the moved experts' forward from it in backward
         slot = engine._timed_fetch("forward", layer, list(gpu)) if gpu else None
         if not call.recompute:
             _record_forward(engine, layer, counts, gpu, cpu, parts.gpu_backward)
