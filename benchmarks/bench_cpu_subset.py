@@ -9,6 +9,11 @@ small GPU ops without pause (the host thread, which takes the GIL between the wo
 
     python benchmarks/bench_cpu_subset.py --tokens 512,2048,8192 --experts 1,16,40,128
     python benchmarks/bench_cpu_subset.py --tokens 512,2048 --experts 4,16,32 --loads alone,stream,host,both
+
+``--phases`` also prints, per case, the median ms of each kernel phase and, per product phase, the thread-ms spent
+packing weights, in the panel products and in the epilogues (what the kernels' time is made of).
+
+    python benchmarks/bench_cpu_subset.py --tokens 2048,8192 --experts 28,15 --loads alone,stream --phases
 """
 from __future__ import annotations
 
@@ -83,10 +88,20 @@ def phases_s(backward: bool) -> float:
     return sum(seconds for _, seconds in _C.last_phase_times(backward))
 
 
+def phase_breakdown(backward: bool) -> dict[str, float]:
+    """Seconds of each phase of the latest native call of that direction, and per product phase its threads'
+    seconds packing, in the products and in the epilogues (``phase:pack``, ``phase:gemm``, ``phase:epilogue``)."""
+    parts = {name: seconds for name, seconds in _C.last_phase_times(backward)}
+    for name, pack, gemm, epilogue in _C.last_product_parts(backward):
+        parts.update({f"{name}:pack": pack, f"{name}:gemm": gemm, f"{name}:epilogue": epilogue})
+    return parts
+
+
 def time_subset(backend: NativeExperts, weights, loras, tokens: int, top_k: int, coldest: int, reps: int,
-                seed: int = 0) -> tuple[int, float, float, float, float]:
+                seed: int = 0, breakdowns: list | None = None) -> tuple[int, float, float, float, float]:
     """(routed pairs of the ``coldest`` experts, median forward s, median backward s, and the medians of their
-    kernels' phases) after two warm-up calls."""
+    kernels' phases) after two warm-up calls; ``breakdowns``: a list each timed call pair appends its
+    (forward, backward) :func:`phase_breakdown` to."""
     g = torch.Generator().manual_seed(seed)
     experts = weights.num_experts
     top_w, top_i = torch.topk(torch.randn(tokens, experts, generator=g).softmax(-1), top_k, dim=-1)
@@ -103,10 +118,12 @@ def time_subset(backend: NativeExperts, weights, loras, tokens: int, top_k: int,
         start = time.perf_counter()
         out, _, saved = backend.forward_pairs(weights, hidden, top_i, top_w, *loras, expert_mask=mask)
         middle = time.perf_counter()
-        inside_forward = phases_s(False)
+        inside_forward, forward_parts = phases_s(False), phase_breakdown(False)
         grad_hidden, _, _, grads = backend.backward_pairs(weights, saved, grad_out, *loras)
         end = time.perf_counter()
         inside_backward = phases_s(True)
+        if breakdowns is not None and rep >= 2:
+            breakdowns.append((forward_parts, phase_breakdown(True)))
         for result in (out, grad_hidden, *vars(grads).values()):
             if result is not None:
                 backend.release_result(result)
@@ -128,6 +145,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--loads", default="alone", help="comma-separated, of alone, stream, host, both "
                                                           "(interleaved per case)")
+    parser.add_argument("--phases", action="store_true", help="also print each kernel phase's median ms")
     args = parser.parse_args()
     experts, hidden, inter, top_k = (int(v) for v in args.shape.split(","))
     threads = configure_cpu_threads()
@@ -138,12 +156,20 @@ def main() -> None:
     for tokens in (int(t) for t in args.tokens.split(",")):
         for coldest in (min(int(m), experts) for m in args.experts.split(",")):
             for kind in args.loads.split(","):
+                breakdowns: list = []
                 with load(kind):
                     pairs, forward, backward, forward_in, backward_in = time_subset(
-                        backend, weights, (gate_up, down), tokens, top_k, coldest, args.reps)
+                        backend, weights, (gate_up, down), tokens, top_k, coldest, args.reps, breakdowns=breakdowns)
                 print(f"tokens {tokens} experts {coldest} pairs {pairs} {kind}: forward {1e3 * forward:.2f} ms "
                       f"({1e3 * forward_in:.2f} in the kernel's phases), backward {1e3 * backward:.2f} ms "
                       f"({1e3 * backward_in:.2f})", flush=True)
+                if args.phases:
+                    for direction, which in (("forward", 0), ("backward", 1)):
+                        names = breakdowns[0][which]
+                        medians = {name: statistics.median(b[which].get(name, 0.0) for b in breakdowns)
+                                   for name in names}
+                        print(f"    {direction} ms: " + ", ".join(f"{name} {1e3 * seconds:.2f}"
+                                                              for name, seconds in medians.items()), flush=True)
 
 
 if __name__ == "__main__":
