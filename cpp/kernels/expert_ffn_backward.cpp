@@ -398,6 +398,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
   std::lock_guard<std::mutex> lock(scratch.mutex);
   PhaseClock clock(/*backward=*/true);
   const Backward backward(isa, shapes, weights, gate_up_peft, down_peft, routing, io, tuning, scratch, pool);
+  clock.mark("relayout");
   backward.recompute_inner_products();
   clock.mark("activate");
   backward.output_grad_rows();

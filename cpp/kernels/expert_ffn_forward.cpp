@@ -29,6 +29,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   const int64_t stream_outputs = tuning.streaming_outputs;
   const LoraFactors gate_up_lora = with_rows_of_b(gate_up_peft, 2 * d.I, d.E, routing.offsets, scratch.b_gu, pool);
   const LoraFactors down_lora = with_rows_of_b(down_peft, d.H, d.E, routing.offsets, scratch.b_down, pool);
+  clock.mark("relayout");
   const std::vector<Task> rows = make_tasks(routing.offsets, d.E, 1, 1);
   uint16_t* xg = scratch.xg.get(d.pairs * d.ld_x);        // [pairs, ld_x] grouped hidden rows
   uint16_t* act = scratch.act.get(d.pairs * d.ld_act);    // [pairs, ld_act]
