@@ -1,7 +1,9 @@
 """What hybrid's CPU part costs alone: the native backend's forward and backward on the coldest m experts of a
-random top-k routing (``expert_mask``), against the whole layer, as hybrid runs it on a GPU machine (rows per pair,
-the pool on all CPUs but two). Prints one line per (tokens, experts, load): the subset's routed pairs, median
-forward / backward ms, and of those the ms inside the kernels' phases (the rest is Python and torch around them).
+random top-k routing (``expert_mask``), against the whole layer, as hybrid runs it on a GPU machine (the pool on
+all CPUs but two; a subset whose results leave as rows writes them, and its experts' LoRA gradient blocks alone,
+into buffers of its own, as hybrid's CPU part does into staging: path ``into``; else ``pairs``). Prints one line
+per (tokens, experts, load): the subset's routed pairs, median forward / backward ms, and of those the ms inside
+the kernels' phases (the rest is Python and torch around them), and the path.
 
 ``--loads`` runs each case under other work, interleaved: ``alone``; ``stream``, a thread copying pinned host memory
 to the GPU without pause (PCIe's share of DRAM, as hybrid's copies take it); ``host``, a Python thread queueing
@@ -28,8 +30,9 @@ import contextlib
 import threading
 
 from moecc import _C, _ops
-from moecc.experts.native import NativeExperts
-from moecc.experts.types import ExpertLora, ExpertWeights
+from moecc.experts import LoraGrads
+from moecc.experts.native import NativeExperts, rows_pay
+from moecc.experts.types import ExpertLora, ExpertWeights, PairGrads
 from moecc.paradigms.hybrid import configure_cpu_threads
 
 
@@ -97,10 +100,29 @@ def phase_breakdown(backward: bool) -> dict[str, float]:
     return parts
 
 
+def hybrid_buffers(weights: ExpertWeights, loras: tuple, tokens: int, top_k: int, chosen: torch.Tensor,
+                   pairs: int) -> tuple[torch.Tensor, torch.Tensor, PairGrads]:
+    """What hybrid's CPU part writes into when its results leave as rows (``forward_pairs_into``,
+    ``backward_pairs_into``): the forward's rows and tokens, and the backward's rows, tokens, routing-weight
+    gradient and LoRA gradient blocks of the ``chosen`` experts alone."""
+    hidden, experts, n = weights.hidden_size, weights.num_experts, chosen.numel()
+
+    def empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # pinned, as staging is on CUDA
+        return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+    blocks = []
+    for lora in loras:
+        rank = lora.A.shape[0] // experts
+        blocks += [empty(n, rank, lora.A.shape[1]), empty(lora.B.shape[0], rank, n)]
+    grads = PairGrads(empty(pairs, hidden), empty(pairs, dtype=torch.int64), empty(tokens, top_k),
+                      chosen.to(torch.int64).contiguous(), tuple(blocks))
+    return empty(pairs, hidden), empty(pairs, dtype=torch.int64), grads
+
+
 def time_subset(backend: NativeExperts, weights, loras, tokens: int, top_k: int, coldest: int, reps: int,
                 seed: int = 0, breakdowns: list | None = None) -> tuple[int, float, float, float, float]:
-    """(routed pairs of the ``coldest`` experts, median forward s, median backward s, and the medians of their
-    kernels' phases) after two warm-up calls; ``breakdowns``: a list each timed call pair appends its
+    """(routed pairs of the ``coldest`` experts, median forward s, median backward s, the medians of their
+    kernels' phases, and the path: ``into`` or ``pairs``, as hybrid runs the part) after two warm-up calls; ``breakdowns``: a list each timed call pair appends its
     (forward, backward) :func:`phase_breakdown` to."""
     g = torch.Generator().manual_seed(seed)
     experts = weights.num_experts
@@ -113,13 +135,24 @@ def time_subset(backend: NativeExperts, weights, loras, tokens: int, top_k: int,
         mask[chosen] = True
     hidden = torch.randn(tokens, weights.hidden_size, generator=g).bfloat16()
     grad_out = torch.randn(tokens, weights.hidden_size, generator=g).bfloat16()
+    into = (mask is not None and rows_pay(int(counts[chosen].sum()), tokens)) and hybrid_buffers(
+        weights, loras, tokens, top_k, chosen, int(counts[chosen].sum()))
     forward, backward, forward_in, backward_in = [], [], [], []
     for rep in range(reps + 2):  # as hybrid calls it: rows per pair, every result given back
         start = time.perf_counter()
-        out, _, saved = backend.forward_pairs(weights, hidden, top_i, top_w, *loras, expert_mask=mask)
+        if into:  # hybrid's steady state: the kernels write into buffers the device reads (its staging)
+            saved = backend.forward_pairs_into(weights, hidden, top_i, top_w, *loras, expert_mask=mask,
+                                               rows=into[0], tokens=into[1])
+            out = None
+        else:
+            out, _, saved = backend.forward_pairs(weights, hidden, top_i, top_w, *loras, expert_mask=mask)
         middle = time.perf_counter()
         inside_forward, forward_parts = phases_s(False), phase_breakdown(False)
-        grad_hidden, _, _, grads = backend.backward_pairs(weights, saved, grad_out, *loras)
+        if into:
+            backend.backward_pairs_into(weights, saved, grad_out, *loras, out=into[2])
+            grad_hidden, grads = None, LoraGrads(None, None, None, None)
+        else:
+            grad_hidden, _, _, grads = backend.backward_pairs(weights, saved, grad_out, *loras)
         end = time.perf_counter()
         inside_backward = phases_s(True)
         if breakdowns is not None and rep >= 2:
@@ -132,7 +165,8 @@ def time_subset(backend: NativeExperts, weights, loras, tokens: int, top_k: int,
             backward.append(end - middle)
             forward_in.append(inside_forward)
             backward_in.append(inside_backward)
-    return (int(counts[chosen].sum()), *(statistics.median(v) for v in (forward, backward, forward_in, backward_in)))
+    return (int(counts[chosen].sum()), *(statistics.median(v) for v in (forward, backward, forward_in, backward_in)),
+            "into" if into else "pairs")
 
 
 def main() -> None:
@@ -158,11 +192,11 @@ def main() -> None:
             for kind in args.loads.split(","):
                 breakdowns: list = []
                 with load(kind):
-                    pairs, forward, backward, forward_in, backward_in = time_subset(
+                    pairs, forward, backward, forward_in, backward_in, path = time_subset(
                         backend, weights, (gate_up, down), tokens, top_k, coldest, args.reps, breakdowns=breakdowns)
                 print(f"tokens {tokens} experts {coldest} pairs {pairs} {kind}: forward {1e3 * forward:.2f} ms "
                       f"({1e3 * forward_in:.2f} in the kernel's phases), backward {1e3 * backward:.2f} ms "
-                      f"({1e3 * backward_in:.2f})", flush=True)
+                      f"({1e3 * backward_in:.2f}) [{path}]", flush=True)
                 if args.phases:
                     for direction, which in (("forward", 0), ("backward", 1)):
                         names = breakdowns[0][which]

@@ -15,14 +15,16 @@ def test_bench_cpu_subset_times_each_subset_and_the_whole_layer():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = re.findall(r"tokens (\d+) experts (\d+) pairs (\d+) (\w+): forward ([0-9.]+) ms \(([0-9.]+) in the "
-                      r"kernel's phases\), backward ([0-9.]+) ms \(([0-9.]+)\)", done.stdout)
+                      r"kernel's phases\), backward ([0-9.]+) ms \(([0-9.]+)\) \[(into|pairs)\]", done.stdout)
     assert len(rows) == 12, done.stdout
     assert {row[3] for row in rows} == {"alone", "host"}  # the host load runs on the CPU device without CUDA
     for tokens in (16, 64):
         pairs = {int(m): int(p) for t, m, p, *_ in rows if int(t) == tokens}
         assert pairs[8] == tokens * 2  # every expert: every routed pair
         assert 0 <= pairs[1] <= pairs[3] <= pairs[8]  # the coldest first
-    for *_, forward, forward_in, backward, backward_in in rows:
+    for tokens, experts, pairs, _, *_, path in rows:  # hybrid's path: rows into its buffers where rows pay
+        assert path == ("into" if int(experts) < 8 and int(pairs) <= 2 * int(tokens) else "pairs")
+    for *_, forward, forward_in, backward, backward_in, _ in rows:
         assert 0 <= float(forward_in) <= float(forward) and 0 <= float(backward_in) <= float(backward)
 
 
