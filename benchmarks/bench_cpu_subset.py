@@ -114,8 +114,8 @@ def hybrid_buffers(weights: ExpertWeights, loras: tuple, tokens: int, top_k: int
     for lora in loras:
         rank = lora.A.shape[0] // experts
         blocks += [empty(n, rank, lora.A.shape[1]), empty(lora.B.shape[0], rank, n)]
-    grads = PairGrads(empty(pairs, hidden), empty(pairs, dtype=torch.int64), empty(tokens, top_k),
-                      chosen.to(torch.int64).contiguous(), tuple(blocks))
+    grads = PairGrads(empty(pairs, hidden, dtype=torch.bfloat16), empty(pairs, dtype=torch.int64),
+                      empty(tokens, top_k), chosen.to(torch.int64).contiguous(), tuple(blocks))
     return empty(pairs, hidden), empty(pairs, dtype=torch.int64), grads
 
 

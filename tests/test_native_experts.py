@@ -914,7 +914,7 @@ def test_backward_pairs_into_writes_backward_pairs_results_with_the_blocks_of_th
     lora = (gate_up, gate_up, down, down)
     blocks = tuple(torch.full((4, 4, g.shape[1]) if which % 2 == 0 else (g.shape[0], 4, 4), float("nan"))
                    for which, g in enumerate(full))
-    out = PairGrads(torch.full(rows.shape, float("nan")), torch.full(tokens.shape, -1),
+    out = PairGrads(torch.full(rows.shape, float("nan"), dtype=rows.dtype), torch.full(tokens.shape, -1),
                     torch.full(grad_w.shape, float("nan")), experts, blocks)
     native = NativeExperts(isa)
     _, _, saved = native.forward_pairs(weights, x, index, w, gate_up, down, expert_mask=mask)

@@ -426,8 +426,11 @@ class NativeExperts:
                        gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None
                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, LoraGrads]:
         """:meth:`backward` of a :meth:`forward_pairs` subset with its input gradient as rows: ``(grad_rows [P, H]
-        float32, tokens [P], grad_top_k_weights [T, k], LoraGrads)``, the input gradient being ``grad_rows`` added
-        at ``tokens`` into zeros. Where the forward was dense: ``(grad_hidden [T, H], None, ...)`` as :meth:`backward`."""
+        bf16, tokens [P], grad_top_k_weights [T, k], LoraGrads)``, the input gradient being ``grad_rows`` added
+        at ``tokens`` into float32 zeros. The rows are bf16 as the kernels compute them (each pair's input gradient
+        is rounded to bf16, as a bf16 pipeline rounds each expert's product): half the bytes of float32 for the
+        device to read across PCIe, the same values. Where the forward was dense: ``(grad_hidden [T, H], None,
+        ...)`` as :meth:`backward`."""
         if not isinstance(saved, _SubsetState):
             grad_hidden, grad_weights, grads = self._backward(weights, saved, grad_out, gate_up_lora, down_lora)
             return grad_hidden, None, grad_weights, grads
@@ -461,16 +464,16 @@ class NativeExperts:
                          down_lora: ExpertLora | None) -> tuple[torch.Tensor, torch.Tensor, LoraGrads]:
         """The subset's problem differentiated, its float32 rows summed into their tokens."""
         grad_rows, tokens, grad_weights, grads = self._subset_grad_rows(weights, saved, grad_out, gate_up_lora,
-                                                                        down_lora)
+                                                                        down_lora, rows_dtype=torch.float32)
         num_tokens = saved.routing_shape[0]
         grad_hidden = self._summed_rows(grad_rows, tokens, (num_tokens, grad_out.shape[1]), grad_out.dtype)
         return grad_hidden, grad_weights, grads
 
     def _subset_grad_rows(self, weights: ExpertWeights, saved: _SubsetState, grad_out: torch.Tensor,
                           gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None,
-                          into: PairGrads | None = None) -> tuple:
-        """(grad rows [P, H] float32 from the scratch pool, their tokens, grad_top_k_weights [T, k], LoraGrads), or
-        ``into``'s tensors holding them (LoraGrads None: ``into``'s blocks)."""
+                          into: PairGrads | None = None, rows_dtype: torch.dtype = torch.bfloat16) -> tuple:
+        """(grad rows [P, H] ``rows_dtype`` from the scratch pool, their tokens, grad_top_k_weights [T, k],
+        LoraGrads), or ``into``'s tensors holding them (LoraGrads None: ``into``'s blocks)."""
         num_tokens, top_k = saved.routing_shape
         pair_ids = saved.pair_ids
         tokens = torch.div(pair_ids, top_k, rounding_mode="floor", out=None if into is None else into.tokens)
@@ -480,7 +483,7 @@ class NativeExperts:
         try:
             torch.index_select(grad_out, 0, tokens, out=gathered)
             grad_rows, grad_routing, grads = self._backward(weights, saved, gathered, gate_up_lora, down_lora,
-                                                            rows=True, into=into)  # [P, H] float32 (scratch), [P, 1]
+                                                            rows=rows_dtype, into=into)  # [P, H] (scratch), [P, 1]
         finally:
             self._scratch.give(gathered)
         grad_weights = (torch.zeros(num_tokens * top_k, dtype=torch.float32) if into is None
@@ -490,10 +493,11 @@ class NativeExperts:
 
     def _backward(self, weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor,
                   gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None,
-                  rows: bool = False, into: PairGrads | None = None) -> tuple[torch.Tensor, torch.Tensor, LoraGrads]:
-        """``rows``: the input gradient is the float32 scratch buffer itself, which the caller gives back, or
-        ``into.rows`` where ``into`` is given; the LoRA gradients then go to ``into``'s blocks (and come back
-        None)."""
+                  rows: torch.dtype | None = None,
+                  into: PairGrads | None = None) -> tuple[torch.Tensor, torch.Tensor, LoraGrads]:
+        """``rows`` (a dtype): the input gradient is a scratch buffer of that dtype itself, which the caller gives
+        back, or ``into.rows`` where ``into`` is given; the LoRA gradients then go to ``into``'s blocks (and come
+        back None)."""
         if saved.gate_up_out is None:
             raise RuntimeError("moecc: this forward's saved state was already used by a backward (its buffers are "
                                "reused); run the forward again to differentiate it again")
@@ -506,7 +510,7 @@ class NativeExperts:
         kernel_in = (grad_out.contiguous() if grad_out.dtype in (torch.bfloat16, torch.float32)
                      else self._scratch.take(tuple(grad_out.shape), torch.float32).copy_(grad_out))
         copied_in = kernel_in.dtype != grad_out.dtype
-        direct = grad_out.dtype == torch.bfloat16 and not rows
+        direct = grad_out.dtype == torch.bfloat16 and rows is None
         if into is not None:
             grad_in = into.rows
             blocks = into.lora_blocks
@@ -519,7 +523,7 @@ class NativeExperts:
                             for i, lora in enumerate((gate_up_lora, down_lora))]
         else:
             grad_in = (self._results.take(tuple(saved.hidden.shape), torch.bfloat16) if direct
-                       else self._scratch.take(tuple(saved.hidden.shape), torch.float32))
+                       else self._scratch.take(tuple(saved.hidden.shape), rows or torch.float32))
             lora_grads = [self._lora_grad_buffers(lora) for lora in (gate_up_lora, down_lora)]
             kernel_grads = [_kernel_grads(g, lora) for g, lora in zip(lora_grads, (gate_up_lora, down_lora))]
         try:
@@ -528,7 +532,7 @@ class NativeExperts:
                 routing, _kernel_lora(gate_up_lora), _kernel_lora(down_lora), saved.gate_up_out, kernel_in,
                 grad_hidden=grad_in, lora_inner=_inner_for(saved, gate_up_lora, down_lora), tuning=self.tuning,
                 lora_grads=kernel_grads, lora_experts=None if into is None else into.lora_experts)
-            grad_hidden = grad_in if direct or rows else grad_in.to(grad_out.dtype, copy=True)
+            grad_hidden = grad_in if direct or rows is not None else grad_in.to(grad_out.dtype, copy=True)
         except BaseException:
             if not direct and into is None:
                 self._scratch.give(grad_in)
@@ -536,7 +540,7 @@ class NativeExperts:
         finally:
             if copied_in:
                 self._scratch.give(kernel_in)
-        if not direct and not rows:
+        if not direct and rows is None:
             self._scratch.give(grad_in)
         self._give_back(saved)  # SavedState is single-use: backward drops it after this
         if into is not None:

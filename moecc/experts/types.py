@@ -121,7 +121,7 @@ class LoraGrads:
 @dataclass
 class PairGrads:
     """Host tensors a subset's backward writes its results into (``NativeExperts.backward_pairs_into``): the input
-    gradient as float32 rows ``[P, H]`` with their tokens ``[P]`` int64 (summed at those tokens it is the
+    gradient as rows ``[P, H]``, bf16 (or float32), with their tokens ``[P]`` int64 (summed at those tokens it is the
     subset's ``grad_hidden``), the routing-weight gradient ``[T, k]`` float32, and the LoRA gradients of the
     experts ``lora_experts`` (``[n]`` int64, distinct) alone, in that order: per factor (gate/up A, B, down A, B;
     None where a projection has no LoRA) A's blocks ``[n, r, in]`` and B's ``[out, r, n]``, float32."""

@@ -161,7 +161,7 @@ def _backward_publish_target(engine: HybridEngine, layer: HybridLayer, parts: _P
         return None
     bank = f"backward{layer.index % 2}_"
     staging, num_experts, cpu = engine.staging, layer.weights.num_experts, len(cpu_experts)
-    shapes = {"grad_hidden": ((pairs, grad_out.shape[1]), torch.float32), "grad_tokens": ((pairs,), torch.int64),
+    shapes = {"grad_hidden": ((pairs, grad_out.shape[1]), torch.bfloat16), "grad_tokens": ((pairs,), torch.int64),
               "grad_weights": (tuple(weights_shape), torch.float32), "lora_index": ((cpu,), torch.int64)}
     for which, factor in enumerate(factors):
         if factor is not None:
@@ -275,8 +275,8 @@ def _add(staging: StagingBuffers, gpu: tuple | None, sources: dict[str, torch.Te
         for which in range(len(factors)):
             if f"lora_blocks{which}" in read:
                 add_blocks(which, read["lora_index"], read[f"lora_blocks{which}"])
-        hidden = (torch.add(bases[0], read["grad_hidden"]) if "grad_tokens" not in read
-                  else torch.index_add(bases[0], 0, read["grad_tokens"], read["grad_hidden"]))
+        hidden = (torch.add(bases[0], read["grad_hidden"]) if "grad_tokens" not in read  # rows: bf16, summed in fp32
+                  else torch.index_add(bases[0], 0, read["grad_tokens"], read["grad_hidden"].to(bases[0].dtype)))
         return hidden, torch.add(bases[1], read["grad_weights"])
 
     read = staging.read_views_on_device if bank else staging.read_on_device

@@ -149,9 +149,10 @@ def test_empty_subset_computes_nothing():
 @pytest.mark.parametrize("tokens", [0, 1, 13])
 @pytest.mark.parametrize("backend", ["native", "per_layer"])
 def test_native_pairs_are_the_subset_rows_before_their_sum(backend, tokens):
-    """``forward_pairs`` / ``backward_pairs`` leave a subset's output and input gradient as float32 rows per
-    pair; summed at their tokens in float32 and rounded once, they are ``forward`` / ``backward``'s results bit
-    for bit (the same sum), and the other results are the same tensors' values. All the pairs: dense, no rows."""
+    """``forward_pairs`` / ``backward_pairs`` leave a subset's output and input gradient as rows per pair
+    (float32 and bf16); summed at their tokens in float32 and rounded once, they are ``forward`` / ``backward``'s
+    results bit for bit (the same sum), and the other results are the same tensors' values. All the pairs: dense,
+    no rows."""
     native = _native()
     module = native if backend == "native" else PerLayerExperts(native)
     problem = _problem(tokens, torch.bfloat16, seed=3)
@@ -167,7 +168,8 @@ def test_native_pairs_are_the_subset_rows_before_their_sum(backend, tokens):
                 got = [rows.float(), grad_rows.float()]
             else:
                 assert rows.dtype == torch.float32 and rows.shape == (pairs, HIDDEN) and at.shape == (pairs,)
-                got = [torch.zeros(x.shape).index_add_(0, t, r).to(x.dtype).float()
+                assert grad_rows.dtype == torch.bfloat16 and grad_rows.shape == (pairs, HIDDEN)
+                got = [torch.zeros(x.shape).index_add_(0, t, r.float()).to(x.dtype).float()
                        for t, r in ((at, rows), (grad_at, grad_rows))]
             got += [grad_w] + [getattr(grads, name) for name in GRAD_NAMES]
             for a, b in zip(got, want):
