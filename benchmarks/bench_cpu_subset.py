@@ -101,10 +101,10 @@ def phase_breakdown(backward: bool) -> dict[str, float]:
 
 
 def hybrid_buffers(weights: ExpertWeights, loras: tuple, tokens: int, top_k: int, chosen: torch.Tensor,
-                   pairs: int) -> tuple[torch.Tensor, torch.Tensor, PairGrads]:
+                   pairs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PairGrads]:
     """What hybrid's CPU part writes into when its results leave as rows (``forward_pairs_into``,
-    ``backward_pairs_into``): the forward's rows and tokens, and the backward's rows, tokens, routing-weight
-    gradient and LoRA gradient blocks of the ``chosen`` experts alone."""
+    ``backward_pairs_into``): the forward's bf16 rows, tokens and routing weights, and the backward's rows,
+    tokens, routing-weight gradient and LoRA gradient blocks of the ``chosen`` experts alone."""
     hidden, experts, n = weights.hidden_size, weights.num_experts, chosen.numel()
 
     def empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # pinned, as staging is on CUDA
@@ -116,7 +116,7 @@ def hybrid_buffers(weights: ExpertWeights, loras: tuple, tokens: int, top_k: int
         blocks += [empty(n, rank, lora.A.shape[1]), empty(lora.B.shape[0], rank, n)]
     grads = PairGrads(empty(pairs, hidden, dtype=torch.bfloat16), empty(pairs, dtype=torch.int64),
                       empty(tokens, top_k), chosen.to(torch.int64).contiguous(), tuple(blocks))
-    return empty(pairs, hidden), empty(pairs, dtype=torch.int64), grads
+    return empty(pairs, hidden, dtype=torch.bfloat16), empty(pairs, dtype=torch.int64), empty(pairs), grads
 
 
 def time_subset(backend: NativeExperts, weights, loras, tokens: int, top_k: int, coldest: int, reps: int,
@@ -142,14 +142,14 @@ def time_subset(backend: NativeExperts, weights, loras, tokens: int, top_k: int,
         start = time.perf_counter()
         if into:  # hybrid's steady state: the kernels write into buffers the device reads (its staging)
             saved = backend.forward_pairs_into(weights, hidden, top_i, top_w, *loras, expert_mask=mask,
-                                               rows=into[0], tokens=into[1])
+                                               rows=into[0], tokens=into[1], weights_out=into[2])
             out = None
         else:
             out, _, saved = backend.forward_pairs(weights, hidden, top_i, top_w, *loras, expert_mask=mask)
         middle = time.perf_counter()
         inside_forward, forward_parts = phases_s(False), phase_breakdown(False)
         if into:
-            backend.backward_pairs_into(weights, saved, grad_out, *loras, out=into[2])
+            backend.backward_pairs_into(weights, saved, grad_out, *loras, out=into[3])
             grad_hidden, grads = None, LoraGrads(None, None, None, None)
         else:
             grad_hidden, _, _, grads = backend.backward_pairs(weights, saved, grad_out, *loras)

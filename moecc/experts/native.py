@@ -266,23 +266,34 @@ class NativeExperts:
     def forward_pairs_into(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor, gate_up_lora: ExpertLora | None,
                            down_lora: ExpertLora | None, *, expert_mask: torch.Tensor, rows: torch.Tensor,
-                           tokens: torch.Tensor) -> SavedState:
+                           tokens: torch.Tensor, weights_out: torch.Tensor | None = None) -> SavedState:
         """:meth:`forward_pairs` of a subset whose output leaves as rows, written into the caller's ``rows [P, H]``
-        float32 and ``tokens [P]`` int64 (staging buffers the device reads, say): the kernel writes the rows there
-        itself, so nothing is copied afterwards. Returns the saved state."""
+        and ``tokens [P]`` int64 (staging buffers the device reads, say): the kernel writes the rows there itself,
+        so nothing is copied afterwards. Returns the saved state. ``rows`` float32: :meth:`forward_pairs`' rows,
+        weighted. ``rows`` bf16: each pair's expert output before its routing weight, as the kernels round it, with
+        the weights (float32) in ``weights_out [P]``: ``rows.float() * weights_out[:, None]`` is the float32 rows bit
+        for bit, in half the bytes for the device to read across PCIe."""
         grouping = resolve(top_k_index, weights.num_experts, expert_mask, None)
         pairs = grouping.num_pairs
         if is_full(grouping, top_k_index) or not rows_pay(pairs, top_k_index.shape[0]):
             raise ValueError(f"forward_pairs_into needs a subset whose output leaves as rows; this one has {pairs} "
                              f"of {top_k_index.numel()} pairs; use forward_pairs")
         shape = (pairs, weights.hidden_size)
-        if (tuple(rows.shape) != shape or rows.dtype != torch.float32 or not rows.is_contiguous()
+        if (tuple(rows.shape) != shape or rows.dtype not in (torch.float32, torch.bfloat16)
+                or not rows.is_contiguous()
                 or tuple(tokens.shape) != (pairs,) or tokens.dtype != torch.int64 or not tokens.is_contiguous()):
-            raise ValueError(f"forward_pairs_into: rows must be float32 {list(shape)} and tokens int64 [{pairs}], "
-                             f"both contiguous; got {rows.dtype} {list(rows.shape)} and {tokens.dtype} "
+            raise ValueError(f"forward_pairs_into: rows must be float32 or bf16 {list(shape)} and tokens int64 "
+                             f"[{pairs}], both contiguous; got {rows.dtype} {list(rows.shape)} and {tokens.dtype} "
                              f"{list(tokens.shape)}")
+        unweighted = rows.dtype == torch.bfloat16
+        if unweighted != (weights_out is not None) or (unweighted and (
+                tuple(weights_out.shape) != (pairs,) or weights_out.dtype != torch.float32
+                or not weights_out.is_contiguous())):
+            raise ValueError(f"forward_pairs_into: bf16 rows need weights_out, float32 [{pairs}] contiguous, and "
+                             f"float32 rows none; got {rows.dtype} rows and weights_out "
+                             f"{None if weights_out is None else (weights_out.dtype, list(weights_out.shape))}")
         return self._subset_rows(weights, hidden, top_k_weights, (gate_up_lora, down_lora), grouping,
-                                 into=(rows, tokens))[2]
+                                 into=(rows, tokens, weights_out))[2]
 
     def _forward_subset(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_weights: torch.Tensor,
                         loras: tuple, grouping: Grouping) -> tuple[torch.Tensor, SavedState]:
@@ -291,11 +302,10 @@ class NativeExperts:
 
     def _subset_rows(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_weights: torch.Tensor,
                      loras: tuple, grouping: Grouping,
-                     into: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                      SavedState]:
+                     into: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, SavedState]:
         """The subset's pairs as tokens of one slot each, in grouped order (so the order is the identity):
-        (float32 rows [P, H] from the scratch pool, their tokens [P], saved); ``into``: (rows, tokens) to write
-        them into instead."""
+        (float32 rows [P, H] from the scratch pool, their tokens [P], saved); ``into``: (rows, tokens, weights_out)
+        to write them into instead (:meth:`forward_pairs_into`)."""
         top_k = top_k_weights.shape[1]
         pair_ids = grouping.order  # [P]
         tokens = torch.div(pair_ids, top_k, rounding_mode="floor", out=None if into is None else into[1])
@@ -303,8 +313,11 @@ class NativeExperts:
         torch.index_select(hidden.to(torch.bfloat16), 0, tokens, out=rows)
         routing = top_k_weights.reshape(-1)[pair_ids].view(-1, 1)  # [P, 1]
         local = Grouping(grouping.offsets, torch.arange(pair_ids.numel(), dtype=torch.int64))
+        unweighted = into is not None and into[2] is not None
+        if unweighted:
+            into[2].copy_(routing.view(-1))
         out_rows, saved = self._forward(weights, rows, routing, loras, local, None, copy_hidden=False,
-                                        into=None if into is None else into[0])
+                                        into=None if into is None else into[0], unweighted=unweighted)
         saved = _SubsetState(**vars(saved), pair_ids=pair_ids, routing_shape=tuple(top_k_weights.shape))
         return out_rows, tokens, saved
 
@@ -322,16 +335,19 @@ class NativeExperts:
 
     def _forward(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_weights: torch.Tensor, loras: tuple,
                  grouping: Grouping, out_dtype: torch.dtype | None, copy_hidden: bool,
-                 into: torch.Tensor | None = None) -> tuple[torch.Tensor, SavedState]:
+                 into: torch.Tensor | None = None, unweighted: bool = False) -> tuple[torch.Tensor, SavedState]:
         """The kernels on ``grouping`` (every pair of ``top_k_weights [T, k]``); ``copy_hidden``: ``hidden`` is the
         caller's buffer, so what backward keeps is a copy. ``out_dtype`` None: the float32 scratch buffer itself,
-        which the caller gives back, or ``into`` (float32 ``[T, H]``, the caller's) where given."""
+        which the caller gives back, or ``into`` (``[T, H]``, the caller's) where given. ``unweighted``: the output
+        sums the pairs without their routing weights (one pair a token: each expert's output as it is), which
+        backward still gets."""
         gate_up_lora, down_lora = loras
         matrices = self._matrices(weights)
         shape = (weights.num_experts, weights.hidden_size, weights.intermediate_size)
         offsets, order = grouping.offsets, grouping.order
         hidden_bf16 = hidden.to(torch.bfloat16).contiguous()
-        routing = top_k_weights.float().reshape(-1).contiguous()
+        routing = (torch.ones(top_k_weights.numel()) if unweighted
+                   else top_k_weights.float().reshape(-1).contiguous())
         tokens, top_k = top_k_weights.shape
         gate_up_out = self._saved_buffers.take((tokens * top_k, 2 * shape[2]), torch.bfloat16)
         # A bf16 output comes straight from the kernel; others through a float32 buffer.

@@ -577,7 +577,7 @@ class _Parts:
     cpu_lora: tuple = (None, None)  # the same factors in host memory (mirrors where they live on the GPU)
     weights_host: object = None
     done: bool = False
-    published: tuple | None = None  # (number, rows, tokens): the CPU part's rows land in staging views itself
+    published: tuple | None = None  # (number, rows, tokens, weights): the CPU part's rows land in staging views itself
 
 
 def join_part(parts: _Parts) -> None:
@@ -598,12 +598,13 @@ class HybridPending:
     def result(self) -> torch.Tensor:
         parts, engine = self._parts, self._engine
         if parts.published is not None and not parts.done:
-            number, rows, tokens = parts.published
+            number, rows, tokens, weights = parts.published
             engine.wait_for_cpu_part(number)
             engine.sides.device_waits += engine.cpu_done.on_device
             with torch.no_grad(), record_function("moecc.hybrid.cpu_to_device"):
-                engine.staging.read_views_on_device({"out": rows, "out_tokens": tokens},
-                                                    lambda out, out_tokens: _add_part(self._output, out, out_tokens))
+                engine.staging.read_views_on_device(
+                    {"out": rows, "out_tokens": tokens, "out_weights": weights},
+                    lambda out, out_tokens, out_weights: _add_part(self._output, out, out_tokens, out_weights))
             engine.defer(self._index, parts)
         elif parts.cpu_future is not None and not parts.done:
             start = time.perf_counter()

@@ -25,13 +25,16 @@ from .base import current_graph_task
 # Annotations name HybridEngine, HybridLayer and _Parts of moecc.paradigms.hybrid, which imports this module; they
 # are never evaluated (``from __future__ import annotations``).
 
-def _add_part(out: torch.Tensor, part: torch.Tensor, tokens: torch.Tensor | None) -> None:
+def _add_part(out: torch.Tensor, part: torch.Tensor, tokens: torch.Tensor | None,
+              weights: torch.Tensor | None = None) -> None:
     """``out += part`` in place: a dense ``[T, H]`` part, or rows with their ``tokens`` (``out[tokens[p]] +=
-    part[p]``, summed in float32 and rounded once into ``out``)."""
+    part[p]``, summed in float32 and rounded once into ``out``); ``weights [P]``: bf16 rows before their routing
+    weights, each weighted in float32 first (the product the CPU would have made)."""
     if tokens is None:
         out.add_(part)
     else:
-        out.copy_(out.float().index_add_(0, tokens, part))
+        rows = part if weights is None else part.float() * weights.unsqueeze(1)
+        out.copy_(out.float().index_add_(0, tokens, rows))
 
 
 def _mask(experts: Iterable[int], num_experts: int, staging: StagingBuffers | None = None) -> torch.Tensor:
@@ -50,9 +53,9 @@ def _fresh_bytes(engine: HybridEngine) -> int:
 
 
 def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora: tuple, lora_ready,
-                 cpu: tuple[int, ...], counts: list[int], into: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """(out or rows, their tokens or None, saved) of the CPU experts; ``into``: staging views (rows, tokens) the
-    backend writes the rows into itself (``forward_pairs_into``), which come back."""
+                 cpu: tuple[int, ...], counts: list[int], into: tuple | None = None):
+    """(out or rows, their tokens or None, saved) of the CPU experts; ``into``: staging views (rows, tokens,
+    weights) the backend writes the rows into itself (``forward_pairs_into``), which come back."""
     views = staged.wait()
     if lora_ready is not None:
         lora_ready.synchronize()
@@ -60,9 +63,9 @@ def _cpu_forward(engine: HybridEngine, layer: HybridLayer, staged, weights, lora
     args = (weights, views["hidden"], views["top_k_index"], views["top_k_weights"], *lora)
     with record_function("moecc.hybrid.cpu_forward"):
         if into is not None:
-            out, tokens = into
+            out, tokens, row_weights = into
             saved = engine.cpu.forward_pairs_into(*args, expert_mask=_mask(cpu, weights.num_experts), rows=out,
-                                                  tokens=tokens)
+                                                  tokens=tokens, weights_out=row_weights)
         elif hasattr(engine.cpu, "forward_pairs"):  # rows per pair, summed on the device
             out, tokens, saved = engine.cpu.forward_pairs(*args, expert_mask=_mask(cpu, weights.num_experts))
         else:
@@ -91,31 +94,32 @@ def _may_publish(engine: HybridEngine, layer: HybridLayer, factors: Iterable[tor
 
 def _publish_target(engine: HybridEngine, layer: HybridLayer, call, hidden: torch.Tensor,
                     top_k_index: torch.Tensor, counts: list[int], cpu: tuple[int, ...]) -> tuple | None:
-    """(number, rows [P, H] float32, tokens [P] int64) staging views the CPU part writes its rows into and then
-    publishes, where the device can wait for that itself (``_may_publish``); None where the caller waits: also a
-    recomputation, the last layer (nothing after it would join the part) and a part whose results leave dense
-    (``rows_pay``)."""
+    """(number, rows [P, H] bf16, tokens [P] int64, weights [P] float32) staging views the CPU part writes its
+    rows, before their routing weights, into and then publishes, where the device can wait for that itself
+    (``_may_publish``); None where the caller waits: also a recomputation, the last layer (nothing after it would
+    join the part) and a part whose results leave dense (``rows_pay``)."""
     if call.recompute or not _may_publish(engine, layer, ()):
         return None
     pairs = sum(counts[e] for e in cpu)
     if layer.index == len(engine.layers) - 1 or pairs >= top_k_index.numel() or not rows_pay(pairs,
                                                                                              hidden.shape[0]):
         return None
-    rows = engine.staging.view("out", (pairs, hidden.shape[1]), torch.float32)
+    rows = engine.staging.view("out", (pairs, hidden.shape[1]), torch.bfloat16)
     tokens = engine.staging.view("out_tokens", (pairs,), torch.int64)
-    return engine.cpu_done.issue(), rows, tokens
+    weights = engine.staging.view("out_weights", (pairs,), torch.float32)
+    return engine.cpu_done.issue(), rows, tokens, weights
 
 
 def _cpu_forward_published(published: tuple, engine: HybridEngine, *job):
     """:func:`_cpu_forward` whose backend writes its rows into the staging views of ``published`` itself
     (``forward_pairs_into``), then publishes its number (also when it fails, so no stream waits for ever; the error
     reaches the next layer call's join)."""
-    number, rows, tokens = published
+    number, *views = published
     try:
-        return _cpu_forward(engine, *job, into=(rows, tokens))[2]
+        return _cpu_forward(engine, *job, into=tuple(views))[2]
     except BaseException:
-        rows.zero_()  # what the device reads must stay in bounds: an index past the output would break the device
-        tokens.zero_()
+        for view in views:  # what the device reads must stay in bounds: an index past the output would break it
+            view.zero_()
         raise
     finally:
         engine.cpu_done.publish(number)

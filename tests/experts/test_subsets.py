@@ -200,8 +200,23 @@ def test_native_pairs_into_are_forward_pairs_written_in_place(backend):
     for a, b in zip((grads[0], grads[1], grads[2], *vars(grads[3]).values()),
                     (want_grads[0], want_grads[1], want_grads[2], *vars(want_grads[3]).values())):
         assert (a is None and b is None) or torch.equal(a, b)
-    with pytest.raises(ValueError, match=f"rows must be float32 \\[{pairs}, {HIDDEN}\\]"):
+    with pytest.raises(ValueError, match=f"rows must be float32 or bf16 \\[{pairs}, {HIDDEN}\\]"):
         module.forward_pairs_into(weights, x, index, w, *loras, expert_mask=mask, rows=rows[1:], tokens=at)
+    # bf16 rows: each pair's output before its routing weight, the weights apart; weighted in float32 they are the
+    # float32 rows bit for bit, and backward is the same
+    half = torch.full((pairs, HIDDEN), float("nan"), dtype=torch.bfloat16)
+    row_weights = torch.full((pairs,), float("nan"))
+    saved = module.forward_pairs_into(weights, x, index, w, *loras, expert_mask=mask, rows=half, tokens=at,
+                                      weights_out=row_weights)
+    assert torch.equal(half.float() * row_weights.unsqueeze(1), want_rows) and torch.equal(at, want_at)
+    assert all((w[at[p]].float() == row_weights[p]).any() for p in range(pairs))  # each a weight of its token
+    grads = module.backward_pairs(weights, saved, grad_out, *loras)
+    for a, b in zip((grads[0], grads[1], grads[2], *vars(grads[3]).values()),
+                    (want_grads[0], want_grads[1], want_grads[2], *vars(want_grads[3]).values())):
+        assert (a is None and b is None) or torch.equal(a, b)
+    for kwargs in ({}, {"weights_out": row_weights[1:]}):  # bf16 rows without their weights, or the wrong size
+        with pytest.raises(ValueError, match="bf16 rows need weights_out"):
+            module.forward_pairs_into(weights, x, index, w, *loras, expert_mask=mask, rows=half, tokens=at, **kwargs)
     with pytest.raises(ValueError, match="use forward_pairs"):
         module.forward_pairs_into(weights, x, index, w, *loras, expert_mask=torch.ones(EXPERTS, dtype=torch.bool),
                                   rows=rows, tokens=at)
