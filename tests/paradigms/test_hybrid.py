@@ -649,10 +649,11 @@ def test_cpu_parts_that_publish_their_rows_give_the_same_bits_as_waiting_for_the
         _, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
                                backend="auto", num_hidden_layers=4)
         engine.moecc.engine.split_rule = _random(3) if rule == "random" else RULES[rule]
-        calls = []
+        calls, dtypes = [], set()
         publish = hybrid_module._cpu_forward_published
         monkeypatch.setattr(hybrid_module, "_cpu_forward_published",
-                            lambda *args: (calls.append(args[2].index), publish(*args))[1])
+                            lambda *args: (calls.append(args[2].index),
+                                           dtypes.add(tuple(view.dtype for view in args[0][1:])), publish(*args))[2])
         logits = []
         for ids, mask, labels in batches(256, 2, batch=3, seq=16, seed=4, pad=True):
             calls.append("step")
@@ -661,10 +662,11 @@ def test_cpu_parts_that_publish_their_rows_give_the_same_bits_as_waiting_for_the
             logits.append(out.logits.detach())
         monkeypatch.undo()
         grads = {n: p.grad.clone() for n, p in engine.named_parameters() if p.requires_grad}
+        assert dtypes <= {(torch.bfloat16, torch.int64, torch.float32)}  # rows cross as bf16, weights apart
         return logits, grads, calls
 
     logits, grads, calls = train(published=True)
-    want_logits, want_grads, none = train(published=False)
+    want_logits, want_grads, none = train(published=False)  # waited for: float32 rows, weighted on the CPU
     assert none == ["step", "step"]
     # The first step's callers wait (its kernels load then); the last layer's caller always does (nothing joins it)
     second = calls.index("step", 1)
@@ -691,10 +693,12 @@ def test_backward_cpu_parts_that_publish_give_the_same_bits_as_waiting_for_them(
             engine.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
             engine.train()
         engine.moecc.engine.split_rule = _random(3) if rule == "random" else RULES[rule]
-        calls = []
+        calls, dtypes = [], set()
         publish = hybrid_module._cpu_backward_published
         monkeypatch.setattr(hybrid_module, "_cpu_backward_published",
-                            lambda *args: (calls.append(args[2]), publish(*args))[1])
+                            lambda published, *args: (calls.append(args[1]),
+                                                      dtypes.add(published[2][published[1] + "grad_hidden"].dtype),
+                                                      publish(published, *args))[2])
         grads = []
         for ids, mask, labels in batches(256, 3, batch=3, seq=16, seed=4, pad=True):
             calls.append("step")
@@ -702,6 +706,7 @@ def test_backward_cpu_parts_that_publish_give_the_same_bits_as_waiting_for_them(
             grads.append({n: p.grad.clone() for n, p in engine.named_parameters() if p.requires_grad})
         monkeypatch.undo()
         assert not engine.moecc.engine._backward_parts  # every published part joined by its pass
+        assert dtypes <= {torch.bfloat16}  # the input-gradient rows cross as bf16
         return grads, calls
 
     grads, calls = train(published=True)
