@@ -152,8 +152,9 @@ def _available_host_bytes() -> int | None:
 
 
 def rows_pay(pairs: int, tokens: int) -> bool:
-    """Whether a subset's results leave as float32 rows per pair rather than summed ``[T, H]``: up to two pairs a
-    token (at most 4x the dense bf16 bytes, to stage and for the device to read across PCIe)."""
+    """Whether a subset's results leave as rows per pair rather than summed ``[T, H]``: up to two pairs a token (at
+    most 4x the dense bf16 bytes as float32 rows, 2x as the bf16 rows hybrid's published parts hand over, to stage
+    and for the device to read across PCIe)."""
     return pairs <= 2 * tokens
 
 
