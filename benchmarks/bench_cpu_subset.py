@@ -120,10 +120,10 @@ def hybrid_buffers(weights: ExpertWeights, loras: tuple, tokens: int, top_k: int
 
 
 def time_subset(backend: NativeExperts, weights, loras, tokens: int, top_k: int, coldest: int, reps: int,
-                seed: int = 0, breakdowns: list | None = None) -> tuple[int, float, float, float, float]:
+                seed: int = 0, breakdowns: list | None = None) -> tuple[int, float, float, float, float, str]:
     """(routed pairs of the ``coldest`` experts, median forward s, median backward s, the medians of their
-    kernels' phases, and the path: ``into`` or ``pairs``, as hybrid runs the part) after two warm-up calls; ``breakdowns``: a list each timed call pair appends its
-    (forward, backward) :func:`phase_breakdown` to."""
+    kernels' phases, and the path: ``into`` or ``pairs``, as hybrid runs the part) after two warm-up calls;
+    ``breakdowns``: a list each timed call pair appends its (forward, backward) :func:`phase_breakdown` to."""
     g = torch.Generator().manual_seed(seed)
     experts = weights.num_experts
     top_w, top_i = torch.topk(torch.randn(tokens, experts, generator=g).softmax(-1), top_k, dim=-1)
@@ -135,8 +135,9 @@ def time_subset(backend: NativeExperts, weights, loras, tokens: int, top_k: int,
         mask[chosen] = True
     hidden = torch.randn(tokens, weights.hidden_size, generator=g).bfloat16()
     grad_out = torch.randn(tokens, weights.hidden_size, generator=g).bfloat16()
-    into = (mask is not None and rows_pay(int(counts[chosen].sum()), tokens)) and hybrid_buffers(
-        weights, loras, tokens, top_k, chosen, int(counts[chosen].sum()))
+    pairs = int(counts[chosen].sum())
+    into = mask is not None and rows_pay(pairs, tokens) and hybrid_buffers(weights, loras, tokens, top_k, chosen,
+                                                                           pairs)
     forward, backward, forward_in, backward_in = [], [], [], []
     for rep in range(reps + 2):  # as hybrid calls it: rows per pair, every result given back
         start = time.perf_counter()
@@ -165,7 +166,7 @@ def time_subset(backend: NativeExperts, weights, loras, tokens: int, top_k: int,
             backward.append(end - middle)
             forward_in.append(inside_forward)
             backward_in.append(inside_backward)
-    return (int(counts[chosen].sum()), *(statistics.median(v) for v in (forward, backward, forward_in, backward_in)),
+    return (pairs, *(statistics.median(v) for v in (forward, backward, forward_in, backward_in)),
             "into" if into else "pairs")
 
 

@@ -279,7 +279,7 @@ def _add(staging: StagingBuffers, gpu: tuple | None, sources: dict[str, torch.Te
         for which in range(len(factors)):
             if f"lora_blocks{which}" in read:
                 add_blocks(which, read["lora_index"], read[f"lora_blocks{which}"])
-        hidden = (torch.add(bases[0], read["grad_hidden"]) if "grad_tokens" not in read  # rows: bf16, summed in fp32
+        hidden = (torch.add(bases[0], read["grad_hidden"]) if "grad_tokens" not in read  # rows (bf16) sum in fp32
                   else torch.index_add(bases[0], 0, read["grad_tokens"], read["grad_hidden"].to(bases[0].dtype)))
         return hidden, torch.add(bases[1], read["grad_weights"])
 
