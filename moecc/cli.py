@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                               help="Hugging Face gradient checkpointing: auto = turned on for a paradigm once a token "
                                    "count runs out of GPU memory (each row says whether it was on)")
     bench_parser.add_argument("--rank", type=positive_int, default=8)
-    bench_parser.add_argument("--out", default="benchmarks/results/bench")
+    bench_parser.add_argument("--out", default="./moecc-bench",
+                              help="folder for bench.md, bench.json and the plots (default: ./moecc-bench)")
     plan_parser = commands.add_parser("plan", help="predict each paradigm's step time on this machine")
     plan_parser.add_argument("--preset", default="qwen3-30b-a3b")
     plan_parser.add_argument("--layers", type=positive_int, default=None)
