@@ -42,7 +42,7 @@ def build_pair(family: str, dtype: torch.dtype, config: LoraConfig, seed: int = 
     """(HF + PEFT reference on the CPU, moecc model on ``device``) with identical base weights and adapters.
 
     ``backend`` defaults to the reference CPU math, which these pipeline-exact comparisons are about; the
-    default engine (native kernels where they apply) is compared in ``test_native_parity.py``.
+    default engine (native kernels where they apply) is compared in ``tests/models/test_native_parity.py``.
     """
     base = tiny_model(family, dtype=dtype, seed=seed, **model_overrides)
     reference = get_peft_model(copy.deepcopy(base), copy.deepcopy(config))

@@ -165,7 +165,7 @@ def test_failed_amx_self_check_makes_auto_fall_back(fault, words):
     handed out: ``auto`` warns once and takes AVX512-BF16, an explicit AMX request gets an error naming the fix."""
     if "amx" not in _ops.hardware_isas():
         pytest.skip("needs a CPU with AMX (amx_tile, amx_bf16 and the kernel's tile-data permission)")
-    from moecc.native_experts import NativeExperts
+    from moecc.experts.native import NativeExperts
 
     _ops._reset_amx_self_check(fault)
     try:

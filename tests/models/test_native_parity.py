@@ -18,7 +18,7 @@ import moecc
 from moecc.experts.native import NativeExperts
 from moecc.tiny_models import tiny_model
 
-from .parity import batches, lora_config, randomize_lora, rel_err
+from ..parity import batches, lora_config, randomize_lora, rel_err
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "mixtral", "olmoe"]
 

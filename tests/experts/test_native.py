@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from moecc import _ops
-from moecc.experts.types import PairGrads
-from moecc.native_experts import NativeExperts
-from moecc.reference import ExpertLora, ExpertWeights, experts_autograd, experts_backward, experts_forward
+from moecc.experts import reference
+from moecc.experts.native import NativeExperts
+from moecc.experts.types import ExpertLora, ExpertWeights, PairGrads
 
-from .parity import rel_err
+from ..parity import rel_err
 
 
 # Every ISA the hardware offers, not only those that pass their self-check: on an AMX CPU whose AMX kernels are
@@ -75,15 +75,15 @@ def _check_against_reference(isa, case, tuning=None):
                                                    skew=skew)
     native = NativeExperts(isa, tuning=tuning)
     out, saved = native.forward(weights, x, index, w, gate_up, down)
-    expected = experts_autograd(weights, x.float(), index, w, gate_up, down)
+    expected = reference.autograd(weights, x.float(), index, w, gate_up, down)
     assert out.dtype == torch.bfloat16 and out.shape == (tokens, hidden)
     if tokens == 0:
         return
     assert rel_err(out, expected) <= 2e-2
 
     grad_out = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
-    ref_out, ref_saved = experts_forward(weights, x, index, w, gate_up, down)
-    ref_grads = experts_backward(weights, ref_saved, grad_out, gate_up, down)
+    ref_out, ref_saved = reference.forward(weights, x, index, w, gate_up, down)
+    ref_grads = reference.backward(weights, ref_saved, grad_out, gate_up, down)
     grads = native.backward(weights, saved, grad_out, gate_up, down)
     assert rel_err(grads[0], ref_grads[0]) <= 2e-2
     assert rel_err(grads[1], ref_grads[1]) <= 2e-2
@@ -164,12 +164,12 @@ def test_packing_layout():
 def test_each_isa_packs_weight_slices_exactly_like_the_reference_packer(isa, shape):
     rows, cols = shape
     matrix = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols)).bfloat16()
-    reference = _ops.pack_experts(matrix[None])
+    expected = _ops.pack_experts(matrix[None])
     panels = -(-rows // 16)
     panel_size = 16 * (-(-cols // 32) * 32)
-    assert torch.equal(_ops.pack_rows(isa, matrix, 0, panels), reference)
+    assert torch.equal(_ops.pack_rows(isa, matrix, 0, panels), expected)
     if panels > 1:  # a slice starting at a later panel, as a product task packs it
-        assert torch.equal(_ops.pack_rows(isa, matrix, 1, panels), reference[panel_size:])
+        assert torch.equal(_ops.pack_rows(isa, matrix, 1, panels), expected[panel_size:])
     with pytest.raises(ValueError, match="out of range"):
         _ops.pack_rows(isa, matrix, 0, panels + 1)
 
@@ -183,7 +183,7 @@ def test_native_backend_through_prepare_matches_hf_peft_in_bf16(isa):
     import moecc
     from moecc.tiny_models import tiny_model
 
-    from .parity import lora_config, randomize_lora
+    from ..parity import lora_config, randomize_lora
 
     base = tiny_model("qwen3_moe", dtype=torch.bfloat16, seed=2)
     reference = get_peft_model(copy.deepcopy(base), lora_config("qwen3_moe"))
@@ -207,7 +207,7 @@ def test_native_follows_merge_adapter():
     import moecc
     from moecc.tiny_models import tiny_model
 
-    from .parity import lora_config, randomize_lora
+    from ..parity import lora_config, randomize_lora
 
     base = tiny_model("qwen3_moe", dtype=torch.bfloat16, seed=4)
     reference = get_peft_model(copy.deepcopy(base), lora_config("qwen3_moe"))
@@ -374,7 +374,7 @@ def test_experts_are_held_once_in_host_memory():
 
 
 def test_buffer_pool_hands_out_the_smallest_fitting_buffer_once():
-    from moecc.native_experts import _BufferPool
+    from moecc.experts.native import _BufferPool
 
     pool = _BufferPool()
     lent = [pool.take((n,), torch.bfloat16) for n in (100, 10, 50)]
@@ -392,7 +392,7 @@ def test_buffer_pool_hands_out_the_smallest_fitting_buffer_once():
 
 
 def test_buffer_pool_counts_the_bytes_of_new_buffers_only():
-    from moecc.native_experts import _BufferPool
+    from moecc.experts.native import _BufferPool
 
     pool = _BufferPool()
     first = pool.take((10, 4), torch.float32)
@@ -410,10 +410,10 @@ def test_prepack_weights_packs_in_prepare_and_trains_the_same(monkeypatch):
     import copy
 
     import moecc
-    from moecc import native_experts
+    from moecc.experts import native as native_experts
     from moecc.tiny_models import tiny_model
 
-    from .parity import batches, lora_config, randomize_lora
+    from ..parity import batches, lora_config, randomize_lora
 
     base = tiny_model("qwen3_moe", dtype=torch.bfloat16, seed=0)
     models = []
@@ -523,9 +523,9 @@ def test_amx_matches_reference_with_and_without_the_next_block_prefetch(prefetch
     grads = native.backward(weights, saved, grad_out, gate_up, down)
     default_out, default_saved = NativeExperts("amx").forward(weights, x, index, w, gate_up, down)
     assert torch.equal(out, default_out)
-    assert rel_err(out, experts_autograd(weights, x.float(), index, w, gate_up, down)) <= 2e-2
-    _, ref_saved = experts_forward(weights, x, index, w, gate_up, down)
-    ref_grads = experts_backward(weights, ref_saved, grad_out, gate_up, down)
+    assert rel_err(out, reference.autograd(weights, x.float(), index, w, gate_up, down)) <= 2e-2
+    _, ref_saved = reference.forward(weights, x, index, w, gate_up, down)
+    ref_grads = reference.backward(weights, ref_saved, grad_out, gate_up, down)
     assert rel_err(grads[0], ref_grads[0]) <= 2e-2 and rel_err(grads[1], ref_grads[1]) <= 2e-2
     for got, want in zip(vars(grads[2]).values(), vars(ref_grads[2]).values()):
         assert rel_err(got, want) <= 2e-2
