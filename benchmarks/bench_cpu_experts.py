@@ -37,9 +37,9 @@ SHAPES = {  # experts, top_k, hidden, intermediate
     "qwen3-30b-a3b": (128, 8, 2048, 768),
     "deepseek-v2-lite": (64, 6, 2048, 1408),
 }
-DRAM_GBPS = 125.0  # measured host DRAM read rate, 16 threads (DESIGN.md)
-# The best public CPU MoE fine-tuning kernel on the accelerator host, Qwen3-30B-A3B shape, Zipf(1.2) routing,
-# forward / backward ms (issue #3); moecc's target is half their sum.
+DRAM_GBPS = 125.0  # host DRAM read rate on 16 threads of a 16-core Xeon with AMX: the floor's rate
+# The best public CPU MoE fine-tuning kernel on that Xeon, Qwen3-30B-A3B shape, Zipf(1.2) routing, forward /
+# backward ms; moecc's target is half their sum.
 PEER_MS = {256: (32, 64), 1024: (48, 92), 4096: (104, 200), 8192: (176, 312)}
 
 
@@ -94,8 +94,7 @@ def measure_peaks() -> dict[str, float]:
 def per_cpu_peaks(isa: str) -> dict[int, float]:
     """Single-thread register-only bf16 FLOP/s of ``isa``'s matrix unit ('amx' or 'avx512_bf16') on each CPU this
     process may use, one at a time, the others idle. A CPU whose core something else shares (a VM's vCPU on a busy
-    host) shows at a fraction of the rest, and every all-thread phase then waits on it (the AMX host had two of
-    its 16 at 0.96 TFLOP/s against 2.2, 2026-11-29)."""
+    machine) shows at a fraction of the rest, and every all-thread phase then waits on it."""
     from moecc import _C
 
     mask = os.sched_getaffinity(0)
@@ -122,8 +121,8 @@ def describe_cpu_peaks(isa: str, rates: dict[int, float]) -> str:
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
     """Bytes per second, read plus written, of the fastest of ``reps`` copies of ``nbytes`` between two float32
     tensors on torch's threads: how fast the host's memory answers right now. Taken before and after the cases,
-    beside the register-only peaks, because the shared AMX host has run whole tables 1.5x slower in every phase,
-    memory-bound copies included, with the peaks read before them unchanged (2026-11-30)."""
+    beside the register-only peaks, because a shared machine can slow down in every phase, memory-bound copies
+    included, while the peaks read before the cases stay the same."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
     times = rep_times(lambda: dst.copy_(src), reps)
@@ -267,7 +266,7 @@ def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: N
     active = int((counts > 0).sum())
     weight_bytes = active * 3 * hidden * inter * 2
     flops = 6 * tokens * top_k * hidden * inter  # per pass; backward does the same input-side products
-    # The best rep beside the median: on a shared host the spread between reps (and calls) is mostly the host's.
+    # The best rep beside the median: on a shared machine the spread between reps (and runs) is mostly its own.
     best_s = min(forward_reps) + min(backward_reps)
     row = dict(shape=shape, tokens=tokens, routing=kind, isa=native.isa, forward_ms=forward_s * 1e3,
                backward_ms=backward_s * 1e3, best_ms=best_s * 1e3, forward_tflops=flops / forward_s / 1e12,
@@ -294,7 +293,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--isa", default="auto")
     parser.add_argument("--no-baseline", action="store_true")
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default="benchmarks/results/cpu_experts")
     parser.add_argument("--task-shape", default=None, metavar="PANELS,GRAD_COLUMNS[,ROWS[,BLOCK_ROWS]]",
                         help="shape of the product tasks: forward output panels of 16 columns per task, input-"
                              "gradient columns per task (multiple of 16), rows per task, rows per product call "
@@ -328,8 +327,8 @@ def main() -> None:
     print(f"isa {isa}, {_ops.num_threads()} threads, cpu {_ops.cpu_features()['brand'].strip()}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} (loop: {_STARTED_WITH_OMP_POLICY or 'unset'})")
     baseline = None if args.no_baseline else loop_baseline(args)
-    # Each CPU alone first: right after an all-thread AMX job a core's single-thread rate read about half its own
-    # for a while (the host, 2026-11-29: 1.14 against 2.2 TFLOP/s), as if its clock had not come back up yet.
+    # Each CPU alone first: right after an all-thread AMX job a core's single-thread rate can read about half its
+    # own for a while, as if its clock had not come back up yet.
     unit = "amx" if isa == "amx" else "avx512_bf16" if isa == "avx512_bf16" else None
     cpu_text = describe_cpu_peaks(unit, per_cpu_peaks(unit)) if unit else ""
     print(cpu_text)
@@ -380,8 +379,8 @@ def main() -> None:
              + ("; with --prepack a packed copy of the same size besides, not in scratch_gb" if args.prepack else "")
              + "); scratch_gb: resident memory the kernels added (scratch per routed pair, shared by all layers, "
              "plus this layer's saved activations).",
-             "target_ms = half of forward + backward of the best public CPU MoE fine-tuning kernel on the same host "
-             "(Qwen3 shape, Zipf routing; issue #3); compare with forward_ms + backward_ms (medians over the reps). "
+             "target_ms = half of forward + backward of the best public CPU MoE fine-tuning kernel on a 16-core Xeon "
+             "with AMX (Qwen3 shape, Zipf routing); compare with forward_ms + backward_ms (medians over the reps). "
              "best_ms = the fastest forward plus the fastest backward rep.",
              "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

@@ -1,7 +1,7 @@
 """Write a real-shaped random MoE checkpoint, then load it with moecc.from_pretrained and measure it.
 
     python benchmarks/bench_load.py write /data/ckpt --preset qwen3-30b-a3b --layers 24
-    python benchmarks/bench_load.py load  /data/ckpt [--out benchmarks/results]
+    python benchmarks/bench_load.py load  /data/ckpt [--out benchmarks/results/checkpoint_load]
 
 ``write`` stores experts per expert (``mlp.experts.<e>.{gate,up,down}_proj.weight``), as the original
 checkpoints do, one shard per decoder layer. ``load`` reports load time, peak host RSS (VmHWM, which counts
@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("directory", type=Path)
     parser.add_argument("--preset", default="qwen3-30b-a3b", choices=sorted(PRESETS))
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/checkpoint_load"))
     args = parser.parse_args()
     if args.action == "write":
         write(args.directory, args.preset, args.layers)

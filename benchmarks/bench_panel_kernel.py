@@ -28,7 +28,7 @@ def rates(isa: str, reps: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default="benchmarks/results/cpu_experts")
     args = parser.parse_args()
     table = []
     for isa in ("portable", "avx512_bf16", "amx"):

@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default="moecc-bench")
     args = parser.parse_args()
 
     start = time.perf_counter()

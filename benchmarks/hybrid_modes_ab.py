@@ -1,7 +1,7 @@
 """Hybrid's step modes side by side in one process: the planner's splits under each setting asked for, and every
 routed expert on the GPU (offload's step, in the same engine), interleaved step by step on one built model.
 
-The host this project measures on drifts by tens of percent within minutes, so alternatives timed in separate
+A shared machine's speed can drift by tens of percent within minutes, so alternatives timed in separate
 processes (each building and pinning a 60 GB model first) can land in different states of it. Here one model is
 built per run, and each round times every setting in turn; the table gives per setting the median of its steps,
 their range, and the median of each round's ratio to the first setting. Settings are ``name=mode`` or
@@ -11,7 +11,7 @@ cache the model was built with (``MOECC_OFFLOAD_CACHE_GB``), so cache and none i
 replaced by the fixed mode.
 
     python benchmarks/hybrid_modes_ab.py --tokens 512,2048 --rounds 3 \\
-        --setting split=split --setting gpu=gpu --out benchmarks/results/hybrid_modes_ab
+        --setting split=split --setting gpu=gpu --out moecc-bench/hybrid_modes_ab
     MOECC_OFFLOAD_CACHE_GB=auto python benchmarks/hybrid_modes_ab.py --tokens 512,8192 --setting split=split \\
         --setting split-none=split:cache=off --setting gpu=gpu --setting gpu-none=gpu:cache=off
 """
@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per setting and round")
     parser.add_argument("--gpu-budget", type=float, default=24.0)
-    parser.add_argument("--out", default="benchmarks/results/hybrid_modes_ab")
+    parser.add_argument("--out", default="moecc-bench/hybrid_modes_ab")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(args.out)

@@ -8,7 +8,7 @@ long each lane was busy and how long the CPU part and the copies were busy toget
 over the layers of each CPU part's chain (``chain``: waiting for its inputs, computing, writing its results out,
 and the gap from the part of the layer before it in pass order).
 
-    python benchmarks/hybrid_timeline.py --layers 16 --tokens 2048 --out benchmarks/results/hybrid_timeline
+    python benchmarks/hybrid_timeline.py --layers 16 --tokens 2048 --out moecc-bench/hybrid_timeline
 """
 from __future__ import annotations
 
@@ -236,7 +236,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=3, help="steps before the profiled one")
     parser.add_argument("--gpu-budget", type=float, default=24.0)
-    parser.add_argument("--out", default="benchmarks/results/hybrid_timeline")
+    parser.add_argument("--out", default="moecc-bench/hybrid_timeline")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

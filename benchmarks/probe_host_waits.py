@@ -7,7 +7,7 @@ and of the backward's (autograd's device thread), and the seconds each spent blo
 event and stream syncs, ``tolist`` / ``item`` of device tensors, and joins of CPU parts (``Future.result``).
 Syncs inside torch ops (a boolean index, ``nonzero``) are counted by call site through torch's sync debug mode.
 
-    python benchmarks/probe_host_waits.py --paradigm hybrid --tokens 512 --out benchmarks/results/host_waits
+    python benchmarks/probe_host_waits.py --paradigm hybrid --tokens 512 --out moecc-bench/host_waits
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--gpu-budget", type=float, default=24.0)
-    parser.add_argument("--out", default="benchmarks/results/host_waits")
+    parser.add_argument("--out", default="moecc-bench/host_waits")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_host_waits: needs a CUDA device (the host's waits on it are what it measures)")

@@ -1,4 +1,4 @@
-"""Where one CPU-experts call spends its time beyond the kernel phases: a diagnosis aid for issue #3.
+"""Where one CPU-experts call spends its time beyond the kernel phases: a diagnosis aid for the CPU kernels.
 
 For each token count it runs the native forward and backward of one Qwen3-30B-A3B-shaped layer a few times, then
 reports per pass: wall time; the kernel phases (``_C.last_phase_times``) and their sum; the PyTorch ops around

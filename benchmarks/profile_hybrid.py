@@ -14,7 +14,7 @@ then never comes back once it priced the CPU out), ``NAME:N:t`` queues the exper
 the CUDA driver (``moecc.paradigms.driver_copies``), ``NAME:N:g`` lets the step guard run whole steps with every
 expert on the GPU where those were faster (``moecc.paradigms.step_guard``; off otherwise, so each case runs its
 rule), ``NAME:N:w`` times whole steps as ``moecc bench`` does (no synchronisation between forward and backward);
-``--rounds`` interleaves the cases, since the host's speed drifts between runs. Each line also gives the seconds spent inside the
+``--rounds`` interleaves the cases, since a machine's speed can drift between runs. Each line also gives the seconds spent inside the
 native kernel calls per pass (``kernel_forward_s``, ``kernel_backward_s``), which the CPU parts' seconds exceed by
 their Python work around the call.
 """

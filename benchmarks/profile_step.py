@@ -1,5 +1,5 @@
-"""Where one training step of a paradigm leaves the GPU idle: a diagnosis aid for issue #4 (a step slower than
-its copies and kernels) and for co-compute's time outside the CPU experts.
+"""Where one training step of a paradigm leaves the GPU idle: a diagnosis aid for a step slower than its copies
+and kernels, and for co-compute's time outside the CPU experts.
 
 Builds the ``moecc bench`` model (random weights, LoRA on attention and experts) under the GPU budget, times a
 few steps as the bench does (falling back to gradient checkpointing when a step runs out of memory), then runs

@@ -1,7 +1,6 @@
 """Kernel knob settings against each other on one MoE layer, interleaved in one process.
 
-A shared host's speed drifts by 10-40% between runs (the AMX host's register-only peak read 13.7 to 21.3
-TFLOP/s within one day), more than most knobs change. So this builds each case once and runs every setting once
+A shared machine's speed can drift by tens of percent between runs, more than most knobs change. So this builds each case once and runs every setting once
 per rep, in turn: drift hits all settings alike. It reports the best of --reps forward and backward per setting
 and token count, the median of their sums, and a score: the geometric mean over token counts of the best
 forward + backward against the built-in defaults (below 1: faster). Writes the table as markdown under --out.
@@ -92,7 +91,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--reps", type=int, default=6)
     parser.add_argument("--isa", default="auto")
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default="moecc-bench")
     args = parser.parse_args()
     try:
         parsed = [parse_setting(text) for text in args.setting]

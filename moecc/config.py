@@ -38,9 +38,8 @@ class MoeccConfig:
             the pass since. Environment: ``MOECC_OFFLOAD_CACHE_GB``.
         offload_slots: layers of experts the offload and hybrid paradigms keep on the device at once (2 = the
             current layer plus the one being prefetched). Hybrid copies ``offload_slots - 1`` layers ahead in
-            both passes, so its copies go on while a layer's CPU part outlasts the next layer's copies (3 slots:
-            11% faster steps at 512 tokens on the accelerator host, no change at 2048; each slot costs one layer
-            of experts in the GPU budget). Environment: ``MOECC_OFFLOAD_SLOTS``.
+            both passes, so its copies go on while a layer's CPU part outlasts the next layer's copies (each slot
+            costs one layer of experts in the GPU budget). Environment: ``MOECC_OFFLOAD_SLOTS``.
         offload_compute: device-side expert math of the offload paradigm. ``"grouped"``: one grouped matrix
             product per projection, LoRA factorised (agrees with HF + PEFT to the dtype's rounding).
             ``"reference"``: one expert at a time with PEFT's folded ``W + ΔW``, bit-exact with HF + PEFT.

@@ -109,10 +109,9 @@ class StagingBuffers:
         as a device tensor over that buffer, which they read across PCIe themselves.
 
         A copy to the device would queue on the copy engine behind the expert weights already queued for the next
-        layer, and the GPU would wait for it (benchmarks/results/hybrid_2026-12-02_s15). ``consume`` must queue
-        kernels that read the views (an elementwise op, a gather; not ``copy_``, which would use the copy engine
-        again) and must not keep them: the buffers are reused once its work is done. Without CUDA it is given
-        the host tensors themselves.
+        layer, and the GPU would wait for it. ``consume`` must queue kernels that read the views (an elementwise
+        op, a gather; not ``copy_``, which would use the copy engine again) and must not keep them: the buffers
+        are reused once its work is done. Without CUDA it is given the host tensors themselves.
         """
         if not self.pinned:
             self._count(to_device=sum(t.numel() * t.element_size() for t in tensors.values()))

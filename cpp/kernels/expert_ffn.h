@@ -88,9 +88,8 @@ struct BackwardIo {
 };
 
 // Shape of the product tasks and which outputs leave with non-temporal stores, passed in with every call. The
-// defaults are what the engine runs; benchmarks (benchmarks/sweep_cpu_experts.py) and tests set the rest, and the
-// measurements behind the defaults are in benchmarks/results/README.md. No setting changes a result bit, except
-// grad_columns_per_task (below).
+// defaults are what the engine runs; benchmarks (benchmarks/sweep_cpu_experts.py) and tests set the rest. No
+// setting changes a result bit, except grad_columns_per_task (below).
 struct KernelTuning {
   // Forward output panels (of 16 columns) per product task. Wider tasks re-read each block of rows fewer times
   // but hold a larger weight slice in L2 and make fewer tasks.
@@ -99,8 +98,7 @@ struct KernelTuning {
   // so it moves the routing and gate/up A gradients in their last bits.
   int64_t grad_columns_per_task = 256;
   // Rows per product task: a task's weight slice stays in L2 while its rows stream past, so the weights cross
-  // the memory bus once per this many rows of an expert; taller tasks split a hot expert over fewer threads
-  // (1024 against 256: benchmarks/results/README.md, local measurements).
+  // the memory bus once per this many rows of an expert; taller tasks split a hot expert over fewer threads.
   int64_t rows_per_task = 1024;
   // Rows per product call within a task, its epilogue (LoRA term, bf16 rounding) run on each block while the
   // block is in cache; 0: the whole task at once.

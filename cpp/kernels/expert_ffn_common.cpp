@@ -137,7 +137,7 @@ void activate(const Dims& d, const uint16_t* gate_up_out, const LoraFactors& lor
 // in float32 at 8192 tokens for Qwen3-30B-A3B); the forward's weighting here is the same float32 product it was
 // when applied per pair.
 // The rows are added one at a time into a float32 row (in L1), each read in order: k streams at once in registers
-// were slower (benchmarks/results/README.md, local measurements).
+// were slower.
 void sum_slots(const Dims& d, const uint16_t* per_pair, const float* weights, float* out, uint16_t* out_bf16,
                moecc::pool::ThreadPool& pool) {
   const int64_t chunk = 16;
@@ -159,7 +159,7 @@ void sum_slots(const Dims& d, const uint16_t* per_pair, const float* weights, fl
 // PEFT's B [out, r*E] (column j*E + e) <-> B^T [E, r, out]. Tasks are blocks of kRelayoutRows output rows; within
 // one, tiles of kRelayoutExperts experts: a tile's reads and writes (kRelayoutRows x kRelayoutExperts values, 4 KB)
 // stay in L1 while it is transposed; walking all E experts per output row touched E x r lines of B^T per row,
-// more than L1 holds (benchmarks/results/README.md, local measurements).
+// more than L1 holds.
 constexpr int64_t kRelayoutRows = 64;
 constexpr int64_t kRelayoutExperts = 16;
 

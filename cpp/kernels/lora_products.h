@@ -23,8 +23,8 @@ void rank_dots(const uint16_t* row, const float* factors, int64_t factor_ld, int
 // multiply-add in every column (the passes' AVX512 build left their last 8 columns unfused); the factors are loaded
 // once for several rows. Grouping rows does the same operations per element in the same order as a call per row:
 // the same bits on whole 16-column vectors as long as the compiler fuses the multiply-adds of both alike (setup.py
-// turns GCC 13's FMA-chain heuristic off for that: with it the host's build fused the grouped rows and not a lone
-// row); a scalar tail (n % 16 columns) may still differ in the last bit.
+// turns GCC 13's FMA-chain heuristic off for that: with it GCC 13 fused the grouped rows and not a lone row); a
+// scalar tail (n % 16 columns) may still differ in the last bit.
 // Into bf16 at outs[r]: rounded to nearest even (NaN kept quiet); the rows are not written; rank 0 rounds only. One
 // pass instead of r passes and a rounding pass. With `stream`, whole 16-column vectors leave with non-temporal
 // stores (the caller fences), for a group of rows only where all of its outputs are 16-byte aligned.

@@ -13,7 +13,7 @@ namespace moecc::kernels {
 enum class Isa { kPortable = 0, kAvx512Bf16 = 1, kAmx = 2 };
 
 // Prefetch settings of the products, passed in with every call (the defaults are what the kernels run; benchmarks
-// sweep the rest). Measurements behind the defaults: benchmarks/results/README.md.
+// sweep the rest).
 struct GemmTuning {
   // pack_columns_avx512 (every AVX512 and AMX input gradient): rows ahead of the one being packed that it asks
   // for (0: none, at most 4096), into L2 (else L1).

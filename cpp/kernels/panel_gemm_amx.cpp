@@ -7,7 +7,7 @@
 // 64-byte stride and no further re-layout. A tiles (16 tokens x 32 K) come straight from the row-major
 // activations. Each step holds a 2 x 2 block of C tiles (32 tokens x 32 outputs): 4 tile loads feed 4 tile
 // products, the most reuse 8 tile registers allow. All of K runs in one pass, so the C tiles stay in registers
-// from the first K step to the last (passes over K lost on the host: benchmarks/results/README.md).
+// from the first K step to the last (passes over K were slower: each pass stores and reloads the C tiles).
 #include <immintrin.h>
 
 #include "amx_self_check.h"

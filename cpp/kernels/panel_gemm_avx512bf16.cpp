@@ -137,7 +137,7 @@ MOECC_AVX512BF16 void pack_rows_avx512(const uint16_t* w, int64_t n, int64_t k, 
 // interleave (per 128-bit lane) and a qword permute to put the lanes in column order, two lines out. Rows are
 // the outer loop, so each row's slice is read once, contiguously.
 // Each row's slice starts a new page, where the hardware prefetchers stop, so rows further down are asked for
-// (GemmTuning: 8 rows into L2 won on the host, benchmarks/results/README.md).
+// (GemmTuning: how many rows, and into L1 or L2).
 MOECC_AVX512BF16 void pack_columns_avx512(const uint16_t* w, int64_t n, int64_t k, int64_t k0, int64_t chunks,
                                           int64_t n_tiles, uint16_t* dst, const GemmTuning& tuning) {
   const __m512i first_half = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);

@@ -44,8 +44,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) double avx512bf1
 }
 
 // fp32 FMA in 16 independent zmm accumulators: the rate the epilogues' float32 arithmetic is bound by. Beside the
-// VDPBF16PS loop it tells a core whose AVX512 runs slowly from one where only VDPBF16PS does (the AMX host's
-// VDPBF16PS runs at half the FMA rate: benchmarks/results/README.md, tenth session).
+// VDPBF16PS loop it tells a core whose AVX512 runs slowly from one where only VDPBF16PS does (some Xeons run
+// VDPBF16PS at half the FMA rate).
 __attribute__((target("avx512f"))) double avx512fma_loop(int64_t iterations) {
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));

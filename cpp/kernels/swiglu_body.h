@@ -1,7 +1,6 @@
 // The generic body of the SwiGLU rows (swiglu.h) in 16-lane vectors (vector16.h), and the entry points each build
 // of it exports. One pass per 16 columns does everything an element needs while it is in registers: as plain loops
-// GCC vectorised itself the backward took six passes over the row and two divisions (the ninth session's entry in
-// benchmarks/results/README.md has what the vector body saved).
+// GCC vectorised itself the backward took six passes over the row and two divisions.
 // Built once per ISA, each translation unit with its own flags (setup.py): swiglu.cpp for the baseline ISA,
 // isa/swiglu_avx512.cpp (one zmm register a vector) and isa/swiglu_avx512bf16.cpp (bf16 rounded by VCVTNEPS2BF16).
 // Everything here has internal linkage, so no build's copy of a function can stand in for another's at link time.

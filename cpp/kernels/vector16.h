@@ -83,8 +83,8 @@ MOECC_INLINE vf load16(const uint16_t* p) {  // bf16 -> float: the bits are the 
 // NativeBf16: AVX512-BF16's VCVTNEPS2BF16, one instruction, the same results except that it flushes float32
 // denormals (magnitudes below 1.2e-38) to zero where PortableBf16 rounds them; defined only in files compiled with
 // -mavx512bf16 (isa/*_avx512bf16.cpp), called only on CPUs that have it. The epilogues round every output element
-// (the SwiGLU backward four times), and the AMX host's cores run vector code slowly, so there the integer rounding
-// was much of the epilogues' time (benchmarks/results/README.md, tenth session).
+// (the SwiGLU backward four times); on cores that run vector code slowly the integer rounding is much of the
+// epilogues' time.
 struct PortableBf16 {
   static MOECC_INLINE vh narrow(vf v) { return __builtin_convertvector(bf16_bits(v), vh); }
 };

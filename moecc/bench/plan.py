@@ -18,8 +18,7 @@ With T tokens per step, each MoE layer, forward then backward:
               so never above offload
   gpu         everything on the GPU: a timed training step of one MoE layer.
 Where co-compute's own steps were timed (models of one and three MoE layers), its prediction is those per-layer
-and rest-of-step times instead of the sum of its parts above, which timed apart overstate the step
-(benchmarks/results/README.md, planner rates).
+and rest-of-step times instead of the sum of its parts above, which timed apart overstate the step.
 Once per step comes the rest (embeddings, dense layers, LM head, loss, the optimizer on the GPU), timed, and for
 co-compute and offload the AdamW step over the expert LoRA factors, which live in host memory. Timings are
 interpolated linearly in T between the token counts they were taken at, and kept above the floors the rates set
@@ -158,11 +157,10 @@ def _offload_layers_s(s: dict, tokens: int, rates: dict, attention: float, forwa
 
 
 # Hybrid's CPU part: a fixed cost per layer pass (staging, gathers, scatters) and the kernels' slowdown with two
-# cores left to the copies while PCIe streams (DESIGN.md: 1.04-1.07); the engine measures both as it runs.
+# cores left to the copies while PCIe streams; the engine measures both as it runs.
 HYBRID_CPU_CALL_S = 5e-3
 HYBRID_CPU_SLOWDOWN = 1.1
-# The link while the CPU part reads DRAM beside it: 0.92-0.99 of offload's rate in the same bench run, median 0.94
-# (benchmarks/results/host_2026-12-05_s29, host_2026-12-06_s31).
+# The link's share of offload's rate while the CPU part reads DRAM beside it: the two compete for memory.
 HYBRID_LINK_SHARE = 0.94
 
 
@@ -249,8 +247,8 @@ def _recomputes_experts(s: dict, checkpointing: bool) -> bool:
     """Whether Hugging Face's non-reentrant checkpointing runs a layer's routed experts again in backward. Its
     recomputation stops at the layer's last saved tensor, and the experts' autograd nodes save none: only a
     shared expert after them (Qwen2-MoE, DeepSeek) carries it through the routed experts. Their backward uses
-    the first forward's state either way (Qwen3-30B-A3B, checkpointed at 8192 tokens, brought back every byte it
-    parked: benchmarks/results/host_2026-12-06_s32, H2D 8.48 GB above 2048 tokens' for 8.48 GB more parked)."""
+    the first forward's state either way, so a checkpointed backward brings back every byte the forward
+    parked."""
     return checkpointing and s["shared_inter"] > 0
 
 
@@ -311,7 +309,7 @@ def predict(preset: str, tokens: int, rates: dict, layers: int | None = None, ra
 # moecc bench's default batches: ``paradigm="auto"`` weighs a paradigm over all three
 AUTO_TOKENS = (512, 2048, 8192)
 AUTO_CHOICES = ("cocompute", "offload", "hybrid")  # simplest first
-AUTO_MARGIN = 0.03  # a later choice must be predicted this much faster than an earlier one (the host's noise)
+AUTO_MARGIN = 0.03  # a later choice must be predicted this much faster than an earlier one (run-to-run noise)
 
 
 def auto_paradigm(config, rates: dict, offload_slots: int = 2) -> tuple[str, str] | None:

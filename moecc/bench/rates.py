@@ -44,7 +44,7 @@ from .shapes import RANK, SEQUENCE, moe_shape, shape_key
 from .timing import adamw, best_of, synchronize, time_training
 
 LOADS = (32, 128, 512)  # (token, expert) pairs per expert at which the CPU kernels and the GPU are timed
-# Every load, since launch-bound small steps extrapolate badly (benchmarks/results/README.md, planner rates).
+# Every load, since launch-bound small steps extrapolate badly.
 GPU_LOADS = LOADS
 # Models this many MoE layers apart average out the run-to-run noise of launch-bound layers (same README).
 GPU_LAYERS_APART = 7
@@ -331,7 +331,7 @@ def cocompute_layer_and_rest(preset: str, device: torch.device, tokens: list[int
     """Co-compute step seconds per MoE layer, and of the rest of the step, at each token count: half the
     difference of models with three and one MoE layers (after any dense layers; two layers apart halve the
     timing noise in the slope the planner multiplies by up to 48), and what one MoE layer leaves of the smaller.
-    Timed in place: the kernels timed alone did not predict them inside a step (benchmarks/results/README.md)."""
+    Timed in place: the kernels timed alone did not predict them inside a step."""
     return _layer_and_rest(preset, lambda layers: _cocompute_step_s(preset, layers, device, tokens), apart=2)
 
 

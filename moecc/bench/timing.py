@@ -166,7 +166,7 @@ def _breakdown(records: list[tuple[float, dict]]) -> dict:
         cpu_wait_s = wait_s if cpu_s > 0 else 0.0
         copy_wait_s = wait_s if cpu_s == 0 else 0.0
     return {
-        # the timed steps' range: this host's speed drifts between steps, so a ratio is read against it
+        # the timed steps' range: a machine's speed can drift between steps, so a ratio is read against it
         "step_s": step_s, "step_min_s": min(r[0] for r in records), "step_max_s": max(r[0] for r in records),
         "cpu_experts_s": cpu_s, "pcie_s": copy_s, "gpu_wait_s": wait_s,
         "cpu_wait_s": cpu_wait_s, "copy_wait_s": copy_wait_s, "expert_compute_s": expert_gpu_s,
