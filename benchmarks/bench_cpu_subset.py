@@ -33,7 +33,7 @@ from moecc import _C, _ops
 from moecc.experts import LoraGrads
 from moecc.experts.native import NativeExperts, rows_pay
 from moecc.experts.types import ExpertLora, ExpertWeights, PairGrads
-from moecc.paradigms.hybrid import configure_cpu_threads
+from moecc.paradigms.cpu_part import configure_cpu_threads
 
 
 def layer(experts: int, hidden: int, inter: int, rank: int, seed: int = 0):

@@ -149,6 +149,14 @@ def _lora_fields(config) -> dict:
     return fields
 
 
+def _config_fields(config) -> dict:
+    """``MoeccConfig``'s fields as JSON values: a split policy object by its name."""
+    fields = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
+    if not isinstance(fields.get("split_policy"), str):
+        fields["split_policy"] = fields["split_policy"].name
+    return fields
+
+
 def write_settings(peft_model: torch.nn.Module, directory: Path, adapter_name: str = "default") -> None:
     """Writes ``moecc_config.json`` into ``directory`` for a model ``moecc.prepare`` returned (else nothing)."""
     state = getattr(peft_model, "moecc", None)
@@ -160,7 +168,7 @@ def write_settings(peft_model: torch.nn.Module, directory: Path, adapter_name: s
         "moecc_version": __version__,
         "family": state.family.model_type,
         "paradigm": state.paradigm,
-        "config": dataclasses.asdict(state.config),
+        "config": _config_fields(state.config),
         "lora": _lora_fields(peft_model.peft_config[adapter_name]),
     }
     (directory / SETTINGS_NAME).write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")

@@ -199,7 +199,8 @@ def prepare(
     else:
         peft_model = _apply_lora(model, family, lora_config, adapter)
 
-    _ops.configure_pool(config.num_threads, config.pin_threads)
+    # The one place the native pool is set: the config's threads, else what the paradigm wants on this device
+    _ops.configure_pool(config.num_threads or paradigm_engine.pool_threads(device), config.pin_threads)
     engine = paradigm_engine.from_config(device, config)
     engine.check_finite = config.check_finite
     for name, block in blocks:

@@ -59,6 +59,12 @@ class MoeccConfig:
             gradients (incoming, and those it computes) for NaN / inf, and raises an error naming the layer and the
             step (forward pass). A host sync per check, so off by default; ``MoeccCallback`` turns it on at
             logging steps. Environment: ``MOECC_CHECK_FINITE`` (0/1).
+        split_policy: how the hybrid paradigm divides each layer's routed experts between the GPU and the CPU:
+            ``"planned"`` (default: balances CPU seconds against copy and GPU seconds from costs measured while both
+            sides run, and on a CUDA GPU falls back to whole steps with every expert on the GPU where those are
+            faster), or ``"coldest:SHARE"`` (the least-routed experts on the CPU up to ``SHARE`` of the routed
+            experts' bytes, a baseline with no cost model). A ``moecc.paradigms.split_policy.SplitPolicy`` object
+            is used as it is (tests, A/B runs). Environment: ``MOECC_SPLIT_POLICY``.
     """
 
     num_threads: int | None = None
@@ -72,6 +78,7 @@ class MoeccConfig:
     offload_compute: str = "auto"
     prepack_weights: bool = False
     check_finite: bool = False
+    split_policy: object = "planned"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -113,6 +120,8 @@ class MoeccConfig:
             kwargs["backend"] = os.environ["MOECC_BACKEND"]
         if os.environ.get("MOECC_ISA"):
             kwargs["isa"] = os.environ["MOECC_ISA"]
+        if os.environ.get("MOECC_SPLIT_POLICY", "").strip():
+            kwargs["split_policy"] = os.environ["MOECC_SPLIT_POLICY"].strip().lower()
         for variable, field_name in (("MOECC_OFFLOAD_LORA", "offload_lora"),
                                      ("MOECC_OFFLOAD_COMPUTE", "offload_compute")):
             if os.environ.get(variable, "").strip():

@@ -44,8 +44,8 @@ def cpu_backend_name(backend, weights) -> tuple[str, str | None]:
 def describe(state, config) -> tuple[str, list[str]]:
     """``(the summary line, warnings)`` for a prepared model's ``model.moecc`` state."""
     engine = state.engine
-    cpu = getattr(engine, "backend", None) or getattr(engine, "cpu", None)  # co-compute / hybrid
-    device_math = getattr(engine, "compute", None)  # offload / hybrid: the device side's math
+    described = engine.describe()
+    cpu, device_math = described.cpu, described.device_math
     kinds: dict[str, list] = {}
     for layer in state.layers:
         weights = layer.weights
@@ -65,16 +65,13 @@ def describe(state, config) -> tuple[str, list[str]]:
         if device_math is not None:
             sides.append(f"{engine.device.type} {device_math}")
         parts.append(f"{len(layers)} x {kind}: {' + '.join(sides)}")
-    done = getattr(engine, "cpu_done", None)  # hybrid: whether the GPU waits for its CPU parts itself
-    if done is not None and engine.device.type == "cuda":
-        parts.append("the GPU waits for the CPU parts itself" if done.on_device
-                     else f"the host waits for the CPU parts: {done.reason}")
-    cache, sizer = getattr(engine, "cache", None), getattr(engine, "cache_sizer", None)  # offload, hybrid
-    if sizer is not None:
+    parts += described.notes
+    slots = described.cache
+    if slots is not None and slots.cache_sizer is not None:
         parts.append("expert cache: what the GPU budget (or free memory) leaves at each batch size"
-                     if sizer.limit_bytes else "expert cache: none (host and device are one memory)")
-    elif cache is not None:
-        parts.append(f"expert cache {cache.budget_bytes / 1e9:g} GB")
+                     if slots.cache_sizer.limit_bytes else "expert cache: none (host and device are one memory)")
+    elif slots is not None and slots.cache is not None:
+        parts.append(f"expert cache {slots.cache.budget_bytes / 1e9:g} GB")
     budget = config.gpu_memory_budget_gb
     line = (f"moecc prepared {state.family.model_type}: paradigm={state.paradigm}, device={state.device}, "
             f"experts: {'; '.join(parts)}, threads={_ops.num_threads()}"

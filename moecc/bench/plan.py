@@ -363,8 +363,15 @@ def hybrid_plan(preset: str, tokens: int, rates: dict, layers: int | None = None
     for phase, split in zip(("forward", "backward"),
                             hybrid_splits(s, tokens, rates, timed, rank, forward, backward, attention)):
         out[phase] = {"gpu_experts": len(split.gpu), "routed_experts": round(_routed_experts(s, tokens)),
-                      "cpu_s": split.cpu_s, "link_s": split.copy_s, "gpu_s": split.gpu_s, "side": split.side}
+                      "cpu_s": split.cpu_s, "link_s": split.copy_s, "gpu_s": split.gpu_s, "side": _side(split)}
     return out
+
+
+def _side(split: Split) -> str:
+    """``"cpu"``, ``"gpu"`` or ``"both"``: where a planned pass's work runs."""
+    if not split.gpu:
+        return "cpu"
+    return "gpu" if split.cpu_s == 0.0 else "both"
 
 
 def describe(preset: str, rates: dict) -> list[str]:

@@ -163,7 +163,7 @@ def run_case(preset: str, layers: int | None, paradigm: str, tokens: list[int], 
             timing = time_with_checkpointing(model, device, count, steps, state, max_seconds, warmup=warmup)
             row = {"paradigm": paradigm, "tokens": count, **timing, "checkpointing": state["on"]}
             if paradigm == "offload":  # where the expert LoRA lives changes the step (see plan.predict)
-                row["lora_on_device"] = model.moecc.engine.lora_on_device
+                row["lora_on_device"] = model.moecc.engine.slots.lora_on_device
             rows.append({**row, "error": caveat} if caveat else row)
             if on_row is not None:
                 on_row(rows[-1])

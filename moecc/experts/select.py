@@ -67,6 +67,15 @@ class PerLayerExperts:
     def release_result(self, tensor: torch.Tensor) -> None:
         self.native.release_result(tensor)
 
+    def release(self, saved: SavedState) -> None:
+        """``NativeExperts.release``: the native kernels' buffers go back to their pool (others are ignored)."""
+        self.native.release(saved)
+
+    @property
+    def fresh_bytes(self) -> int:
+        """The native kernels' new buffer bytes (the reference keeps no pools)."""
+        return self.native.fresh_bytes
+
     def prepare_layers(self, weights: list[ExpertWeights]) -> None:
         self.native.prepare_layers(weights)
 

@@ -10,7 +10,7 @@ Layouts (Hugging Face fused experts, PEFT ``target_parameters`` LoRA):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -162,3 +162,44 @@ class ExpertBackend(Protocol):
 
     def prepare_layers(self, weights: list[ExpertWeights]) -> None:
         """Called once ``moecc.prepare`` has built every layer (the native kernels pack weights here)."""
+
+
+@runtime_checkable
+class PairRowsBackend(ExpertBackend, Protocol):
+    """A CPU backend that can hand a subset's results back as one row per routed pair (``rows_pay``), for the
+    device to add where the pairs' tokens are, and can write them into the caller's buffers itself (hybrid's CPU
+    part: ``moecc.experts.native``; ``.select.PerLayerExperts``). Checked once, when an engine is built."""
+
+    @property
+    def fresh_bytes(self) -> int:
+        """Bytes of new host buffers allocated so far (a call during which this grew paid first-touch faults)."""
+
+    def returns_rows(self, weights: ExpertWeights) -> bool:
+        """Whether :meth:`forward_pairs` can return rows per pair for this layer."""
+
+    def forward_pairs(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor, gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None,
+                      *, expert_mask: torch.Tensor) -> tuple:
+        """``(out [T, H] or rows [P, H], tokens [P] or None, saved)``."""
+
+    def forward_pairs_into(self, weights: ExpertWeights, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor, gate_up_lora: ExpertLora | None,
+                           down_lora: ExpertLora | None, *, expert_mask: torch.Tensor, rows: torch.Tensor,
+                           tokens: torch.Tensor, weights_out: torch.Tensor | None = None) -> SavedState:
+        """:meth:`forward_pairs`'s rows written into ``rows`` / ``tokens`` (bf16 rows before their routing
+        weights, which go to ``weights_out``); returns the saved state."""
+
+    def backward_pairs(self, weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor,
+                       gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None) -> tuple:
+        """``(grad_hidden or rows, tokens or None, grad_top_k_weights, LoraGrads)``."""
+
+    def backward_pairs_into(self, weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor,
+                            gate_up_lora: ExpertLora | None, down_lora: ExpertLora | None,
+                            out: PairGrads) -> None:
+        """:meth:`backward_pairs` of a subset whose input gradient leaves as rows, written into ``out``."""
+
+    def keep_experts(self, weights: ExpertWeights, saved: SavedState, experts) -> SavedState:
+        """``saved`` with only ``experts``' pairs (their backward runs here; the others' moved)."""
+
+    def release(self, saved: SavedState) -> None:
+        """Hands a forward's saved buffers back when no backward will consume them."""

@@ -25,6 +25,7 @@ from ..experts import ExpertLora, ExpertWeights, LoraGrads
 from ..lora import factor_gradients, layer_lora, merge_revision
 from ..store import expert_weights
 from .event_spans import RoutingSkew
+from .torch_internals import current_graph_task_id
 
 # Metric names without a CUDA device (Engine.metrics_since_reset): no link to cross, no GPU to wait.
 HOST_NAMES = {"h2d_gb": "host_copy_in_gb", "d2h_gb": "host_copy_out_gb", "gpu_wait_s": "expert_wait_s"}
@@ -56,6 +57,16 @@ class StepMetrics:
     def routing_skew(self) -> float:
         """Mean over layer calls of (most tokens on one expert) / (mean tokens per expert); 1 is perfectly even."""
         return self.skew.mean()
+
+
+@dataclass(frozen=True)
+class EngineDescription:
+    """What an engine runs where, for the line ``moecc.prepare`` logs (``moecc.engine_summary``)."""
+
+    cpu: object | None = None  # the CPU expert backend (co-compute, hybrid)
+    device_math: str | None = None  # the device's expert math (offload, hybrid): ``offload_compute``'s names
+    cache: object | None = None  # the ``DeviceSlots`` whose expert cache the line describes
+    notes: tuple[str, ...] = ()  # further clauses, in words
 
 
 class Worker:
@@ -113,7 +124,7 @@ class _CheckedPending:
 
 def current_graph_task() -> int:
     """The autograd graph task this thread runs now, -1 outside the autograd engine's backward."""
-    return torch._C._current_graph_task_id()
+    return current_graph_task_id()
 
 
 def is_recomputing() -> bool:
@@ -130,11 +141,14 @@ def saved_state_gone(where: str) -> RuntimeError:
     )
 
 
-def node_gradients(grad_hidden: torch.Tensor, grad_top_k_weights: torch.Tensor, skipped: int,
+def node_gradients(ctx, grad_hidden: torch.Tensor, grad_top_k_weights: torch.Tensor,
                    lora: tuple[ExpertLora | None, ExpertLora | None], lora_grads: LoraGrads) -> tuple:
-    """An experts autograd node's gradients: hidden, routing weights, None for its ``skipped`` non-tensor inputs,
-    then one per LoRA factor (``lora_tensors`` order), on each factor's device and in its dtype."""
-    return (grad_hidden, grad_top_k_weights, *([None] * skipped), *factor_gradients(lora, lora_grads))
+    """An experts autograd node's gradients: hidden, routing weights, None for each non-tensor input between them
+    and the LoRA factors (however many the node's ``forward`` took: counted from ``ctx``), then one per LoRA factor
+    (``lora_tensors`` order), on each factor's device and in its dtype."""
+    factors = factor_gradients(lora, lora_grads)
+    skipped = len(ctx.needs_input_grad) - 2 - len(factors)
+    return (grad_hidden, grad_top_k_weights, *([None] * skipped), *factors)
 
 
 def routed_counts(top_k_index: torch.Tensor, num_experts: int) -> list[int]:
@@ -283,6 +297,12 @@ class Engine(ABC):
     def from_config(cls, device: torch.device, config: MoeccConfig) -> Engine:
         """The engine ``moecc.prepare`` builds for ``device`` with ``config``'s options."""
 
+    @classmethod
+    def pool_threads(cls, device: torch.device) -> int | None:
+        """The native pool's threads this paradigm wants on ``device`` where ``num_threads`` is not set (None:
+        every CPU this process may use)."""
+        return None
+
     def add_layer(self, name: str, experts: torch.nn.Module, wrappers: dict) -> ExpertLayer:
         """A new layer for one sparse block's base experts module and its PEFT wrappers (next in model order)."""
         layer = self.layer_class(name, experts, wrappers, self, len(self.layers))
@@ -303,6 +323,10 @@ class Engine(ABC):
     def budget_advice(self) -> str:
         """What to lower, besides the budget, when the GPU budget is too small (a clause, or "")."""
         return ""
+
+    def describe(self) -> EngineDescription:
+        """What runs where, for the summary line."""
+        return EngineDescription()
 
     @abstractmethod
     def reset_metrics(self) -> None:

@@ -23,7 +23,7 @@ from ..experts import ExpertBackend, ExpertLora, SavedState
 from ..experts.select import cpu_backend
 from ..lora import lora_tensors
 from ..staging import HostCopy, StagingBuffers
-from .base import Engine, ExpertLayer, Pending, Worker, node_gradients, saved_state_gone
+from .base import Engine, EngineDescription, ExpertLayer, Pending, Worker, node_gradients, saved_state_gone
 
 
 class CoComputeEngine(Engine):
@@ -45,6 +45,9 @@ class CoComputeEngine(Engine):
 
     def finish(self, model: torch.nn.Module, config: MoeccConfig) -> None:
         self.backend.prepare_layers([layer.weights for layer in self.layers])
+
+    def describe(self) -> EngineDescription:
+        return EngineDescription(cpu=self.backend)
 
     def release_result(self, host: torch.Tensor) -> None:
         """Hands a CPU expert output or input gradient back to the backend once it is on the device."""
@@ -210,7 +213,7 @@ class CpuExpertsFunction(torch.autograd.Function):
         grad_hidden = staging.to_device("grad_hidden", host_grad_hidden.to(ctx.hidden_dtype))
         engine.release_result(host_grad_hidden)  # copied: the next layer's backward writes into these pages
         grad_weights = staging.to_device("grad_weights", grad_weights.to(ctx.weights_dtype))
-        return node_gradients(grad_hidden, grad_weights, 1, job.lora, lora_grads)
+        return node_gradients(ctx, grad_hidden, grad_weights, job.lora, lora_grads)
 
 
 CoComputeEngine.layer_class = CoComputeLayer

@@ -12,6 +12,13 @@ import torch
 FOLD_AT = 512  # entries held before the finished ones are folded
 
 
+def timed_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """A timing event recorded on ``stream`` now."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
+
+
 class EventSpans:
     """Summed seconds between ``(begin, end)`` pairs of timing CUDA events (anything with ``query``,
     ``synchronize`` and ``elapsed_time``). Pairs whose end has completed are folded once more than ``FOLD_AT`` are

@@ -65,13 +65,6 @@ class Split:
     copy_s: float
     gpu_s: float
 
-    @property
-    def side(self) -> str:
-        """``"cpu"``, ``"gpu"`` or ``"both"``: where this pass's work runs."""
-        if not self.gpu:
-            return "cpu"
-        return "gpu" if self.cpu_s == 0.0 else "both"
-
 
 def plan_split(counts: Sequence[int], costs: SideCosts, resident: Iterable[int] = (),
                committed: Iterable[int] = (), then: SideCosts | None = None, required: Iterable[int] = (),
@@ -132,20 +125,6 @@ def _prefix_parts(c: SideCosts, tokens: np.ndarray, copied: np.ndarray, committe
 def _gpu_prefix_s(c: SideCosts, tokens: np.ndarray) -> np.ndarray:
     """GPU seconds of the first m experts of ``tokens``, for every m."""
     return np.concatenate(([0.0], np.cumsum(c.gpu_expert_s + tokens * c.gpu_token_s)))
-
-
-def forced_split(counts: Sequence[int], gpu: Iterable[int], costs: SideCosts, resident: Iterable[int] = (),
-                 committed: Iterable[int] = ()) -> Split:
-    """The cost of a given placement (for forced splits and for reporting what ran); ``resident`` and
-    ``committed`` as in ``plan_split``."""
-    gpu = tuple(sorted(set(gpu)))
-    resident, on_gpu = set(resident), set(gpu)
-    committed = set(committed) - resident
-    cpu = costs.cpu_s(n for e, n in enumerate(counts) if e not in on_gpu)
-    copy = costs.copy_expert_s * (len(committed) + sum(1 for e in gpu if e not in resident and e not in committed))
-    gpu_s = costs.gpu_s(counts[e] for e in gpu if e < len(counts))
-    both = costs.both_sides_s if cpu > 0.0 and gpu else 0.0
-    return Split(gpu, max(costs.serial_s + max(cpu, gpu_s), copy) + both, cpu, copy, gpu_s)
 
 
 @dataclass

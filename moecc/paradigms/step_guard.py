@@ -94,10 +94,6 @@ class StepGuard:
                 state.steps_since_choice = 0
         self._pending = waiting
 
-    def summary(self) -> dict[int, str]:
-        """Batch size bucket (tokens, a power of two) -> the mode chosen, or ``"trying"``."""
-        return {bucket: state.chosen or "trying" for bucket, state in sorted(self.buckets.items())}
-
 
 def size_bucket(tokens: int) -> int:
     """Tokens per step to the next power of two: batches of about one size share their timings."""

@@ -91,20 +91,20 @@ def test_cache_off_runs_a_setting_without_the_cache_and_on_restores_it(monkeypat
     monkeypatch.setenv("MOECC_OFFLOAD_CACHE_GB", "1")
     model, _, state = runner.build_for_timing("tiny", None, "hybrid", torch.device("cpu"), None)
     engine = model.moecc.engine
-    cache = engine.cache
+    cache = engine.slots.cache
     seen = []
 
     def fake_time_training(model, device, tokens, steps, warmup, profile_gpu):
-        span = engine._cache_pass
+        span = engine.slots._cache_pass
         ids = torch.randint(0, 100, (1, tokens))
         for _ in range(2):  # a pass counts the routing, the next one's start refills whatever cache is on
             model(input_ids=ids, labels=ids).loss.backward()
-        seen.append((engine.cache is cache, cache.bytes > 0, span))
+        seen.append((engine.slots.cache is cache, cache.bytes > 0, span))
         return {"steps": []}
 
     monkeypatch.setattr(ab, "time_training", fake_time_training)
     for variables in ({}, {"cache": "off"}, {}):
-        engine._cache_pass = (32, 1, 0)  # a span the other state's steps would have extended
+        engine.slots._cache_pass = (32, 1, 0)  # a span the other state's steps would have extended
         ab.time_setting(model, "cpu", 32, 1, "split", variables, state)
     assert seen == [(True, True, None), (False, False, None), (True, True, None)]
     with pytest.raises(ValueError, match="cache is on or off, got 'maybe'"):
@@ -121,12 +121,12 @@ def test_cache_off_restores_the_auto_sizer_and_needs_a_cache(monkeypatch):
     monkeypatch.setenv("MOECC_OFFLOAD_CACHE_GB", "auto")
     model, _, state = runner.build_for_timing("tiny", None, "hybrid", torch.device("cpu"), None)
     engine = model.moecc.engine
-    cache, sizer = engine.cache, engine.cache_sizer
+    cache, sizer = engine.slots.cache, engine.slots.cache_sizer
     assert cache is not None and sizer is not None
     ab.time_setting(model, "cpu", 32, 1, "split", {"cache": "off"}, state)
-    assert engine.cache is None and engine.cache_sizer is None
+    assert engine.slots.cache is None and engine.slots.cache_sizer is None
     ab.time_setting(model, "cpu", 32, 1, "split", {}, state)
-    assert engine.cache is cache and engine.cache_sizer is sizer
+    assert engine.slots.cache is cache and engine.slots.cache_sizer is sizer
     monkeypatch.delenv("MOECC_OFFLOAD_CACHE_GB")
     model, _, state = runner.build_for_timing("tiny", None, "hybrid", torch.device("cpu"), None)
     with pytest.raises(ValueError, match="cache=off asks for a model built with an expert cache"):

@@ -8,7 +8,7 @@ import torch
 
 from moecc.experts import ExpertWeights
 from moecc.paradigms.driver_copies import DriverCopies, run_copies
-from moecc.paradigms.offload import _copy_runs, _Slot
+from moecc.paradigms.device_slots import Slot as _Slot, _copy_runs
 
 
 def test_run_copies_name_each_runs_slices_and_refuse_other_tensors():

@@ -82,7 +82,7 @@ def test_cache_stays_within_its_budget(paradigm):
     for _ in range(2):
         with torch.no_grad():
             engine(input_ids=ids, attention_mask=mask)
-    cache = engine.moecc.engine.cache
+    cache = engine.moecc.engine.slots.cache
     assert 0 < cache.bytes <= budget and len(cache.entries) == 3
     hottest = {key for key, _ in cache.counts.most_common(3)}
     assert set(cache.entries) == hottest
@@ -98,7 +98,7 @@ def test_hybrid_runs_cached_experts_on_the_gpu_where_copying_them_would_not_pay(
     hybrid = engine.moecc.engine
     costs = SideCosts(cpu_expert_s=1e-3, cpu_token_s=1e-5, copy_expert_s=0.1, gpu_expert_s=1e-5, gpu_token_s=1e-8,
                       both_sides_s=0.0)
-    monkeypatch.setattr(hybrid, "costs", lambda phase: costs)
+    monkeypatch.setattr(hybrid.split, "costs", lambda phase: costs)
     runs = _three_passes_match_reference(reference, engine)
     assert runs[0]["gpu_experts"] == 0 and runs[0]["cpu_experts"] > 0
     for later in runs[1:]:
@@ -183,7 +183,7 @@ class _FakePeak:
         self.engine, self.most, self.resets = engine, 0, 0
 
     def used(self, nbytes: int) -> None:
-        self.most = max(self.most, nbytes + self.engine.cache.bytes)
+        self.most = max(self.most, nbytes + self.engine.slots.cache.bytes)
 
     def peak(self) -> int:
         return self.most
@@ -199,11 +199,11 @@ def test_auto_cache_takes_what_each_batch_size_leaves(paradigm):
     without gradients first does not open it; training still matches HF + PEFT."""
     reference, engine = _pair(cache_gb="auto", paradigm=paradigm)
     state = engine.moecc.engine
-    assert state.cache is not None and state.peak_memory is None  # the CPU device has no allocator peak
-    state.peak_memory = fake = _FakePeak(state)
+    assert state.slots.cache is not None and state.slots.peak_memory is None  # the CPU device has no allocator peak
+    state.slots.peak_memory = fake = _FakePeak(state)
     expert = _expert_bytes(engine)
-    state.cache_sizer.limit_bytes = limit = 100 * expert
-    state.cache_sizer.margin = 0.0
+    state.slots.cache_sizer.limit_bytes = limit = 100 * expert
+    state.slots.cache_sizer.margin = 0.0
     small = batches(256, 1, batch=2, seq=12, seed=5)[0]  # 24 tokens: bucket 32
     large = batches(256, 1, batch=4, seq=12, seed=6)[0]  # 48 tokens: bucket 64
     held = []
@@ -216,7 +216,7 @@ def test_auto_cache_takes_what_each_batch_size_leaves(paradigm):
                 out = model(input_ids=ids, attention_mask=mask, labels=labels)
                 if train:
                     out.loss.backward()
-        held.append(state.cache.bytes)
+        held.append(state.slots.cache.bytes)
         fake.used(used)  # what this pass used besides the cache, read when the next pass begins
     assert held[0] == held[1] == 0  # an evaluation, then the size's first training pass: no cache
     assert 0 < held[2] <= limit - 90 * expert and held[3] == held[2]
@@ -246,8 +246,8 @@ def test_auto_cache_on_cuda_fills_what_the_budget_leaves_and_matches():
         state.reset_metrics()
         out = engine(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=labels.cuda())
         out.loss.backward()
-        held.append(state.cache.bytes)
-    sizer = state.cache_sizer
+        held.append(state.slots.cache.bytes)
+    sizer = state.slots.cache_sizer
     peak = sizer.peaks[32]  # 24 tokens: the pass's measured peak besides the cache (weights, slots, activations)
     assert held[0] == 0 and peak > 0 and 0 < held[1] <= 1e9 * (1 - sizer.margin) - peak
     assert state.metrics_since_reset()["cache_hits"] > 0

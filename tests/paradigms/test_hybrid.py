@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import moecc
+import moecc.paradigms.cpu_part as cpu_part_module
 import moecc.paradigms.hybrid as hybrid_module
-import moecc.paradigms.hybrid_parts as hybrid_parts
 from moecc.errors import MoeccError
+from moecc.paradigms.split_policy import FixedSplit, PlannedSplit
 
 from ..parity import (TOLERANCE, assert_grads_match, batches, build_pair, forward_backward_both, lora_config,
                       rel_err)
@@ -46,6 +47,63 @@ def _moved_in_backward(layer, counts, phase):
     return gpu | set(range((layer + 1) % 2, len(counts), 4)) if phase == "backward" else gpu
 
 
+def _force(hybrid, rule, learning: bool = False) -> None:
+    """Runs ``rule``'s splits on ``hybrid`` (an engine) from now on; None keeps its own policy. ``learning``: a
+    planner beside the rule learns from every sample (its trackers fitted as the engine's own would be)."""
+    if rule is not None:
+        hybrid.use_split_policy(_RuleThatLearns(rule) if learning else FixedSplit(rule))
+
+
+class _RuleThatLearns:
+    """A rule's splits, while a planner (no step guard) is told everything the engine measures."""
+
+    name = "fixed"
+
+    def __init__(self, rule) -> None:
+        self.fixed, self.planned = FixedSplit(rule), PlannedSplit(guard=None)
+
+    def __getattr__(self, name):  # start, observations, counters, trackers: the planner's
+        return getattr(self.planned, name)
+
+    def pass_begins(self, tokens, training):
+        self.planned.pass_begins(tokens, training)
+        return False
+
+    def forward(self, *args):
+        return self.fixed.forward(*args)
+
+    def backward(self, *args):
+        return self.fixed.backward(*args)
+
+    def prefetch(self, index, resident):
+        return None
+
+
+def _waits_for(monkeypatch, hybrid, phase: str) -> None:
+    """Every CPU part of ``phase`` of ``hybrid`` lands in host memory, its caller waiting (none on the device)."""
+    may_land = hybrid.cpu_part.may_land_on_device
+    monkeypatch.setattr(hybrid.cpu_part, "may_land_on_device",
+                        lambda weights, factors, passes, backward: (backward != (phase == "backward")
+                                                                    and may_land(weights, factors, passes, backward)))
+
+
+def _spy_landings(monkeypatch, hybrid, phase: str, calls: list, dtypes: set | None = None) -> None:
+    """Appends to ``calls`` the layer of each CPU part of ``phase`` that lands on the device, and to ``dtypes``
+    the dtypes of the views it lands in (forward: rows, tokens, weights; backward: the input gradient's rows)."""
+    submit = getattr(hybrid.cpu_part, phase)
+
+    def spied(index, *args):
+        landing = submit(index, *args)
+        if landing.on_device:
+            calls.append(index)
+            if dtypes is not None:
+                views = landing.views
+                dtypes.add(tuple(v.dtype for v in views.values()) if phase == "forward"
+                           else views[landing.bank + "grad_hidden"].dtype)
+        return landing
+    monkeypatch.setattr(hybrid.cpu_part, phase, spied)
+
+
 RULES = {"all_cpu": _all_cpu, "all_gpu": _all_gpu, "alternating": _alternating, "random": _random(3),
          "unrouted_on_gpu": _unrouted_on_gpu, "moved_in_backward": _moved_in_backward}
 
@@ -56,7 +114,7 @@ def test_hybrid_trains_like_hf_peft_whatever_the_split(family, rule):
     """Two training steps: logits and every trainable gradient (attention LoRA through the routing weights'
     gradient, every expert LoRA factor) match HF + PEFT, however the experts are split."""
     reference, engine = build_pair(family, torch.float32, lora_config(family), paradigm="hybrid")
-    engine.moecc.engine.split_rule = RULES[rule]
+    _force(engine.moecc.engine, RULES[rule])
     optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05)
                   for m in (reference, engine)]
     for batch in batches(256, 2, batch=3, seq=10, seed=7, pad=True):
@@ -95,32 +153,28 @@ def test_native_cpu_part_keeps_its_other_experts_when_some_backward_moves_to_the
 
     reference, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
                                    backend="auto")
-    engine.moecc.engine.split_rule = _moved_in_backward
-    calls = _count_device_backwards(monkeypatch)
+    _force(engine.moecc.engine, _moved_in_backward)
+    calls = _count_device_backwards(monkeypatch, engine.moecc.engine)
     _assert_bf16_as_accurate_as_hf_peft(reference, engine)
     assert engine.moecc.engine.metrics_since_reset()["moved_experts"] > 0
     assert calls and calls == [1] * len(calls), calls
 
 
-def _count_device_backwards(monkeypatch) -> list[int]:
-    """The device backend's backward calls within each hybrid layer backward call, one entry per layer call."""
-    calls, layer_backward, device_backend = [], hybrid_module.HybridExpertsFunction._backward, \
-        hybrid_module.device_backend
+def _count_device_backwards(monkeypatch, hybrid) -> list[int]:
+    """The device backend's backward calls within each of ``hybrid``'s layer backward calls, one entry per call."""
+    from moecc.experts import select
 
-    def counting_backend(compute):
-        math = device_backend(compute)
-
-        def backward(*args):
+    calls = []
+    for name, math in list(select.DEVICE_BACKENDS.items()):
+        def backward(*args, math=math):
             calls[-1] += 1
             return math.backward(*args)
-        return type("Counted", (), {"forward": staticmethod(math.forward), "backward": staticmethod(backward)})
-
-    def counted_layer_backward(ctx, grad_out):
-        calls.append(0)
-        return layer_backward(ctx, grad_out)
-
-    monkeypatch.setattr(hybrid_module, "device_backend", counting_backend)
-    monkeypatch.setattr(hybrid_module.HybridExpertsFunction, "_backward", staticmethod(counted_layer_backward))
+        counted = type("Counted", (), {"forward": staticmethod(math.forward), "backward": staticmethod(backward)})
+        monkeypatch.setitem(select.DEVICE_BACKENDS, name, counted)
+    for layer in hybrid.layers:
+        checked = layer.checked_backward
+        monkeypatch.setattr(layer, "checked_backward",
+                            lambda grad, backward, checked=checked: (calls.append(0), checked(grad, backward))[1])
     return calls
 
 
@@ -130,13 +184,13 @@ def test_cpu_lora_gradients_given_back_to_the_native_pool_change_no_gradient():
     backend keeps them (never reusing one)."""
     engines = [build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
                           backend="auto")[1] for _ in range(2)]
-    natives = [getattr(engine.moecc.engine.cpu, "native", engine.moecc.engine.cpu) for engine in engines]
+    natives = [getattr(engine.moecc.engine.cpu_part.backend, "native", engine.moecc.engine.cpu_part.backend) for engine in engines]
     lent, take = set(), natives[0]._results.take
     natives[0]._results.take = lambda shape, dtype: _noted(take(shape, dtype), lent)
     release = natives[1].release_result
     natives[1].release_result = lambda tensor: tensor.dtype == torch.float32 or release(tensor)
     for engine in engines:
-        engine.moecc.engine.split_rule = _alternating
+        _force(engine.moecc.engine, _alternating)
         for ids, mask, labels in batches(256, 2, batch=3, seq=16, seed=4, pad=True):
             engine(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     given_back = [b for b in natives[0]._results._free if b.dtype == torch.float32]
@@ -160,7 +214,7 @@ def test_split_follows_the_forecast_and_prefetches_the_next_layer():
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     for _ in range(3):
         engine(input_ids=ids, labels=ids).loss.backward()
-    assert hybrid.forecast.expected(1) is not None
+    assert hybrid.split.forecast.expected(1) is not None
     assert set(hybrid.planned) >= {1}
     metrics = hybrid.metrics_since_reset()
     assert metrics["cpu_pairs"] + metrics["gpu_pairs"] == 3 * 2 * 16 * 2 * len(hybrid.layers)  # T*k per layer
@@ -182,11 +236,11 @@ def test_a_cost_fit_that_priced_the_cpu_out_gets_it_back_after_a_step(probe):
         engine(input_ids=ids, labels=ids).loss.backward()
         return hybrid.metrics_since_reset()["cpu_experts"]
 
-    for tracker in hybrid.trackers.values():  # copies dearer than any CPU part here: the CPU takes experts
+    for tracker in hybrid.split.trackers.values():  # copies dearer than any CPU part here: the CPU takes experts
         tracker.base = replace(tracker.base, copy_expert_s=1.0)
         tracker.probe_after = len(hybrid.layers) if probe else 0
     assert step() > 0 and step() > 0
-    for tracker in hybrid.trackers.values():
+    for tracker in hybrid.split.trackers.values():
         tracker.cpu_fixed_s = 100.0  # what a fit that learnt a slow CPU part holds
     assert step() == 0
     later = [step() for _ in range(2)]
@@ -203,12 +257,12 @@ def test_the_step_guard_keeps_whichever_mode_ran_the_faster_steps(faster):
     reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
                                    num_hidden_layers=4)
     hybrid = engine.moecc.engine
-    for tracker in hybrid.trackers.values():  # copies dearer than any CPU part here: the splits use the CPU
+    for tracker in hybrid.split.trackers.values():  # copies dearer than any CPU part here: the splits use the CPU
         tracker.base = replace(tracker.base, copy_expert_s=1.0)
-    assert hybrid.step_guard is None  # the CPU device: no link to save time on
+    assert hybrid.split.guard is None  # the CPU device: no link to save time on
     step_s = {"gpu": 1.0 if faster == "gpu" else 2.0, "split": 1.5}
     mode_at = {}
-    guard = hybrid.step_guard = StepGuard(lambda begin, end: step_s[mode_at[begin]], trials=1)
+    guard = hybrid.split.guard = StepGuard(lambda begin, end: step_s[mode_at[begin]], trials=1)
     begins = guard.step_begins
     guard.step_begins = lambda tokens, mark, training: mode_at.setdefault(mark, begins(tokens, mark, training))
     optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05)
@@ -227,9 +281,9 @@ def test_the_step_guard_keeps_whichever_mode_ran_the_faster_steps(faster):
     # steps 1 and 2 split (the first untimed), 3 on the GPU alone; from step 4 the faster
     assert cpu_pairs[0][0] > 0 and cpu_pairs[1][0] > 0 and cpu_pairs[2] == (0, 1)
     if faster == "gpu":
-        assert all(pairs == (0, 1) for pairs in cpu_pairs[3:]) and guard.summary() == {32: "gpu"}
+        assert all(pairs == (0, 1) for pairs in cpu_pairs[3:]) and guard.buckets[32].chosen == "gpu"
     else:
-        assert all(pairs > 0 and steps == 0 for pairs, steps in cpu_pairs[3:]) and guard.summary() == {32: "split"}
+        assert all(pairs > 0 and steps == 0 for pairs, steps in cpu_pairs[3:]) and guard.buckets[32].chosen == "split"
 
 
 def test_the_step_guard_times_training_forwards_without_gradients_under_reentrant_checkpointing():
@@ -244,7 +298,7 @@ def test_the_step_guard_times_training_forwards_without_gradients_under_reentran
             seen.append(training)
             return "split"
 
-    hybrid.step_guard = Recording()
+    hybrid.split.guard = Recording()
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     engine.train()
     with torch.no_grad():
@@ -267,17 +321,17 @@ def test_gaps_between_layers_are_measured_per_pass():
         engine(input_ids=ids, labels=ids).loss.backward()
     engine(input_ids=ids)  # the third pass begins: the second's gaps are read
     for phase in ("forward", "backward"):
-        assert hybrid.trackers[phase].serial_s is not None and hybrid.trackers[phase].serial_s > 0, phase
+        assert hybrid.split.trackers[phase].serial_s is not None and hybrid.split.trackers[phase].serial_s > 0, phase
 
     reference, checkpointed = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid")
     checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     checkpointed.train()
     inner = checkpointed.moecc.engine
-    inner.split_rule = _alternating
+    _force(inner, _alternating, learning=True)
     for _ in range(2):
         checkpointed(input_ids=ids, labels=ids).loss.backward()
     checkpointed(input_ids=ids)
-    assert inner.trackers["forward"].serial_s is not None and inner.trackers["backward"].serial_s is None
+    assert inner.split.trackers["forward"].serial_s is not None and inner.split.trackers["backward"].serial_s is None
 
 
 def _recording_model():
@@ -291,8 +345,8 @@ def _recording_model():
 
 def _recording_gaps(hybrid) -> dict[str, list]:
     """phase -> [(gaps, size)] of every ``observe_serial`` call from now on."""
-    calls = {phase: [] for phase in hybrid.trackers}
-    for phase, tracker in hybrid.trackers.items():
+    calls = {phase: [] for phase in hybrid.split.trackers}
+    for phase, tracker in hybrid.split.trackers.items():
         observe = tracker.observe_serial
         tracker.observe_serial = lambda gaps, size, phase=phase, observe=observe: (
             calls[phase].append((list(gaps), size)), observe(gaps, size))
@@ -311,9 +365,9 @@ def test_each_pass_gives_its_trackers_every_gap_at_once():
         assert [len(gaps) for gaps, _ in calls[phase]] == [3, 3, 3], phase  # the second, fourth and fifth passes
         assert [size for _, size in calls[phase]] == [32, 128, 32]  # each with its own size's estimate
         assert all(g >= 0 for gaps, _ in calls[phase] for g in gaps)
-        assert set(hybrid.trackers[phase].serial_by_size) == {32, 128}
+        assert set(hybrid.split.trackers[phase].serial_by_size) == {32, 128}
         # the pass running now (32 tokens) plans with its size's estimate, not the one measured last (128)
-        assert hybrid.costs(phase).serial_s == hybrid.trackers[phase].serial_by_size[32]
+        assert hybrid.split.costs(phase).serial_s == hybrid.split.trackers[phase].serial_by_size[32]
 
 
 def test_a_backwards_gaps_are_its_own_forward_passs_when_another_pass_runs_in_between():
@@ -350,10 +404,16 @@ def test_a_sizes_first_backward_gives_no_gaps_after_a_forward_without_gradients(
 def test_a_recomputed_layers_backward_is_filed_under_no_pass():
     """A recomputed call is numbered when the backward recomputes it, after any pass that began since its own
     forward: its backward's gaps are not filed under that pass."""
-    from moecc.paradigms.offload import _Call
-
-    assert hybrid_module._differentiated_pass(_Call(True, False, (7, 2))) == 7
-    assert hybrid_module._differentiated_pass(_Call(True, True, (9, 2))) is None
+    engine, hybrid, calls, ids = _recording_model()
+    engine.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    engine.train()
+    gaps = []
+    gap = hybrid.split.gap
+    hybrid.split.gap = lambda phase, index, forward_pass, ends: (gaps.append((phase, forward_pass, ends)),
+                                                                 gap(phase, index, forward_pass, ends))
+    engine(input_ids=ids, labels=ids).loss.backward()
+    backward = {forward_pass for phase, forward_pass, ends in gaps if phase == "backward" and ends}
+    assert backward == {None}  # every layer's backward is a recomputed call's under reentrant checkpointing
 
 
 def test_passes_with_every_expert_on_the_gpu_give_no_gaps():
@@ -366,7 +426,7 @@ def test_passes_with_every_expert_on_the_gpu_give_no_gaps():
         def step_begins(self, tokens, mark, training):
             return next(modes)
 
-    hybrid.step_guard = Scripted()
+    hybrid.split.guard = Scripted()
     for _ in range(5):
         engine(input_ids=ids, labels=ids).loss.backward()
     # pass 1 is its size's first, pass 3 ran on the GPU alone, pass 5's gaps are read when a sixth begins
@@ -381,11 +441,11 @@ def test_cpu_part_marks_give_each_part_in_order_and_the_chain_between_layers():
 
     _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid")
     hybrid = engine.moecc.engine
-    hybrid.split_rule = _all_cpu
+    _force(hybrid, _all_cpu)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
-    hybrid.cpu_marks = []
+    hybrid.cpu_part.marks = []
     engine(input_ids=ids, labels=ids).loss.backward()
-    marks, hybrid.cpu_marks = hybrid.cpu_marks, None
+    marks, hybrid.cpu_part.marks = hybrid.cpu_part.marks, None
     layers = len(hybrid.layers)
     for phase in ("forward", "backward"):
         for index in range(layers):
@@ -413,20 +473,22 @@ def test_slot_leftovers_of_an_earlier_pass_cost_no_copy():
     engine(input_ids=ids, labels=ids).loss.backward()
     hybrid.pass_begins(32)  # a new pass: nothing copied in it yet
     layer = hybrid.layers[0]
-    held = hybrid._present(layer)
+    held = hybrid.slots.present(layer)
     assert held  # the backward left layer 0's experts in its slot
     seen = {}
-    original = hybrid_module.plan_split
+    import moecc.paradigms.split_policy as split_policy_module
+
+    original = split_policy_module.plan_split
 
     def spy(counts, costs, resident=(), committed=(), then=None, **options):
         seen.update(resident=set(resident), committed=set(committed))
         return original(counts, costs, resident, committed, then, **options)
 
-    hybrid_module.plan_split = spy
+    split_policy_module.plan_split = spy
     try:
         hybrid.forward_split(layer, [1] * layer.weights.num_experts)
     finally:
-        hybrid_module.plan_split = original
+        split_policy_module.plan_split = original
     assert seen["committed"] == set() and seen["resident"] == held
 
 
@@ -439,7 +501,7 @@ def test_bad_expert_ids_are_refused_before_any_state_changes():
     for bad in (-1, layer.weights.num_experts):
         with pytest.raises(MoeccError, match=r"expert ids outside \[0, 8\)"):
             layer.submit(hidden, torch.tensor([[0, 1], [2, bad], [3, 4]]), weights)
-    assert layer.engine.forward_passes == passes and not layer.engine.slots
+    assert layer.engine.forward_passes == passes and not layer.engine.slots.held
     forward_backward_both(reference, engine, batches(256, 1, seed=2)[0], TOLERANCE[torch.float32])
     assert_grads_match(reference, engine, TOLERANCE[torch.float32])
 
@@ -450,7 +512,7 @@ def test_a_layer_call_with_no_tokens_has_zero_gradients(rule):
     """Zero tokens route nothing to either side; backward returns zeros of each input's shape (it failed to
     unpack the missing parts' gradients)."""
     _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid")
-    engine.moecc.engine.split_rule = None if rule == "own" else RULES[rule]
+    _force(engine.moecc.engine, None if rule == "own" else RULES[rule])
     layer = engine.moecc.layers[0]
     hidden = torch.randn(0, layer.weights.hidden_size, requires_grad=True)
     weights = torch.rand(0, 2, requires_grad=True)
@@ -463,20 +525,20 @@ def test_a_layer_call_with_no_tokens_has_zero_gradients(rule):
 
 def test_gpu_budget_counts_the_two_slots_hybrid_keeps_with_offload_slots_1():
     """Hybrid keeps at least two slots (one layer ahead); the budget check counts what it allocates."""
-    from moecc.paradigms.offload import offload_gpu_bytes
+    from moecc.paradigms.device_slots import offload_gpu_bytes
 
     config = moecc.MoeccConfig(backend="reference", offload_slots=1)
     _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
                            moecc_options={"offload_slots": 1})
     hybrid = engine.moecc.engine
-    assert hybrid.capacity == 2
-    two = offload_gpu_bytes(hybrid.layers, moecc.MoeccConfig(offload_slots=2), hybrid.lora_on_device)
-    assert hybrid.gpu_bytes(config) == two > offload_gpu_bytes(hybrid.layers, config, hybrid.lora_on_device)
+    assert hybrid.slots.capacity == 2
+    two = offload_gpu_bytes(hybrid.layers, moecc.MoeccConfig(offload_slots=2), hybrid.slots.lora_on_device)
+    assert hybrid.gpu_bytes(config) == two > offload_gpu_bytes(hybrid.layers, config, hybrid.slots.lora_on_device)
 
 def test_hybrid_is_registered_and_reports_its_sides():
     assert "hybrid" in moecc.paradigms.PARADIGMS
     _, engine = build_pair("olmoe", torch.float32, lora_config("olmoe"), paradigm="hybrid")
-    engine.moecc.engine.split_rule = _alternating
+    _force(engine.moecc.engine, _alternating)
     engine.moecc.engine.reset_metrics()
     ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
     engine(input_ids=ids, labels=ids).loss.backward()
@@ -500,13 +562,13 @@ def test_cpu_parts_during_which_the_backend_buffers_grew_are_counted_not_fitted(
     _, model = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid")
     engine = model.moecc.engine
     base = SideCosts(cpu_expert_s=0.005, cpu_token_s=0.0, copy_expert_s=1e-3, gpu_expert_s=0.0, gpu_token_s=0.0)
-    engine.trackers = {phase: CostTracker(base) for phase in ("forward", "backward")}
-    engine._cpu_seen.add(("forward", 0))  # not the layer's first part
+    engine.split.trackers = {phase: CostTracker(base) for phase in ("forward", "backward")}
+    engine.cpu_part._seen.add(("forward", 0))  # not the layer's first part
     engine.reset_metrics()
-    engine.record_cpu("forward", 0, [3, 2], 0.050, 0, cold=True)
-    assert engine.trackers["forward"].samples == 0 and engine.counters_since_reset()["cold_cpu_parts"] == 1
-    engine.record_cpu("forward", 0, [3, 2], 0.004, 0)
-    assert engine.trackers["forward"].samples == 1 and engine.counters_since_reset()["cold_cpu_parts"] == 1
+    engine.cpu_part.record("forward", 0, [3, 2], 0.050, 0, cold=True)
+    assert engine.split.trackers["forward"].samples == 0 and engine.counters_since_reset()["cold_cpu_parts"] == 1
+    engine.cpu_part.record("forward", 0, [3, 2], 0.004, 0, cold=False)
+    assert engine.split.trackers["forward"].samples == 1 and engine.counters_since_reset()["cold_cpu_parts"] == 1
 
 
 def test_a_repeated_step_grows_no_buffers_and_fits_every_later_part():
@@ -517,8 +579,8 @@ def test_a_repeated_step_grows_no_buffers_and_fits_every_later_part():
     _, model = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
                           backend="native")
     engine = model.moecc.engine
-    assert isinstance(engine.cpu, NativeExperts)
-    engine.split_rule = _alternating
+    assert isinstance(engine.cpu_part.backend, NativeExperts)
+    _force(engine, _alternating, learning=True)
     ids, mask, labels = next(iter(batches(64, 1, seed=5)))
     counts = []
     for _ in range(3):
@@ -526,7 +588,7 @@ def test_a_repeated_step_grows_no_buffers_and_fits_every_later_part():
         model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
         model.zero_grad()
         counts.append((engine.counters_since_reset()["cold_cpu_parts"],
-                       sum(t.samples for t in engine.trackers.values())))
+                       sum(t.samples for t in engine.split.trackers.values())))
     assert counts[0][0] > 0 and counts[2][0] == 0
     # every part of the last step was fitted: a forward and a backward one per layer split (both_sides counts forwards)
     assert counts[2][1] - counts[1][1] == 2 * engine.sides.both_sides > 0
@@ -544,7 +606,7 @@ def test_hybrid_on_cuda_matches_hf_peft(rule, slots):
     torch.backends.cuda.matmul.allow_tf32 = False
     reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
                                    device="cuda", moecc_options={"offload_slots": slots}, num_hidden_layers=4)
-    engine.moecc.engine.split_rule = None if rule == "own" else RULES[rule]
+    _force(engine.moecc.engine, None if rule == "own" else RULES[rule])
     expert_lora = [p for n, p in engine.named_parameters() if ".experts." in n and "lora_" in n]
     for batch in batches(256, 2, batch=3, seq=10, seed=5, pad=True):
         forward_backward_both(reference, engine, batch, 1e-4, device="cuda")
@@ -553,7 +615,7 @@ def test_hybrid_on_cuda_matches_hf_peft(rule, slots):
         for model in (reference, engine):
             model.zero_grad()
     assert all(p.is_pinned() for layer in engine.moecc.layers for p in layer.experts.parameters(recurse=False))
-    assert expert_lora and engine.moecc.engine.lora_on_device  # tiny factors fit: stepped on the GPU
+    assert expert_lora and engine.moecc.engine.slots.lora_on_device  # tiny factors fit: stepped on the GPU
 
 
 def test_auto_paradigm_says_what_it_picked(caplog):
@@ -610,7 +672,8 @@ def test_summing_the_cpu_part_never_waits_for_the_device(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from moecc.experts import ExpertLora, LoraGrads
-    from moecc.paradigms.hybrid import _add, _cpu_sources
+    from moecc.paradigms.part_sums import add_grads as _add
+    from moecc.paradigms.part_sums import host_sources as _cpu_sources
     from moecc.staging import StagingBuffers
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -644,16 +707,13 @@ def test_cpu_parts_that_publish_their_rows_give_the_same_bits_as_waiting_for_the
     summing them when they are published while the host goes on (the caller joins the part at the next layer
     call); every logit and gradient equals, bit for bit, an engine whose caller waits for each part."""
     def train(published: bool):
-        if not published:
-            monkeypatch.setattr(hybrid_module, "_publish_target", lambda *args: None)
         _, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
                                backend="auto", num_hidden_layers=4)
-        engine.moecc.engine.split_rule = _random(3) if rule == "random" else RULES[rule]
+        if not published:
+            _waits_for(monkeypatch, engine.moecc.engine, "forward")
+        _force(engine.moecc.engine, _random(3) if rule == "random" else RULES[rule])
         calls, dtypes = [], set()
-        publish = hybrid_module._cpu_forward_published
-        monkeypatch.setattr(hybrid_module, "_cpu_forward_published",
-                            lambda *args: (calls.append(args[2].index),
-                                           dtypes.add(tuple(view.dtype for view in args[0][1:])), publish(*args))[2])
+        _spy_landings(monkeypatch, engine.moecc.engine, "forward", calls, dtypes)
         logits = []
         for ids, mask, labels in batches(256, 2, batch=3, seq=16, seed=4, pad=True):
             calls.append("step")
@@ -685,27 +745,23 @@ def test_backward_cpu_parts_that_publish_give_the_same_bits_as_waiting_for_them(
     views and publishes them, the next backward layer call or the pass's end joining it; with and without
     (reentrant or not) gradient checkpointing every gradient equals, bit for bit, a caller that waits."""
     def train(published: bool):
-        if not published:
-            monkeypatch.setattr(hybrid_module, "_backward_publish_target", lambda *args: None)
         _, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
                                backend="auto", num_hidden_layers=4)
+        if not published:
+            _waits_for(monkeypatch, engine.moecc.engine, "backward")
         if checkpointing is not None:
             engine.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
             engine.train()
-        engine.moecc.engine.split_rule = _random(3) if rule == "random" else RULES[rule]
+        _force(engine.moecc.engine, _random(3) if rule == "random" else RULES[rule])
         calls, dtypes = [], set()
-        publish = hybrid_module._cpu_backward_published
-        monkeypatch.setattr(hybrid_module, "_cpu_backward_published",
-                            lambda published, *args: (calls.append(args[1]),
-                                                      dtypes.add(published[2][published[1] + "grad_hidden"].dtype),
-                                                      publish(published, *args))[2])
+        _spy_landings(monkeypatch, engine.moecc.engine, "backward", calls, dtypes)
         grads = []
         for ids, mask, labels in batches(256, 3, batch=3, seq=16, seed=4, pad=True):
             calls.append("step")
             engine(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
             grads.append({n: p.grad.clone() for n, p in engine.named_parameters() if p.requires_grad})
         monkeypatch.undo()
-        assert not engine.moecc.engine._backward_parts  # every published part joined by its pass
+        assert not engine.moecc.engine.cpu_part._backward_parts  # every published part joined by its pass
         assert dtypes <= {torch.bfloat16}  # the input-gradient rows cross as bf16
         return grads, calls
 
@@ -721,22 +777,25 @@ def test_backward_cpu_parts_that_publish_give_the_same_bits_as_waiting_for_them(
             assert torch.equal(got[name], want[name]), name
 
 
-def _fail_cpu_part(monkeypatch, phase: str, failing: int, message: str) -> list[int]:
-    """Makes layer ``failing``'s CPU part of ``phase`` (``"forward"`` or ``"backward"``) raise ``message``; returns
-    the layers whose CPU part of that phase ran, in order."""
-    name = f"_cpu_{phase}"
-    run = getattr(hybrid_parts, name)
-    ran = []
+def _fail_cpu_part(monkeypatch, hybrid, phase: str, failing: int, message: str) -> list[int]:
+    """Makes layer ``failing``'s CPU part of ``phase`` (``"forward"`` or ``"backward"``) of ``hybrid`` (an engine)
+    raise ``message`` in its backend; returns the layers whose CPU part of that phase ran, in order."""
+    backend, ran = hybrid.cpu_part.backend, []
+    owners = {id(layer.experts): layer.index for layer in hybrid.layers}
 
-    def fails(engine, layer, *rest, **options):
-        index = layer if isinstance(layer, int) else layer.index  # forward jobs get the layer, backward its index
-        ran.append(index)
-        if index == failing:
-            raise RuntimeError(message)
-        return run(engine, layer, *rest, **options)
+    def failing_call(name):
+        call = getattr(backend, name)
 
-    for module in (hybrid_module, hybrid_parts):  # the waiting path's job, and the published one's inner call
-        monkeypatch.setattr(module, name, fails)
+        def fails(weights, *args, **kwargs):
+            index = owners[id(weights.cache_owner)]
+            ran.append(index)
+            if index == failing:
+                raise RuntimeError(message)
+            return call(weights, *args, **kwargs)
+        return fails
+
+    for name in (f"{phase}_pairs", f"{phase}_pairs_into"):
+        monkeypatch.setattr(backend, name, failing_call(name))
     return ran
 
 
@@ -748,17 +807,16 @@ def test_a_published_backward_part_that_fails_raises_from_backward_and_leaves_th
     error, nothing waits for ever, and after ``zero_grad`` the next step equals a fresh model's."""
     batch = batches(256, 1, batch=3, seq=16, seed=4, pad=True)[0]
     failing_model, fresh = _publishing_model(), _publishing_model()
-    ran = _fail_cpu_part(monkeypatch, "backward", failing, f"injected CPU backward failure in layer {failing}")
+    hybrid = failing_model.moecc.engine
+    ran = _fail_cpu_part(monkeypatch, hybrid, "backward", failing, f"injected CPU backward failure in layer {failing}")
     published = []
-    publish = hybrid_module._cpu_backward_published
-    monkeypatch.setattr(hybrid_module, "_cpu_backward_published",
-                        lambda *args: (published.append(args[2]), publish(*args))[1])
+    _spy_landings(monkeypatch, hybrid, "backward", published)
     out = failing_model(input_ids=batch[0], attention_mask=batch[1], labels=batch[2])
     with pytest.raises(RuntimeError, match=f"injected CPU backward failure in layer {failing}"):
         out.loss.backward()
     monkeypatch.undo()
     assert failing in published and ran[-1] == failing  # no layer's CPU part ran after the failed one
-    assert not failing_model.moecc.engine._backward_parts
+    assert not failing_model.moecc.engine.cpu_part._backward_parts
     failing_model.zero_grad(set_to_none=True)
     _assert_next_step_bit_equal(failing_model, fresh, batch)
 
@@ -769,7 +827,7 @@ def test_a_backward_that_dies_after_publishing_leaves_no_error_for_the_next_step
     part's, and it equals a fresh model's."""
     batch = batches(256, 1, batch=3, seq=16, seed=4, pad=True)[0]
     failing_model, fresh = _publishing_model(), _publishing_model()
-    _fail_cpu_part(monkeypatch, "backward", 2, "injected CPU backward failure in layer 2")
+    _fail_cpu_part(monkeypatch, failing_model.moecc.engine, "backward", 2, "injected CPU backward failure in layer 2")
     attention = [m for name, m in failing_model.named_modules() if name.endswith("layers.2.self_attn")][0]
 
     def attention_fails(module, grad_output):
@@ -781,7 +839,7 @@ def test_a_backward_that_dies_after_publishing_leaves_no_error_for_the_next_step
         out.loss.backward()
     monkeypatch.undo()
     hook.remove()
-    assert failing_model.moecc.engine._backward_parts  # layer 2's part, never joined by that pass
+    assert failing_model.moecc.engine.cpu_part._backward_parts  # layer 2's part, never joined by that pass
     failing_model.zero_grad(set_to_none=True)
     _assert_next_step_bit_equal(failing_model, fresh, batch)
 
@@ -794,7 +852,7 @@ def test_a_forward_on_another_thread_leaves_a_running_backward_its_part_error(mo
 
     batch = batches(256, 1, batch=3, seq=16, seed=4, pad=True)[0]
     model = _publishing_model()
-    _fail_cpu_part(monkeypatch, "backward", 2, "injected CPU backward failure in layer 2")
+    _fail_cpu_part(monkeypatch, model.moecc.engine, "backward", 2, "injected CPU backward failure in layer 2")
     attention = [m for name, m in model.named_modules() if name.endswith("layers.2.self_attn")][0]
     forwards = []
 
@@ -812,7 +870,7 @@ def test_a_forward_on_another_thread_leaves_a_running_backward_its_part_error(mo
     with pytest.raises(RuntimeError, match="injected CPU backward failure in layer 2"):
         out.loss.backward()
     hook.remove()
-    assert len(forwards) == 1 and not model.moecc.engine._backward_parts
+    assert len(forwards) == 1 and not model.moecc.engine.cpu_part._backward_parts
 
 
 def test_a_pass_end_waits_for_another_threads_join_of_its_failed_part(monkeypatch):
@@ -824,23 +882,23 @@ def test_a_pass_end_waits_for_another_threads_join_of_its_failed_part(monkeypatc
 
     engine = _publishing_model().moecc.engine
     tasks = {}  # thread -> the graph task it runs (none: -1, a forward)
-    monkeypatch.setattr(hybrid_module, "current_graph_task", lambda: tasks.get(threading.get_ident(), -1))
+    monkeypatch.setattr(cpu_part_module, "current_graph_task", lambda: tasks.get(threading.get_ident(), -1))
 
     def slow_failure():
         time.sleep(0.4)
         raise RuntimeError("injected slow CPU part failure")
 
-    engine._backward_parts.append((7, engine.run_cpu(slow_failure)))
-    forward_join = threading.Thread(target=engine.join_backward)
+    engine.cpu_part._backward_parts.append((7, engine.cpu_part.worker.submit(slow_failure)))
+    forward_join = threading.Thread(target=engine.cpu_part.join_backward)
     forward_join.start()
     time.sleep(0.1)  # it holds the part now
     tasks[threading.get_ident()] = 7
     try:
         with pytest.raises(RuntimeError, match="injected slow CPU part failure"):
-            engine.join_backward()  # as pass 7's end-of-pass callback
+            engine.cpu_part.join_backward()  # as pass 7's end-of-pass callback
     finally:
         forward_join.join()
-    assert not engine._backward_errors
+    assert not engine.cpu_part._backward_errors
 
 
 def test_the_first_backward_never_publishes_even_after_an_evaluation_forward(monkeypatch):
@@ -849,11 +907,9 @@ def test_the_first_backward_never_publishes_even_after_an_evaluation_forward(mon
     next step's backward publishes."""
     _, model = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
                           backend="auto", num_hidden_layers=4)
-    model.moecc.engine.split_rule = _alternating
+    _force(model.moecc.engine, _alternating)
     calls = []
-    publish = hybrid_module._cpu_backward_published
-    monkeypatch.setattr(hybrid_module, "_cpu_backward_published",
-                        lambda *args: (calls.append(args[2]), publish(*args))[1])
+    _spy_landings(monkeypatch, model.moecc.engine, "backward", calls)
     data = batches(256, 3, batch=3, seq=16, seed=4, pad=True)
     with torch.no_grad():
         model(input_ids=data[0][0], attention_mask=data[0][1])
@@ -867,9 +923,9 @@ def _publishing_model() -> torch.nn.Module:
     """A 4-layer bf16 hybrid model under the alternating split, as after a first step (its parts publish)."""
     _, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
                            backend="auto", num_hidden_layers=4)
-    engine.moecc.engine.split_rule = _alternating
+    _force(engine.moecc.engine, _alternating)
     engine.moecc.engine.forward_passes = 1
-    engine.moecc.engine.first_backward_pass = 0
+    engine.moecc.engine.cpu_part.first_backward_pass = 0
     return engine
 
 
@@ -890,14 +946,14 @@ def test_a_published_cpu_part_that_fails_stops_the_pass_and_leaves_the_model_usa
     it changes any state, no layer waits for ever, and the next step equals a fresh model's."""
     batch = batches(256, 1, batch=3, seq=16, seed=4, pad=True)[0]
     failing, fresh = _publishing_model(), _publishing_model()
-    _fail_cpu_part(monkeypatch, "forward", 1, "injected CPU part failure")
+    hybrid = failing.moecc.engine
+    _fail_cpu_part(monkeypatch, hybrid, "forward", 1, "injected CPU part failure")
     published = []
-    publish = hybrid_module._cpu_forward_published
-    monkeypatch.setattr(hybrid_module, "_cpu_forward_published",
-                        lambda *args: (published.append(args[2].index), publish(*args))[1])
+    _spy_landings(monkeypatch, hybrid, "forward", published)
     joined = []
-    join = failing.moecc.engine.join_deferred
-    monkeypatch.setattr(failing.moecc.engine, "join_deferred", lambda index: (joined.append(index), join(index)))
+    join = hybrid.cpu_part.join_deferred
+    monkeypatch.setattr(hybrid.cpu_part, "join_deferred",
+                        lambda index, join_part: (joined.append(index), join(index, join_part)))
     with pytest.raises(RuntimeError, match="injected CPU part failure"):
         failing(input_ids=batch[0], attention_mask=batch[1], labels=batch[2])
     monkeypatch.undo()
@@ -917,24 +973,28 @@ def test_a_pass_that_dies_between_layers_leaves_its_published_part_behind_not_in
 
     attention = [m for name, m in failing.named_modules() if name.endswith("layers.2.self_attn")][0]
     hook = attention.register_forward_pre_hook(attention_fails, with_kwargs=True)
-    _fail_cpu_part(monkeypatch, "forward", 1, "injected CPU part failure")
+    _fail_cpu_part(monkeypatch, failing.moecc.engine, "forward", 1, "injected CPU part failure")
     with pytest.raises(RuntimeError, match="injected attention failure"):
         failing(input_ids=batch[0], attention_mask=batch[1], labels=batch[2])
     monkeypatch.undo()
     hook.remove()
-    assert failing.moecc.engine._deferred.parts  # layer 1's part, never joined by that pass
+    assert failing.moecc.engine.cpu_part._deferred.parts  # layer 1's part, never joined by that pass
     _assert_next_step_bit_equal(failing, fresh, batch)
 
 
 def test_layers_the_reference_computes_never_publish_and_train_as_without(monkeypatch):
     """float32 experts run on the reference backend under backend="auto", which returns dense outputs: their CPU
     parts never publish (the second step failed when they did) and every step matches a caller that waits."""
+    calls = []
+
     def train(published: bool):
-        if not published:
-            monkeypatch.setattr(hybrid_module, "_publish_target", lambda *args: None)
         _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
                                backend="auto", num_hidden_layers=4)
-        engine.moecc.engine.split_rule = RULES["alternating"]
+        if not published:
+            _waits_for(monkeypatch, engine.moecc.engine, "forward")
+        else:
+            _spy_landings(monkeypatch, engine.moecc.engine, "forward", calls)
+        _force(engine.moecc.engine, RULES["alternating"])
         logits = []
         for ids, mask, labels in batches(256, 3, batch=3, seq=16, seed=4, pad=True):
             out = engine(input_ids=ids, attention_mask=mask, labels=labels)
@@ -943,10 +1003,6 @@ def test_layers_the_reference_computes_never_publish_and_train_as_without(monkey
         monkeypatch.undo()
         return logits, {n: p.grad.clone() for n, p in engine.named_parameters() if p.requires_grad}
 
-    calls = []
-    publish = hybrid_module._cpu_forward_published
-    monkeypatch.setattr(hybrid_module, "_cpu_forward_published",
-                        lambda *args: (calls.append(args[2].index), publish(*args))[1])
     logits, grads = train(published=True)
     assert calls == []
     want_logits, want_grads = train(published=False)
@@ -972,10 +1028,10 @@ def test_hybrid_on_cuda_with_device_waits_is_as_accurate_as_hf_peft_in_bf16(rule
     reference, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="hybrid",
                                    backend="auto", device="cuda", num_hidden_layers=4)
     inner = engine.moecc.engine
-    inner.split_rule = None if rule == "own" else RULES[rule]
+    _force(inner, None if rule == "own" else RULES[rule])
     inner.forward_passes = 1  # as after a first step, which loads every kernel: CPU parts publish
-    inner.first_backward_pass = 0
-    assert inner.cpu_done.on_device, inner.cpu_done.reason
+    inner.cpu_part.first_backward_pass = 0
+    assert inner.cpu_part.done.on_device, inner.cpu_part.done.reason
     inner.reset_metrics()
     _assert_bf16_as_accurate_as_hf_peft(reference, engine, device="cuda")
     metrics = inner.metrics_since_reset()
@@ -1003,7 +1059,7 @@ def test_three_slots_copy_two_layers_ahead_in_both_passes_and_train_like_hf_peft
     hybrid = engine.moecc.engine
     assert hybrid.prefetch_depth == 2
     forward_ahead, backward_fetches = [], []
-    plan, fetch = hybrid.prefetch_forward, hybrid._timed_fetch
+    plan, fetch = hybrid.prefetch_forward, hybrid.fetch
 
     def spy_plan(index):
         forward_ahead.append(index)
@@ -1014,7 +1070,7 @@ def test_three_slots_copy_two_layers_ahead_in_both_passes_and_train_like_hf_peft
             backward_fetches.append(layer.index)
         return fetch(phase, layer, experts, lora)
 
-    hybrid.prefetch_forward, hybrid._timed_fetch = spy_plan, spy_fetch
+    hybrid.prefetch_forward, hybrid.fetch = spy_plan, spy_fetch
     optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05)
                   for m in (reference, engine)]
     for batch in batches(256, 3, batch=2, seq=12, seed=4):

@@ -5,11 +5,34 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import replace
+from typing import Iterable, Sequence
 
 import pytest
 
-from moecc.paradigms.hybrid_split import (CostTracker, RoutingForecast, SideCosts, forced_split, hit_rate,
+from moecc.paradigms.hybrid_split import (CostTracker, RoutingForecast, SideCosts, Split, hit_rate,
                                           physical_costs, plan_split)
+
+
+def side(split: Split) -> str:
+    """``"cpu"``, ``"gpu"`` or ``"both"``: where a pass's work runs."""
+    if not split.gpu:
+        return "cpu"
+    return "gpu" if split.cpu_s == 0.0 else "both"
+
+
+def forced_split(counts: Sequence[int], gpu: Iterable[int], costs: SideCosts, resident: Iterable[int] = (),
+                 committed: Iterable[int] = ()) -> Split:
+    """The cost of a given placement (for forced splits and for reporting what ran); ``resident`` and
+    ``committed`` as in ``plan_split``."""
+    gpu = tuple(sorted(set(gpu)))
+    resident, on_gpu = set(resident), set(gpu)
+    committed = set(committed) - resident
+    cpu = costs.cpu_s(n for e, n in enumerate(counts) if e not in on_gpu)
+    copy = costs.copy_expert_s * (len(committed) + sum(1 for e in gpu if e not in resident and e not in committed))
+    gpu_s = costs.gpu_s(counts[e] for e in gpu if e < len(counts))
+    both = costs.both_sides_s if cpu > 0.0 and gpu else 0.0
+    return Split(gpu, max(costs.serial_s + max(cpu, gpu_s), copy) + both, cpu, copy, gpu_s)
+
 
 COSTS = SideCosts(cpu_expert_s=1e-4, cpu_token_s=2e-5, copy_expert_s=4e-4, gpu_expert_s=1e-5, gpu_token_s=0.0,
                   both_sides_s=2e-4)
@@ -36,17 +59,17 @@ def test_split_is_the_best_of_every_subset(seed, call_s):
 def test_a_split_that_does_not_pay_runs_wholly_on_one_side():
     counts = [5, 3, 2, 0, 1]
     slow_link = SideCosts(1e-4, 1e-5, copy_expert_s=1.0, gpu_expert_s=1e-5, gpu_token_s=0.0)
-    assert plan_split(counts, slow_link).side == "cpu"
+    assert side(plan_split(counts, slow_link)) == "cpu"
     slow_cpu = SideCosts(1.0, 1.0, copy_expert_s=1e-4, gpu_expert_s=1e-5, gpu_token_s=1e-7)
     split = plan_split(counts, slow_cpu)
-    assert split.side == "gpu" and split.gpu == (0, 1, 2, 4)
-    assert plan_split([0, 0, 0], COSTS).side == "cpu" and plan_split([0, 0, 0], COSTS).predicted_s == 0.0
+    assert side(split) == "gpu" and split.gpu == (0, 1, 2, 4)
+    assert side(plan_split([0, 0, 0], COSTS)) == "cpu" and plan_split([0, 0, 0], COSTS).predicted_s == 0.0
 
 
 def test_balanced_split_takes_the_hot_experts_and_beats_both_pure_sides():
     counts = [400, 300, 200, 100] + [4] * 60  # skewed: a few hot experts, many cold ones
     split = plan_split(counts, COSTS)
-    assert split.side == "both" and set(split.gpu) >= {0, 1, 2, 3}
+    assert side(split) == "both" and set(split.gpu) >= {0, 1, 2, 3}
     all_cpu = forced_split(counts, [], COSTS).predicted_s
     all_gpu = forced_split(counts, [e for e, n in enumerate(counts) if n], COSTS).predicted_s
     assert split.predicted_s < min(all_cpu, all_gpu)
@@ -134,13 +157,13 @@ def test_a_fit_that_priced_the_cpu_out_starts_over_and_relearns():
         part = [rng.randint(1, 50) for _ in range(rng.randint(1, 6))]
         tracker.observe(part, 0.05 + costs.cpu_s(part), 0, 0.0)
     assert tracker.cpu_fixed_s > 0.03  # (each sample's pull is bounded: the fit approaches it)
-    assert plan_split(counts, tracker.costs()).side == "gpu"
+    assert side(plan_split(counts, tracker.costs())) == "gpu"
     for _ in range(2):
         tracker.ran(cpu_part=False)
-    assert plan_split(counts, tracker.costs()).side == "gpu"
+    assert side(plan_split(counts, tracker.costs())) == "gpu"
     tracker.ran(cpu_part=False)
     probe = plan_split(counts, tracker.costs())
-    assert probe.side == "both"
+    assert side(probe) == "both"
     cpu = [n for e, n in enumerate(counts) if e not in probe.gpu]
     tracker.observe(cpu, 1.2 * costs.cpu_s(cpu), 0, 0.0)  # the CPU part costs what the first costs said, +20%
     tracker.ran(cpu_part=True)
@@ -157,7 +180,7 @@ def test_a_fit_that_priced_the_cpu_out_starts_over_and_relearns():
 
 
 def test_physical_costs_for_qwen3_shape_match_the_host_model():
-    """DESIGN.md: a Qwen3-30B-A3B layer's experts (128 x 3 x 2048 x 768 bf16) take 21.8 ms over 55 GB/s and about
+    """The reference machine: a Qwen3-30B-A3B layer's experts (128 x 3 x 2048 x 768 bf16) take 21.8 ms over 55 GB/s and about
     9.7 ms from DRAM at 125 GB/s."""
     costs = physical_costs(2048, 768, 8, dram_gbps=125, cpu_tflops=4, pcie_gbps=55.4, gpu_tflops=680)
     assert 128 * costs.copy_expert_s == pytest.approx(21.8e-3, rel=0.02)
@@ -315,7 +338,7 @@ def test_a_split_saving_less_than_running_both_sides_costs_stays_on_the_gpu():
                       gpu_token_s=3e-8, serial_s=3e-3)
     split = plan_split(counts, costs)
     free = plan_split(counts, replace(costs, both_sides_s=0.0))
-    assert free.side == "both" and 0 < free.cpu_s and len(free.gpu) < 128
-    assert split.side == "gpu" and len(split.gpu) == 128
+    assert side(free) == "both" and 0 < free.cpu_s and len(free.gpu) < 128
+    assert side(split) == "gpu" and len(split.gpu) == 128
     saved = (128 - len(free.gpu)) * costs.copy_expert_s
     assert saved < SideCosts.both_sides_s == costs.both_sides_s

@@ -34,7 +34,7 @@ def test_copies_only_routed_experts_and_reuses_slots(lora_place):
     _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="offload",
                            moecc_options={"offload_lora": lora_place})
     state = engine.moecc
-    assert state.engine.lora_on_device == (lora_place == "device")
+    assert state.engine.slots.lora_on_device == (lora_place == "device")
     state.engine.reset_metrics()
     ids = torch.tensor([[5]])
     with torch.no_grad():
@@ -70,7 +70,8 @@ def _fake_offload_model(lora_bytes: int, layer_bytes: int, rest_bytes: int):
 def _fake_cuda_engine(layers: list) -> OffloadEngine:
     """An offload engine over ``layers`` that believes it runs on a GPU (built on the CPU, so none is needed)."""
     engine = OffloadEngine(torch.device("cpu"))
-    engine.device, engine.layers = torch.device("cuda", 0), layers
+    engine.device = engine.slots.device = torch.device("cuda", 0)
+    engine.layers.extend(layers)  # the list the slots hold too
     return engine
 
 
@@ -79,7 +80,7 @@ def test_offload_lora_placement_follows_the_budget(monkeypatch):
     everything else that stays there still fits beside it; otherwise the host, so no budget that fits with the
     factors in host memory is refused because of them."""
     from moecc import api
-    from moecc.paradigms.offload import lora_on_device
+    from moecc.paradigms.device_slots import lora_on_device
 
     monkeypatch.setattr(api, "cap_gpu_memory", lambda *args: None)
     cuda = torch.device("cuda", 0)
@@ -94,7 +95,7 @@ def test_offload_lora_placement_follows_the_budget(monkeypatch):
     assert not lora_on_device(model, layers, cuda, config)
     engine = _fake_cuda_engine(layers)
     api.apply_gpu_budget(model, engine, config)
-    engine.lora_on_device = True  # forced on the GPU, the same budget is refused, saying what to do
+    engine.slots.lora_on_device = True  # forced on the GPU, the same budget is refused, saying what to do
     with pytest.raises(moecc.MoeccError, match="offload_lora='host'"):
         api.apply_gpu_budget(model, engine, config)
     tiny = moecc.MoeccConfig(gpu_memory_budget_gb=1e-6, offload_lora="device")
@@ -117,7 +118,7 @@ def test_optimizer_steps_reach_the_device_copies_of_the_lora_factors(slots, fuse
     0.1 to 1; rounding alone, compounded over the steps, stays below 1e-5.)"""
     reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="offload",
                                    moecc_options={"offload_lora": lora_place}, num_hidden_layers=3)
-    engine.moecc.engine.capacity = slots
+    engine.moecc.engine.slots.capacity = slots
     optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05, fused=fused)
                   for m in (reference, engine)]
     for batch in batches(256, 3, batch=2, seq=12, seed=4):
@@ -165,7 +166,7 @@ def test_grouped_compute_trains_like_hf_peft(family, monkeypatch):
     calls = _force_grouped(monkeypatch, torch.float32)
     reference, engine = build_pair(family, torch.float32, lora_config(family), paradigm="offload",
                                    moecc_options=GROUPED)
-    assert engine.moecc.engine.compute == "grouped"
+    assert engine.moecc.engine.slots.compute == "grouped"
     batch, = batches(256, 1, batch=3, seq=16, seed=4, pad=True)
     forward_backward_both(reference, engine, batch, 1e-5)
     assert_grads_match(reference, engine, TOLERANCE[torch.float32])
@@ -204,15 +205,15 @@ def test_grouped_compute_in_bf16_is_as_accurate_as_hf_peft(monkeypatch):
 def test_compute_choice_defaults_and_validation(monkeypatch):
     monkeypatch.delenv("MOECC_OFFLOAD_COMPUTE", raising=False)
     cpu = torch.device("cpu")
-    assert OffloadEngine.from_config(cpu, moecc.MoeccConfig.from_env()).compute == "reference"  # exact on the CPU
+    assert OffloadEngine.from_config(cpu, moecc.MoeccConfig.from_env()).slots.compute == "reference"  # exact on the CPU
     monkeypatch.setenv("MOECC_OFFLOAD_COMPUTE", "Grouped")
-    assert OffloadEngine.from_config(cpu, moecc.MoeccConfig.from_env()).compute == "grouped"
+    assert OffloadEngine.from_config(cpu, moecc.MoeccConfig.from_env()).slots.compute == "grouped"
     monkeypatch.setenv("MOECC_OFFLOAD_COMPUTE", "fast")
     with pytest.raises(ValueError, match="offload_compute 'fast'.*grouped, reference"):
         moecc.MoeccConfig.from_env()
     engine = OffloadEngine(cpu, compute="reference")
-    with pytest.raises(moecc.MoeccError, match="OffloadEngine.compute='loop'"):
-        engine.compute = "loop"
+    with pytest.raises(moecc.MoeccError, match="compute='loop'"):
+        engine.slots.compute = "loop"
 
 
 @pytest.mark.gpu
@@ -253,7 +254,7 @@ def test_offload_on_cuda_bf16_defaults_to_grouped_math(monkeypatch):
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     reference, engine = build_pair("qwen3_moe", torch.bfloat16, lora_config("qwen3_moe"), paradigm="offload",
                                    device="cuda")
-    assert engine.moecc.engine.compute == "grouped" and engine.moecc.engine.park_activations
+    assert engine.moecc.engine.slots.compute == "grouped" and engine.moecc.engine.slots.park_activations
     _assert_bf16_as_accurate_as_hf_peft(reference, engine, device="cuda")
     assert calls
     assert engine.moecc.engine.counters_since_reset()["d2h_gb"] > 0  # the saved states went through host memory
@@ -262,11 +263,11 @@ def test_offload_on_cuda_bf16_defaults_to_grouped_math(monkeypatch):
 def _copied_bytes(engine, model, data) -> tuple[int, int]:
     """(expert weight bytes, activation bytes parked) that training on ``data`` from empty slots copies."""
     state = engine.moecc.engine
-    state.slots.clear()
-    weights, parked = state.h2d_bytes, state.parking.bytes_to_host
+    state.slots.held.clear()
+    weights, parked = state.slots.h2d_bytes, state.slots.parking.bytes_to_host
     for ids, mask, labels in data:
         model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-    return state.h2d_bytes - weights, state.parking.bytes_to_host - parked
+    return state.slots.h2d_bytes - weights, state.slots.parking.bytes_to_host - parked
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -278,7 +279,7 @@ def test_gradient_checkpointing_matches_hf_peft_without_extra_copies(family, ree
     from a recomputation) and park nothing a recomputation produces (its state is used at once)."""
     reference, engine = build_pair(family, torch.float32, lora_config(family), paradigm="offload",
                                    num_hidden_layers=3)
-    engine.moecc.engine.capacity = 2
+    engine.moecc.engine.slots.capacity = 2
     data = batches(256, 2, batch=3, seq=16, seed=6, pad=True)  # two micro-batches accumulate
     plain = _copied_bytes(engine, engine, data)
     engine.zero_grad()
@@ -302,7 +303,7 @@ def test_gradient_checkpointing_on_cuda_matches_hf_peft():
     torch.backends.cuda.matmul.allow_tf32 = False
     reference, engine = build_pair("qwen2_moe", torch.float32, lora_config("qwen2_moe"), paradigm="offload",
                                    device="cuda", num_hidden_layers=4)
-    engine.moecc.engine.capacity = 2
+    engine.moecc.engine.slots.capacity = 2
     for model in (reference, engine):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for ids, mask, labels in batches(256, 2, batch=4, seq=64, seed=8, pad=True):
@@ -326,7 +327,7 @@ def test_large_batches_prefetch_whole_layers_and_read_routing_once_a_layer(monke
     engine.moecc.engine.reset_metrics()
     out = engine(input_ids=ids, attention_mask=mask, labels=labels)
     assert len(calls) == 3
-    assert all(engine.moecc.engine.holds_all(layer) for layer in engine.moecc.layers[1:])
+    assert all(engine.moecc.engine.slots.holds_all(layer) for layer in engine.moecc.layers[1:])
     a = reference(input_ids=ids, attention_mask=mask, labels=labels)
     assert rel_err(out.logits, a.logits) <= 1e-5
     out.loss.backward()

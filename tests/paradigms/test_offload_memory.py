@@ -9,7 +9,7 @@ import torch
 
 import moecc
 from moecc.experts import grouped
-from moecc.paradigms.offload import SAVED_TENSORS, ActivationParking, ParkedState
+from moecc.paradigms.parking import SAVED_TENSORS, ActivationParking, ParkedState
 from moecc.experts import SavedState
 from moecc.staging import HostBufferPool
 from moecc.tiny_models import tiny_model
@@ -35,7 +35,7 @@ def saved_bytes(tokens: int, hidden: int, inter: int, experts: int, top_k: int, 
 def _tiny_engine(dtype: torch.dtype = torch.float32, compute: str = "reference", **overrides):
     model = moecc.prepare(tiny_model(FAMILY, dtype=dtype, **overrides), lora_config=lora_config(FAMILY),
                           device="cpu", paradigm="offload")
-    model.moecc.engine.compute = compute
+    model.moecc.engine.slots.compute = compute
     return model
 
 
@@ -60,7 +60,7 @@ def test_node_keeps_exactly_the_minimal_state(park, dtype, compute):
         pytest.skip(f"this PyTorch build has no CPU torch._grouped_mm for {dtype}")
     model = _tiny_engine(dtype, compute)
     engine, layer = model.moecc.engine, model.moecc.layers[0]
-    engine.park_activations = park
+    engine.slots.park_activations = park
     weights, tokens = layer.weights, 13
     expected = saved_bytes(tokens, weights.hidden_size, weights.intermediate_size, weights.num_experts, 2, dtype)
     node = _layer_call(layer, tokens, dtype).grad_fn
@@ -72,14 +72,14 @@ def test_node_keeps_exactly_the_minimal_state(park, dtype, compute):
         buffer = state.buffer
         for view in state.views:  # all in the pooled buffer
             assert buffer.data_ptr() <= view.data_ptr() <= buffer.data_ptr() + buffer.numel() - view.nbytes
-        assert engine.parking.bytes_to_host == expected
+        assert engine.slots.parking.bytes_to_host == expected
     else:
         assert isinstance(node.state, SavedState) and _state_bytes(node.state) == expected
-        assert engine.parking.bytes_to_host == 0
-    engine.park_activations = True
+        assert engine.slots.parking.bytes_to_host == 0
+    engine.slots.park_activations = True
     with torch.no_grad():
         _layer_call(layer, tokens, dtype, grad=False)  # nothing kept, nothing parked
-    assert engine.parking.bytes_to_host == (expected if park else 0)
+    assert engine.slots.parking.bytes_to_host == (expected if park else 0)
 
 
 def _train_step(model, ids, mask, labels) -> None:
@@ -92,8 +92,8 @@ def test_parked_training_matches_hf_peft_and_unparked(compute):
         pytest.skip("this PyTorch build has no CPU torch._grouped_mm for float32")
     reference, engine = build_pair("qwen2_moe", torch.float32, lora_config("qwen2_moe"), paradigm="offload",
                                    num_hidden_layers=3)
-    engine.moecc.engine.compute = compute
-    engine.moecc.engine.capacity = 2  # fewer slots than layers: weights and states prefetched together
+    engine.moecc.engine.slots.compute = compute
+    engine.moecc.engine.slots.capacity = 2  # fewer slots than layers: weights and states prefetched together
     data = batches(256, 2, batch=3, seq=16, seed=5, pad=True)
     for batch in data:  # two micro-batches accumulate
         _train_step(reference, *batch)
@@ -102,7 +102,7 @@ def test_parked_training_matches_hf_peft_and_unparked(compute):
     assert_grads_match(reference, engine, TOLERANCE[torch.float32])
     parked = {n: p.grad.clone() for n, p in engine.named_parameters() if p.requires_grad}
     engine.zero_grad()
-    engine.moecc.engine.park_activations = False
+    engine.moecc.engine.slots.park_activations = False
     for batch in data:
         _train_step(engine, *batch)
     for name, param in engine.named_parameters():  # parking is a copy: bit-identical gradients
@@ -119,8 +119,8 @@ def test_metrics_count_parked_and_restored_bytes():
                             torch.float32)
     runs = {}
     for park in (True, False):
-        engine.park_activations = park
-        engine.slots.clear()  # the same weight copies in both runs
+        engine.slots.park_activations = park
+        engine.slots.held.clear()  # the same weight copies in both runs
         engine.reset_metrics()
         _train_step(model, ids, mask, labels)
         runs[park] = engine.counters_since_reset()
@@ -135,7 +135,7 @@ def test_metrics_count_parked_and_restored_bytes():
 def test_host_buffers_are_reused_across_steps():
     model = _tiny_engine()
     engine = model.moecc.engine
-    pool = engine.parking.pool
+    pool = engine.slots.parking.pool
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     data = batches(256, 4, batch=2, seq=16, seed=3)
     data[2] = tuple(t[:, :11] for t in data[2])  # a shorter batch fits the same buffers
@@ -196,7 +196,7 @@ def _cuda_pair():
     torch.backends.cuda.matmul.allow_tf32 = False
     reference, engine = build_pair(FAMILY, torch.float32, lora_config(FAMILY), paradigm="offload", device="cuda",
                                    num_hidden_layers=6, max_position_embeddings=2048)
-    engine.moecc.engine.capacity = 2
+    engine.moecc.engine.slots.capacity = 2
     (ids, mask, labels), = batches(256, 1, batch=4, seq=1024, seed=7)
     return reference, engine, (ids, mask, labels)
 
@@ -205,16 +205,16 @@ def _cuda_pair():
 def test_parking_on_cuda_matches_hf_peft():
     reference, engine, (ids, mask, labels) = _cuda_pair()
     state = engine.moecc.engine
-    assert state.park_activations
+    assert state.slots.park_activations
     engine(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=labels.cuda()).loss.backward()
     reference(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     # The reference runs on the CPU: the engine's attention runs CUDA's float32 kernels, which sum in other orders.
     # Through 6 layers of 1024-token attention that moved a layer-0 attention LoRA gradient by 1.2e-4 on the host.
     assert_grads_match(reference, engine, 3e-4)
-    assert state.parking.bytes_to_host > 0 and state.parking.bytes_to_device == state.parking.bytes_to_host
-    buffer, _ = state.parking.pool.acquire(1)
+    assert state.slots.parking.bytes_to_host > 0 and state.slots.parking.bytes_to_device == state.slots.parking.bytes_to_host
+    buffer, _ = state.slots.parking.pool.acquire(1)
     assert buffer.is_pinned()
-    state.parking.pool.release(buffer)
+    state.slots.parking.pool.release(buffer)
 
 
 @pytest.mark.gpu
@@ -229,7 +229,7 @@ def test_parking_on_cuda_frees_device_memory():
                             torch.float32)
     after_forward = {}
     for park in (False, True, False, True):  # twice each: the first pass allocates what every pass reuses
-        state.park_activations = park
+        state.slots.park_activations = park
         engine.zero_grad()
         out = engine(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=labels.cuda())
         torch.cuda.synchronize()
@@ -278,7 +278,7 @@ def test_backward_restores_each_layer_one_layer_ahead(monkeypatch):
     """Backward of layer L queues its own state's copy back (if the layer after did not) and then layer L-1's,
     before it uses its own."""
     model = _tiny_engine(num_hidden_layers=4)
-    parking = model.moecc.engine.parking
+    parking = model.moecc.engine.slots.parking
     events, restore, take = [], ActivationParking.restore, ActivationParking.take
 
     def recording_restore(self, state):
@@ -300,7 +300,7 @@ def test_backward_restores_each_layer_one_layer_ahead(monkeypatch):
 
 
 def test_consecutive_experts_are_copied_in_one_run():
-    from moecc.paradigms.offload import _runs
+    from moecc.paradigms.device_slots import _runs
 
     cached = (torch.zeros(1), torch.zeros(1))
     sources = {e: None for e in range(10)} | {7: cached}

@@ -1,10 +1,11 @@
-"""The helpers of moecc/paradigms/hybrid_parts.py that move the CPU part's LoRA gradients by expert."""
+"""The helpers of moecc/paradigms/part_sums.py that move the CPU part's LoRA gradients by expert."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moecc.paradigms.hybrid_parts import _blocks_matrix, _grouped, _grouped_shape, _select_blocks
+from moecc.paradigms.part_sums import _blocks_matrix, _grouped, _select_blocks
+from moecc.paradigms.part_sums import grouped_shape as _grouped_shape
 
 
 @pytest.mark.parametrize("which", [0, 1, 2, 3])
