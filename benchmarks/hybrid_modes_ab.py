@@ -65,9 +65,9 @@ def parse_setting(text: str) -> tuple[str, str, dict[str, str]]:
 def use_cache(engine, on: bool) -> None:
     """Turns the engine's expert cache (built with ``MOECC_OFFLOAD_CACHE_GB``) off, emptied so its memory is free,
     or back on as built; its next pass refills it. Neither state's passes feed the auto cache's peaks."""
+    slots = engine.slots
     if not hasattr(engine, "ab_cache"):
-        engine.ab_cache = (engine.cache, engine.cache_sizer,
-                           engine.cache.budget_bytes if engine.cache is not None else 0)
+        engine.ab_cache = (slots.cache, slots.cache_sizer, slots.cache.budget_bytes if slots.cache is not None else 0)
     cache, sizer, budget = engine.ab_cache
     if cache is None:
         if not on:
@@ -76,10 +76,10 @@ def use_cache(engine, on: bool) -> None:
         return
     if not on:
         cache.resize(0)
-    elif engine.cache is None:
+    elif slots.cache is None:
         cache.resize(budget)
-    engine.cache, engine.cache_sizer = (cache, sizer) if on else (None, None)
-    engine._cache_pass = None  # a peak spanning the other state's steps would mislead the sizing
+    slots.cache, slots.cache_sizer = (cache, sizer) if on else (None, None)
+    slots._cache_pass = None  # a peak spanning the other state's steps would mislead the sizing
 
 
 def time_setting(model, device, tokens: int, steps: int, mode: str, variables: dict[str, str],
@@ -90,7 +90,7 @@ def time_setting(model, device, tokens: int, steps: int, mode: str, variables: d
     cache = variables.pop("cache", "on")
     if cache not in ("on", "off"):
         raise ValueError(f"a setting's cache is on or off, got {cache!r}")
-    model.moecc.engine.step_guard = FixedMode(mode)
+    model.moecc.engine.split.guard = FixedMode(mode)  # the planned policy's step guard, fixed
     use_cache(model.moecc.engine, cache == "on")
     with mock.patch.dict(os.environ, variables):
         return runner._fall_back_to_checkpointing(

@@ -96,7 +96,7 @@ def host_waits(events, window: tuple[float, float], origin_us: float, least_ms: 
 
 
 def cpu_lane(marks: list) -> list[tuple[int, int]]:
-    """(start, end) Unix ns of each CPU part's compute, from the engine's ``cpu_marks`` (one worker: a layer's
+    """(start, end) Unix ns of each CPU part's compute, from the engine's ``cpu_part.marks`` (one worker: a layer's
     "started" comes before its "computed")."""
     starts, spans = {}, []
     for phase, index, name, ns in marks:
@@ -241,7 +241,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     model, _, _ = runner.build_for_timing(args.preset, args.layers, "hybrid", device, args.gpu_budget, "off")
-    model.moecc.engine.step_guard = None  # every step with the planner's splits: the timeline shows both sides
+    model.moecc.engine.split.guard = None  # every step with the planner's splits: the timeline shows both sides
     optimizer = timing.adamw(model.parameters())
     seq = min(args.tokens, timing.SEQUENCE)
     ids = torch.randint(0, model.config.vocab_size, (max(1, args.tokens // seq), seq), device=device)
@@ -255,11 +255,11 @@ def main() -> None:
     for _ in range(args.warmup):
         step()
     engine = model.moecc.engine
-    engine.cpu_marks = []
+    engine.cpu_part.marks = []
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         step()
     events = prof.events()
-    marks, engine.cpu_marks = engine.cpu_marks, None
+    marks, engine.cpu_part.marks = engine.cpu_part.marks, None
     lanes, layers, origin_us = collect(events, cpu_lane(marks), prof.profiler.kineto_results.trace_start_ns())
     windows = {phase: w for phase in LAYER_MARKS if (w := layer_window(layers, phase)) is not None}
     out = Path(args.out)

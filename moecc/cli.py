@@ -112,6 +112,11 @@ def bench(args: argparse.Namespace) -> list[dict]:
     from .bench.rates import measure
     from .config import MoeccConfig
 
+    if args.split_policy is not None:  # each paradigm's process reads it from the environment, as users set it
+        from .paradigms.split_policies import split_policy
+
+        split_policy(args.split_policy)  # an unknown name is refused here, before any run
+        os.environ["MOECC_SPLIT_POLICY"] = args.split_policy
     rates = measure()
     slots = MoeccConfig.from_env().offload_slots  # what the bench's engines get
     command = "moecc bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else [])
@@ -216,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
                               help="Hugging Face gradient checkpointing: auto = turned on for a paradigm once a token "
                                    "count runs out of GPU memory (each row says whether it was on)")
     bench_parser.add_argument("--rank", type=positive_int, default=8)
+    bench_parser.add_argument("--split-policy", default=None,
+                              help="hybrid's split policy (MoeccConfig.split_policy): planned (default) or "
+                                   "coldest:SHARE (the least-routed experts on the CPU up to SHARE of the bytes)")
     bench_parser.add_argument("--out", default="./moecc-bench",
                               help="folder for bench.md, bench.json and the plots (default: ./moecc-bench)")
     plan_parser = commands.add_parser("plan", help="predict each paradigm's step time on this machine")

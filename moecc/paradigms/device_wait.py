@@ -10,7 +10,7 @@ The wait is CUDA's stream memory operation (``cuStreamWaitValue32``), reached th
 ctypes; it is used only where CUDA loads every kernel when it starts (``CUDA_MODULE_LOADING=EAGER``) and a
 self-test shows it waiting and then going on. Under lazy loading (torch's default) the first launch of a kernel
 waits for the work already queued, the pending wait included, while the launching thread holds the GIL that the
-worker needs before it can publish: a deadlock (what hung on the accelerator host). Elsewhere (no CUDA, no driver
+worker needs before it can publish: a deadlock (seen on an H100 machine). Elsewhere (no CUDA, no driver
 symbol, lazy loading, a failed test) ``on_device`` is False, ``reason`` says why, and ``wait`` blocks the calling
 thread instead.
 """

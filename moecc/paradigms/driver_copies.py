@@ -2,8 +2,7 @@
 
 Hybrid's GPU part is a scattered subset of a layer's experts: tens of runs a layer, two copies each. Queued through
 torch (a sliced tensor's ``copy_``), every copy cost the host thread tens of microseconds, 2.6-3.7 ms of each
-layer pass at 512 tokens, on the thread whose time bounded hybrid's backward there
-(benchmarks/results/host_2026-12-04_s24). Here a copy is address arithmetic and one ctypes call.
+layer pass at 512 tokens, on the thread whose time bounded hybrid's backward there. Here a copy is address arithmetic and one ctypes call.
 
 Used where the driver has the entry point and a self-test copy arrives intact; elsewhere (no CUDA, no driver, a
 failed test) ``usable`` is False, ``reason`` says why, and callers copy through torch.

@@ -34,8 +34,7 @@ class SideCosts:
     gpu_expert_s: float  # an active expert on the GPU (its grouped-product share, launch)
     gpu_token_s: float  # each routed pair on the GPU
     # A pass that runs on both sides: staging, the CPU's result back, the sum, the device's wait for the CPU
-    # part's chain; what the host's bench lost per split pass beyond the copies the CPU saved
-    # (benchmarks/results/host_2026-12-05_s29)
+    # part's chain; what a GPU machine's bench lost per split pass beyond the copies the CPU saved
     both_sides_s: float = 1.2e-3
     cpu_call_s: float = 0.0  # a CPU part at all: its staging, gathers and scatters, the pool's start
     # The GPU's own work between one layer's experts and the next's (attention, router, staging): both sides'
@@ -209,7 +208,7 @@ class CostTracker:
         measures only the GPU's share of the gap, the host's (the routing brought to the host, the CPU part's
         staging) hidden behind the copies, while a pass that waited on the CPU measures the chain a CPU part is
         on. Followed alike, each kind of pass planned the other kind next, and the splits swung between copy-bound
-        and CPU-bound steps (``benchmarks/results/host_2026-12-06_s35``)."""
+        and CPU-bound steps."""
         gaps = [g for g in gaps if g >= 0]
         if not gaps:
             return

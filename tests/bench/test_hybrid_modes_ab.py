@@ -26,14 +26,18 @@ def test_a_settings_variables_hold_during_its_steps_only(monkeypatch):
     seen = []
 
     class Engine:
-        step_guard = cache = cache_sizer = None
+        class split:  # noqa: N801  (the policy whose step guard a setting fixes)
+            guard = None
+
+        class slots:  # noqa: N801
+            cache = cache_sizer = None
 
     class Model:
         class moecc:  # noqa: N801  (the attribute the engine hangs off)
             engine = Engine()
 
     def fake_time_training(model, device, tokens, steps, warmup, profile_gpu):
-        seen.append((os.environ.get("MOECC_AB_TEST_VAR"), model.moecc.engine.step_guard.mode))
+        seen.append((os.environ.get("MOECC_AB_TEST_VAR"), model.moecc.engine.split.guard.mode))
         return {"steps": []}
 
     monkeypatch.setattr(ab, "time_training", fake_time_training)

@@ -105,7 +105,7 @@ def test_checkpointing_reruns_the_routed_experts_only_where_the_planner_says(fam
     again = _recomputes_experts(moe_shape(engine.config), True)
     assert again == (family == "qwen2_moe")
     assert calls == [False, False] + ([True, True] if again else [])
-    assert state.parking.bytes_to_device == state.parking.bytes_to_host > 0
+    assert state.slots.parking.bytes_to_device == state.slots.parking.bytes_to_host > 0
 
 
 def test_without_a_gpu_only_cocompute_is_predicted_all_on_the_cpu():
