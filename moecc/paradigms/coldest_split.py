@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 
 from .hybrid_split import RoutingForecast
+from .split_policy import SplitPolicy
 
 
-class ColdestToCpu:
+class ColdestToCpu(SplitPolicy):
     """The coldest routed experts on the CPU while their weights stay within ``share`` of the routed experts'."""
 
     name = "coldest"
@@ -25,9 +26,6 @@ class ColdestToCpu:
 
     def start(self, device: torch.device, layers: list) -> None:
         self._expert_bytes = [layer.weights.gate_up[0].nbytes + layer.weights.down[0].nbytes for layer in layers]
-
-    def pass_begins(self, tokens: int, training: bool) -> bool:
-        return False
 
     def _gpu(self, index: int, counts) -> tuple[int, ...]:
         routed = sorted((e for e, n in enumerate(counts) if n > 0), key=lambda e: (counts[e], e))
@@ -45,20 +43,5 @@ class ColdestToCpu:
         expected = self.forecast.expected(index)
         return None if expected is None else self._gpu(index, [n if n >= 0.5 else 0.0 for n in expected])
 
-    def backward(self, layer, counts: list[int], gpu: tuple[int, ...], resident: set[int]) -> tuple[int, ...]:
-        return gpu
-
     def layer_ran(self, index: int, counts: list[int], cpu: bool, cpu_backward: bool) -> None:
         self.forecast.observe(index, counts)
-
-    def cpu_measured(self, phase: str, counts: list[int], seconds: float) -> None:
-        pass
-
-    def copies_measured(self, phase: str, experts: int, timing) -> None:
-        pass
-
-    def gap(self, phase: str, index: int, forward_pass: int | None, ends: bool) -> None:
-        pass
-
-    def counters(self) -> dict[str, float]:
-        return {"cpu_slowdown": 1.0, "copy_slowdown": 1.0}

@@ -37,6 +37,15 @@ class Call:
     recompute: bool  # run inside backward (a checkpointed layer's forward again)
     key: tuple[int, int]  # (forward pass, layer index), under which a parked state is prefetched
 
+    @classmethod
+    def begin(cls, layer, hidden: torch.Tensor, top_k_weights: torch.Tensor, factors: list) -> Call:
+        """Begins a call of ``layer`` (``ExpertLayer.begin_call``: a recomputation or not) that keeps what backward
+        needs where a gradient may be asked for: of the hidden states, the routing weights or a LoRA factor."""
+        recompute = layer.begin_call(hidden)
+        keep = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (hidden, top_k_weights, *factors))
+        return cls(keep, recompute, (layer.engine.forward_passes, layer.index))
+
 
 class Slot:
     """Device copies of one layer's experts; ``present`` says which experts hold valid data."""

@@ -199,14 +199,11 @@ class HybridLayer(ExpertLayer):
         factors = lora_tensors(lora)
         self.engine.slots.place_lora(factors)
         counts = routed_counts(top_k_index, self.weights.num_experts)  # validated before any state changes
-        recompute = self.begin_call(hidden)
-        keep = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (hidden, top_k_weights, *factors))
-        call = Call(keep, recompute, (self.engine.forward_passes, self.index))
+        call = Call.begin(self, hidden, top_k_weights, factors)
         parts = _Parts()
         out = HybridExpertsFunction.apply(hidden, top_k_weights, top_k_index, self, lora, call, counts, parts,
                                           *factors)
-        return HybridPending(out, parts, self.engine, None if recompute else self.index)
+        return HybridPending(out, parts, self.engine, None if call.recompute else self.index)
 
 
 @dataclass

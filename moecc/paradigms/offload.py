@@ -114,10 +114,7 @@ class OffloadLayer(ExpertLayer):
         engine = self.engine
         with engine.lock:
             engine.slots.place_lora(factors)
-            recompute = self.begin_call(hidden)
-            keep = torch.is_grad_enabled() and any(
-                t is not None and t.requires_grad for t in (hidden, top_k_weights, *factors))
-            call = Call(keep, recompute, (engine.forward_passes, self.index))
+            call = Call.begin(self, hidden, top_k_weights, factors)
             out = OffloadExpertsFunction.apply(hidden, top_k_weights, top_k_index, self, lora, call, counts, *factors)
         return self.checked(Ready(out))
 

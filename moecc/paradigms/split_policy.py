@@ -30,7 +30,8 @@ SplitRule = Callable[[int, list, str], Iterable[int]]
 
 @runtime_checkable
 class SplitPolicy(Protocol):
-    """What hybrid asks of a split policy. Sets are expert ids of one layer; ``counts[e]``: routed pairs of e."""
+    """What hybrid asks of a split policy. Sets are expert ids of one layer; ``counts[e]``: routed pairs of e.
+    A policy that subclasses this protocol gets the defaults below: no prefetch, no observations, no counters."""
 
     name: str
 
@@ -39,17 +40,21 @@ class SplitPolicy(Protocol):
 
     def pass_begins(self, tokens: int, training: bool) -> bool:
         """A forward pass of ``tokens`` begins; returns whether every routed expert runs on the GPU in it."""
+        return False
 
     def forward(self, layer, counts: list[int], resident: set[int], committed: set[int]) -> tuple[int, ...]:
         """The GPU experts of ``layer``'s forward (sorted). ``resident``: on the GPU already, no copy;
         ``committed``: copied for this pass already (a prefetch), their copies spent whatever runs where."""
+        raise NotImplementedError
 
     def prefetch(self, index: int, resident: set[int]) -> tuple[int, ...] | None:
         """The experts to copy ahead for layer ``index``, whose routing is not known yet (None: none)."""
+        return None
 
     def backward(self, layer, counts: list[int], gpu: tuple[int, ...], resident: set[int]) -> tuple[int, ...]:
         """The GPU experts of the backward of a forward that ran ``gpu`` there: ``gpu`` and any CPU experts whose
         backward moves (the GPU recomputes their forward), sorted."""
+        return gpu
 
     def layer_ran(self, index: int, counts: list[int], cpu: bool, cpu_backward: bool) -> None:
         """A real (not recomputed) forward of layer ``index`` routed ``counts``; whether its forward and its
@@ -68,9 +73,10 @@ class SplitPolicy(Protocol):
 
     def counters(self) -> dict[str, float]:
         """The policy's own metrics (``cpu_slowdown``, ``copy_slowdown``: measured over predicted seconds)."""
+        return {"cpu_slowdown": 1.0, "copy_slowdown": 1.0}
 
 
-class FixedSplit:
+class FixedSplit(SplitPolicy):
     """A rule's splits, no prefetch and no step guard: for tests and A/B runs of chosen placements."""
 
     name = "fixed"
@@ -78,38 +84,14 @@ class FixedSplit:
     def __init__(self, rule: SplitRule) -> None:
         self.rule = rule
 
-    def start(self, device: torch.device, layers: list) -> None:
-        pass
-
-    def pass_begins(self, tokens: int, training: bool) -> bool:
-        return False
-
     def forward(self, layer, counts: list[int], resident: set[int], committed: set[int]) -> tuple[int, ...]:
         return tuple(sorted({int(e) for e in self.rule(layer.index, counts, "forward")}))
-
-    def prefetch(self, index: int, resident: set[int]) -> tuple[int, ...] | None:
-        return None
 
     def backward(self, layer, counts: list[int], gpu: tuple[int, ...], resident: set[int]) -> tuple[int, ...]:
         return tuple(sorted({int(e) for e in self.rule(layer.index, counts, "backward")} | set(gpu)))
 
-    def layer_ran(self, index: int, counts: list[int], cpu: bool, cpu_backward: bool) -> None:
-        pass
 
-    def cpu_measured(self, phase: str, counts: list[int], seconds: float) -> None:
-        pass
-
-    def copies_measured(self, phase: str, experts: int, timing) -> None:
-        pass
-
-    def gap(self, phase: str, index: int, forward_pass: int | None, ends: bool) -> None:
-        pass
-
-    def counters(self) -> dict[str, float]:
-        return {"cpu_slowdown": 1.0, "copy_slowdown": 1.0}
-
-
-class PlannedSplit:
+class PlannedSplit(SplitPolicy):
     """``plan_split`` over measured costs, a routing forecast for the prefetch and (on CUDA) the step guard.
 
     ``guard``: the step guard to use (default: one on a CUDA GPU, none on the CPU device, whose stand-in "link" has

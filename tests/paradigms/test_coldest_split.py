@@ -8,7 +8,8 @@ import moecc
 from moecc.paradigms.coldest_split import ColdestToCpu
 from moecc.paradigms.split_policies import split_policy
 
-from ..parity import TOLERANCE, assert_grads_match, batches, build_pair, forward_backward_both, lora_config
+from ..parity import build_pair, lora_config
+from .test_hybrid import train_two_steps_like_hf_peft
 
 
 class _Layer:
@@ -38,13 +39,6 @@ def test_hybrid_under_the_coldest_policy_trains_like_hf_peft():
     reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
                                    moecc_options={"split_policy": "coldest:0.5"})
     assert engine.moecc.engine.split.name == "coldest"
-    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05)
-                  for m in (reference, engine)]
-    for batch in batches(256, 2, batch=3, seq=10, seed=7, pad=True):
-        forward_backward_both(reference, engine, batch, TOLERANCE[torch.float32])
-        assert_grads_match(reference, engine, TOLERANCE[torch.float32])
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+    train_two_steps_like_hf_peft(reference, engine)
     metrics = engine.moecc.engine.metrics_since_reset()
     assert metrics["cpu_pairs"] > 0 and metrics["gpu_pairs"] > 0 and metrics["cpu_pairs"] < metrics["gpu_pairs"]

@@ -108,13 +108,8 @@ RULES = {"all_cpu": _all_cpu, "all_gpu": _all_gpu, "alternating": _alternating, 
          "unrouted_on_gpu": _unrouted_on_gpu, "moved_in_backward": _moved_in_backward}
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
-@pytest.mark.parametrize("rule", list(RULES))
-def test_hybrid_trains_like_hf_peft_whatever_the_split(family, rule):
-    """Two training steps: logits and every trainable gradient (attention LoRA through the routing weights'
-    gradient, every expert LoRA factor) match HF + PEFT, however the experts are split."""
-    reference, engine = build_pair(family, torch.float32, lora_config(family), paradigm="hybrid")
-    _force(engine.moecc.engine, RULES[rule])
+def train_two_steps_like_hf_peft(reference, engine) -> None:
+    """Two SGD steps of both models: logits and every trainable gradient match HF + PEFT's at each."""
     optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05)
                   for m in (reference, engine)]
     for batch in batches(256, 2, batch=3, seq=10, seed=7, pad=True):
@@ -123,6 +118,16 @@ def test_hybrid_trains_like_hf_peft_whatever_the_split(family, rule):
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("rule", list(RULES))
+def test_hybrid_trains_like_hf_peft_whatever_the_split(family, rule):
+    """Two training steps: logits and every trainable gradient (attention LoRA through the routing weights'
+    gradient, every expert LoRA factor) match HF + PEFT, however the experts are split."""
+    reference, engine = build_pair(family, torch.float32, lora_config(family), paradigm="hybrid")
+    _force(engine.moecc.engine, RULES[rule])
+    train_two_steps_like_hf_peft(reference, engine)
     metrics = engine.moecc.engine.metrics_since_reset()
     if rule == "all_cpu":
         assert metrics["gpu_pairs"] == 0 and metrics["cpu_pairs"] > 0
