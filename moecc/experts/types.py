@@ -61,6 +61,16 @@ class ExpertWeights:
     # advance a tensor's version counter.
     cache_owner: object | None = None
     revision: tuple = ()
+    # Frozen weights held in a quantized format (``moecc.experts.formats.QuantizedMatrices``, in the kernels'
+    # orientation [E, N out, K in] whatever ``transposed`` says); ``gate_up`` / ``down`` are then placeholders that
+    # keep the model's shapes and dtype but hold no values (one copy in host memory: the quantized one).
+    gate_up_q: object | None = None
+    down_q: object | None = None
+
+    @property
+    def format(self) -> str:
+        """``"int8"``, ``"int4"``, ``"fp8"``, ``"mxfp4"``, or the dtype's name (``"bfloat16"``) when not quantized."""
+        return self.gate_up_q.format if self.gate_up_q is not None else str(self.gate_up.dtype).removeprefix("torch.")
 
     @property
     def num_experts(self) -> int:
