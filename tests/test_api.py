@@ -1,4 +1,5 @@
-"""Whole-model parity of moecc.prepare against the unmodified Hugging Face model + PEFT."""
+"""Whole-model parity of moecc.prepare against the unmodified Hugging Face model + PEFT (float32: each measured
+against the same model run in float64, parity.assert_as_accurate)."""
 from __future__ import annotations
 
 import json
@@ -13,11 +14,17 @@ import moecc
 from moecc.tiny_models import tiny_model
 
 from .parity import (
+    FLOAT32_FACTOR,
     TOLERANCE,
+    TRAINED_FACTOR,
+    assert_as_accurate,
+    assert_grads_as_accurate,
     assert_grads_match,
     batches,
     build_pair,
+    float64_twin,
     forward_backward_both,
+    forward_backward_exact,
     lora_config,
     randomize_lora,
     rel_err,
@@ -39,28 +46,39 @@ def _train(model, data, lr=0.05):
     return losses
 
 
+def _assert_parity(actual, hf, exact, dtype, what, factor=FLOAT32_FACTOR):
+    """float32: moecc as accurate as HF + PEFT against the float64 ``exact`` (parity.assert_as_accurate); bf16 and
+    fp16, which the reference backend rounds as HF + PEFT does: within TOLERANCE of HF + PEFT."""
+    if dtype == torch.float32:
+        assert_as_accurate(actual, hf, exact, what, factor=factor)
+    else:
+        assert rel_err(actual, hf) <= TOLERANCE[dtype], what
+
+
 @pytest.mark.parametrize("paradigm", ["cocompute", "offload"])
 @pytest.mark.parametrize("dtype", DTYPES + [torch.float16], ids=str)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_forward_and_grads_match_hf_peft(family, dtype, paradigm):
     reference, engine = build_pair(family, dtype, lora_config(family), paradigm=paradigm)
+    models = {"hf": reference, "moecc": engine}
+    if dtype == torch.float32:
+        models["exact"] = float64_twin(reference)
     (ids, mask, labels), = batches(reference.config.vocab_size, 1, pad=True)
-    out_ref = reference(input_ids=ids, attention_mask=mask, labels=labels)
-    out_eng = engine(input_ids=ids, attention_mask=mask, labels=labels)
-    tol = TOLERANCE[dtype]
-    assert rel_err(out_eng.logits, out_ref.logits) <= tol
-    assert abs(out_eng.loss.item() - out_ref.loss.item()) <= tol * abs(out_ref.loss.item())
-    out_ref.loss.backward()
-    out_eng.loss.backward()
-    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
-    eng_grads = {n: p.grad for n, p in engine.named_parameters() if p.requires_grad}
-    assert ref_grads.keys() == eng_grads.keys()
-    assert any("experts" in n for n in eng_grads) and any("attn" in n for n in eng_grads)
-    grad_tol = TOLERANCE[dtype]
-    for name, grad in ref_grads.items():
-        assert eng_grads[name] is not None, name
-        assert eng_grads[name].device.type == "cpu"
-        assert rel_err(eng_grads[name], grad) <= grad_tol, name
+    outs = {key: model(input_ids=ids, attention_mask=mask, labels=labels) for key, model in models.items()}
+    for out in outs.values():
+        out.loss.backward()
+    grads = {key: {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+             for key, model in models.items()}
+    exact_out, exact_grads = outs.get("exact"), grads.get("exact", {})
+    for field in ("logits", "loss"):
+        _assert_parity(getattr(outs["moecc"], field), getattr(outs["hf"], field),
+                       None if exact_out is None else getattr(exact_out, field), dtype, field)
+    assert grads["hf"].keys() == grads["moecc"].keys()
+    assert any("experts" in n for n in grads["moecc"]) and any("attn" in n for n in grads["moecc"])
+    for name, grad in grads["hf"].items():
+        assert grads["moecc"][name] is not None, name
+        assert grads["moecc"][name].device.type == "cpu"
+        _assert_parity(grads["moecc"][name], grad, exact_grads.get(name), dtype, name)
 
 
 @pytest.mark.parametrize("paradigm", ["cocompute", "offload"])
@@ -71,25 +89,31 @@ def test_sgd_steps_then_saved_adapters_match(family, dtype, paradigm, tmp_path):
     # PEFT's default init (B = 0): in bf16 the first updates of a zero B are dominated by rounding (HF + PEFT in
     # bf16 differs from itself in float32 by >20% there), so this only passes if bf16 rounds like HF + PEFT.
     reference, engine = build_pair(family, dtype, config, seed=1, random_lora=False, paradigm=paradigm)
+    models = {"hf": reference, "moecc": engine}
+    if dtype == torch.float32:
+        models["exact"] = float64_twin(reference)
     data = batches(reference.config.vocab_size, 4, seed=3)
-    losses_ref = _train(reference, data)
-    losses_eng = _train(engine, data)
-    tol = TOLERANCE[dtype]
-    for a, b in zip(losses_eng, losses_ref):
-        assert abs(a - b) <= tol * abs(b)
-    reference.save_pretrained(tmp_path / "ref")
-    engine.save_pretrained(tmp_path / "moecc")
-    saved_ref = load_file(tmp_path / "ref" / "adapter_model.safetensors")
-    saved_eng = load_file(tmp_path / "moecc" / "adapter_model.safetensors")
-    assert saved_ref.keys() == saved_eng.keys()
-    assert any(k.endswith("mlp.experts.base_layer.lora_A.weight") for k in saved_eng)
-    assert any(k.endswith("mlp.experts.lora_B.weight") for k in saved_eng)
+    losses = {key: _train(model, data) for key, model in models.items()}
+    for step in range(len(data)):
+        exact_loss = losses["exact"][step] if "exact" in losses else None
+        _assert_parity(losses["moecc"][step], losses["hf"][step], exact_loss, dtype, f"loss of step {step}",
+                       factor=TRAINED_FACTOR)
+    saved = {}
+    for key, model in models.items():
+        model.save_pretrained(tmp_path / key)
+        saved[key] = load_file(tmp_path / key / "adapter_model.safetensors")
+    assert saved["hf"].keys() == saved["moecc"].keys()
+    assert any(k.endswith("mlp.experts.base_layer.lora_A.weight") for k in saved["moecc"])
+    assert any(k.endswith("mlp.experts.lora_B.weight") for k in saved["moecc"])
     # The trained adapters carry that rounding through four updates of a zero B: gpt-oss in bf16 reached 3.0% on
     # an AVX2-only Zen 3 (torch's bf16 kernels without AVX-512 round elsewhere; under 2% on AVX-512 CPUs), so bf16
     # adapters get twice the losses' tolerance.
-    adapter_tol = tol * (2.0 if dtype == torch.bfloat16 else 1.0)
-    for key, value in saved_ref.items():
-        assert rel_err(saved_eng[key], value) <= adapter_tol, key
+    for key, value in saved["hf"].items():
+        if dtype == torch.bfloat16:
+            assert rel_err(saved["moecc"][key], value) <= 2 * TOLERANCE[dtype], key
+        else:
+            _assert_parity(saved["moecc"][key], value, saved.get("exact", {}).get(key), dtype, key,
+                           factor=TRAINED_FACTOR)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -103,10 +127,12 @@ def test_saved_adapter_reloads_in_peft_and_moecc(family, tmp_path):
         expected = engine(input_ids=ids, attention_mask=mask).logits
 
     plain = PeftModel.from_pretrained(tiny_model(family, seed=2), tmp_path)
+    exact = float64_twin(plain)
     reloaded = moecc.prepare(tiny_model(family, seed=2), adapter=tmp_path, device="cpu")
     with torch.no_grad():
-        assert rel_err(plain(input_ids=ids, attention_mask=mask).logits, expected) <= 1e-5
-        assert rel_err(reloaded(input_ids=ids, attention_mask=mask).logits, expected) <= 1e-5
+        hf, want = (model(input_ids=ids, attention_mask=mask).logits for model in (plain, exact))
+        assert_as_accurate(expected, hf, want, "trained in moecc")  # what plain PEFT loaded is what moecc saved
+        assert_as_accurate(reloaded(input_ids=ids, attention_mask=mask).logits, hf, want, "reloaded in moecc")
     assert any(p.requires_grad for n, p in reloaded.named_parameters() if "experts" in n)
 
 
@@ -114,6 +140,7 @@ def test_saved_adapter_reloads_in_peft_and_moecc(family, tmp_path):
 def test_router_receives_routing_weight_gradient(family):
     """Every router gets HF + PEFT's gradient, and that gradient predicts the loss change when it is perturbed."""
     reference, engine = build_pair(family, torch.float32, lora_config(family), seed=5)
+    exact = float64_twin(reference)
     (ids, mask, labels), = batches(engine.config.vocab_size, 1, seed=6)
 
     def loss64(model):  # float64 cross-entropy, so a small perturbation is far above rounding
@@ -121,20 +148,20 @@ def test_router_receives_routing_weight_gradient(family):
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
 
     routers = {}
-    for model in (reference, engine):
+    for model in (reference, engine, exact):
         for name, param in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 param.requires_grad_(True)
                 routers.setdefault(name, []).append(param)
     assert routers
-    loss64(reference).backward()
-    loss64(engine).backward()
-    for name, (ref_param, eng_param) in routers.items():
+    for model in (reference, engine, exact):
+        loss64(model).backward()
+    for name, (ref_param, eng_param, exact_param) in routers.items():
         assert ref_param.grad.abs().sum() > 0
-        assert rel_err(eng_param.grad, ref_param.grad) <= 1e-4, name
+        assert_as_accurate(eng_param.grad, ref_param.grad, exact_param.grad, name)
 
     eps = 1e-3  # small enough that no token changes its experts
-    for name, (_, router) in routers.items():
+    for name, (_, router, _) in routers.items():
         direction = router.grad / router.grad.norm()
         with torch.no_grad():
             router.add_(eps * direction)
@@ -159,8 +186,13 @@ def test_parity_holds_for_other_routing_settings(family, overrides, dtype):
     config = lora_config(family, rank=3, alpha=5, use_rslora=True)
     reference, engine = build_pair(family, dtype, config, seed=7, **overrides)
     batch, = batches(engine.config.vocab_size, 1, batch=3, seq=7, seed=8, pad=True)
-    forward_backward_both(reference, engine, batch, TOLERANCE[dtype])
-    assert_grads_match(reference, engine, TOLERANCE[dtype])
+    if dtype == torch.float32:
+        exact = float64_twin(reference)
+        forward_backward_exact(reference, engine, exact, batch)
+        assert_grads_as_accurate(reference, engine, exact)
+    else:
+        forward_backward_both(reference, engine, batch, TOLERANCE[dtype])
+        assert_grads_match(reference, engine, TOLERANCE[dtype])
 
 
 def test_experts_only_lora_and_attention_only_lora():
@@ -169,9 +201,10 @@ def test_experts_only_lora_and_attention_only_lora():
         for key, value in kwargs.items():
             setattr(config, key, value)
         reference, engine = build_pair("qwen2_moe", torch.float32, config, seed=3)
+        exact = float64_twin(reference)
         batch, = batches(engine.config.vocab_size, 1, seed=2)
-        forward_backward_both(reference, engine, batch, 1e-4)
-        assert_grads_match(reference, engine, 1e-4)
+        forward_backward_exact(reference, engine, exact, batch)
+        assert_grads_as_accurate(reference, engine, exact)
 
 
 def test_experts_stay_in_host_memory_across_device_moves():
@@ -192,13 +225,14 @@ def test_cuda_device_matches_cpu_reference(family):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     reference, engine = build_pair(family, torch.float32, lora_config(family), seed=4, device="cuda")
+    exact = float64_twin(reference)
     torch.backends.cuda.matmul.allow_tf32 = False
     batch, = batches(engine.config.vocab_size, 1, seed=1, pad=True)
-    forward_backward_both(reference, engine, batch, 1e-4, device="cuda")
+    forward_backward_exact(reference, engine, exact, batch, device="cuda")
     for name, q in engine.named_parameters():
         if q.requires_grad:
             assert q.device.type == ("cpu" if ".experts." in name else "cuda"), name
-    assert_grads_match(reference, engine, 1e-4)
+    assert_grads_as_accurate(reference, engine, exact)
     assert engine.moecc.engine.staging.pinned
 
 
@@ -214,23 +248,30 @@ def test_peft_adapter_state_is_followed(paradigm, device, lora_place):
     torch.backends.cuda.matmul.allow_tf32 = False
     reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), seed=3, device=device,
                                    paradigm=paradigm, moecc_options={"offload_lora": lora_place})
+    exact = float64_twin(reference)  # on the CPU
     (ids, _, labels), = batches(engine.config.vocab_size, 1, seed=5)
     ids, labels = ids.to(device), labels.to(device)
     reference.to(device)
+
+    def assert_logits_as_accurate(state):
+        assert_as_accurate(engine(input_ids=ids).logits, reference(input_ids=ids).logits,
+                           exact(input_ids=ids.cpu()).logits, state)
+
     with torch.no_grad():
-        with reference.disable_adapter(), engine.disable_adapter():
-            assert rel_err(engine(input_ids=ids).logits, reference(input_ids=ids).logits) <= 1e-5
-        for model in (reference, engine):
+        with reference.disable_adapter(), engine.disable_adapter(), exact.disable_adapter():
+            assert_logits_as_accurate("adapter disabled")
+        for model in (reference, engine, exact):
             model.add_adapter("second", lora_config("qwen3_moe"))
         randomize_lora(reference, 11)
         engine.load_state_dict(reference.state_dict())
-        for model in (reference, engine):
+        exact.load_state_dict(reference.state_dict())
+        for model in (reference, engine, exact):
             model.set_adapter("second")
-        assert rel_err(engine(input_ids=ids).logits, reference(input_ids=ids).logits) <= 1e-5
-        for model in (reference, engine):
+        assert_logits_as_accurate("second adapter")
+        for model in (reference, engine, exact):
             model.merge_adapter()
-        assert rel_err(engine(input_ids=ids).logits, reference(input_ids=ids).logits) <= 1e-5
-        for model in (reference, engine):
+        assert_logits_as_accurate("merged")
+        for model in (reference, engine, exact):
             model.unmerge_adapter()
     engine(input_ids=ids, labels=labels).loss.backward()
     second = [n for n, p in engine.named_parameters() if ".experts." in n and ".second." in n and p.grad is not None]
@@ -245,11 +286,13 @@ def test_merge_and_unload_gives_the_merged_hf_model():
     """PEFT's merge_and_unload through moecc's merge counting (lora.track_merges) returns the plain model with
     the adapter folded in, as HF + PEFT's does."""
     reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"))
+    exact = float64_twin(reference)
     (ids, _, _), = batches(engine.config.vocab_size, 1, seed=1)
     with torch.no_grad():
-        merged_reference, merged_engine = reference.merge_and_unload(), engine.merge_and_unload()
-        assert not isinstance(merged_engine, PeftModel)
-        assert rel_err(merged_engine(input_ids=ids).logits, merged_reference(input_ids=ids).logits) <= 1e-5
+        merged = [model.merge_and_unload() for model in (reference, engine, exact)]
+        assert not isinstance(merged[1], PeftModel)
+        hf, moecc_logits, want = (model(input_ids=ids).logits for model in merged)
+        assert_as_accurate(moecc_logits, hf, want, "merged")
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
@@ -260,6 +303,7 @@ def test_prepare_adopts_a_peft_model_as_it_is(family):
     randomize_lora(built, seed=5)
     reference = get_peft_model(tiny_model(family, seed=4), lora_config(family))
     reference.load_state_dict(built.state_dict())
+    exact = float64_twin(reference)
     before = {n: p.detach().clone() for n, p in built.named_parameters() if "lora_" in n}
     engine = moecc.prepare(built, device="cpu")
     assert engine is built and engine.moecc.family.model_type == family
@@ -267,8 +311,8 @@ def test_prepare_adopts_a_peft_model_as_it_is(family):
     assert after.keys() == before.keys()  # no second LoRA
     assert all(torch.equal(after[n], before[n]) for n in before)
     for batch in batches(reference.config.vocab_size, 2, seed=6):
-        forward_backward_both(reference, engine, batch, TOLERANCE[torch.float32])
-    assert_grads_match(reference, engine, TOLERANCE[torch.float32])
+        forward_backward_exact(reference, engine, exact, batch)
+    assert_grads_as_accurate(reference, engine, exact)
     assert engine.moecc.engine.metrics_since_reset()["tokens"] > 0
 
 

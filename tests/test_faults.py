@@ -28,7 +28,7 @@ from moecc.adapter_files import install_atomic_save
 from moecc.lora import check_finite_gradients
 from moecc.tiny_models import tiny_model
 
-from .parity import batches, lora_config, randomize_lora
+from .parity import assert_as_accurate, batches, float64_twin, lora_config, randomize_lora
 
 FAMILY = "qwen3_moe"  # tiny: 2 layers, 8 experts, top-2, H=64, I=32
 
@@ -564,7 +564,8 @@ def test_sharded_per_expert_checkpoint_loads_with_hf_logits(saved):
     model = moecc.from_pretrained(saved["checkpoint"], device="cpu", dtype=torch.float32).eval()
     hf = AutoModelForCausalLM.from_pretrained(saved["checkpoint"], dtype=torch.float32).eval()
     with torch.no_grad():
-        assert torch.allclose(model(input_ids=BATCH[0]).logits, hf(input_ids=BATCH[0]).logits, atol=1e-6)
+        logits = [m(input_ids=BATCH[0]).logits for m in (model, hf, float64_twin(hf))]
+        assert_as_accurate(*logits, "logits")
 
 
 # --- correct results: failed and interrupted steps leave the model as usable as before --------------------------

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 import moecc
 from moecc.tiny_models import tiny_model
 
-from .parity import batches, rel_err
+from .parity import assert_as_accurate, batches, float64_twin
 
 
 @pytest.mark.parametrize("family,overrides", [
@@ -27,11 +27,12 @@ def test_sharded_checkpoint_loads_with_hf_logits(family, overrides, tmp_path):
 
     model = moecc.from_pretrained(tmp_path, device="cpu", dtype=torch.float32)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    exact = float64_twin(hf)
     (ids, mask, _), = batches(hf.config.vocab_size, 1, seed=2)
     model.eval()
     with torch.no_grad():
-        assert rel_err(model(input_ids=ids, attention_mask=mask).logits,
-                       hf(input_ids=ids, attention_mask=mask).logits) <= 1e-6
+        logits = [m(input_ids=ids, attention_mask=mask).logits for m in (model, hf, exact)]
+        assert_as_accurate(*logits, "logits")
     assert model.moecc.expert_bytes > 0
     assert all(p.device.type == "cpu" for n, p in model.named_parameters() if ".experts." in n)
 

@@ -6,30 +6,34 @@ import torch
 
 from moecc.losses import chunked_causal_lm_loss
 
-from .parity import assert_grads_match, batches, build_pair, lora_config, rel_err
+from .parity import (assert_as_accurate, assert_grads_as_accurate, assert_grads_match, batches, build_pair,
+                     float64_twin, lora_config, rel_err)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
 @pytest.mark.parametrize("chunk_tokens", [1, 7, 4096])
 def test_matches_model_loss_and_gradients(family, chunk_tokens):
     reference, engine = build_pair(family, torch.float32, lora_config(family))
+    exact = float64_twin(reference)
     (ids, mask, labels), = batches(reference.config.vocab_size, 1, batch=2, seq=12, seed=3, pad=True)
-    expected = reference(input_ids=ids, attention_mask=mask, labels=labels).loss
-    expected.backward()
+    expected, exact_loss = (model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                            for model in (reference, exact))
     actual = chunked_causal_lm_loss(engine, ids, labels, attention_mask=mask, chunk_tokens=chunk_tokens)
-    actual.backward()
-    assert rel_err(actual, expected) <= 1e-5
-    assert_grads_match(reference, engine, 1e-4)
+    for loss in (expected, exact_loss, actual):
+        loss.backward()
+    assert_as_accurate(actual, expected, exact_loss, "loss")
+    assert_grads_as_accurate(reference, engine, exact)
 
 
 def test_plain_peft_model_and_no_grad():
     reference, _ = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"))
+    exact = float64_twin(reference)
     (ids, _, labels), = batches(reference.config.vocab_size, 1, seed=5)
     with torch.no_grad():
-        expected = reference(input_ids=ids, labels=labels).loss
+        expected, exact_loss = (model(input_ids=ids, labels=labels).loss for model in (reference, exact))
         actual = chunked_causal_lm_loss(reference, ids, labels, chunk_tokens=5)
     assert not actual.requires_grad
-    assert rel_err(actual, expected) <= 1e-5
+    assert_as_accurate(actual, expected, exact_loss, "loss")
 
 
 def test_only_ignored_labels_give_zero_not_nan():

@@ -1,5 +1,6 @@
 """TRL's trainers on moecc models: SFT (a prepared model, or peft_config + MoeccCallback; packing), DPO and GRPO
-(generation on the moecc model) give plain PEFT's losses on the same data (float32), checkpoint and resume exactly."""
+(generation on the moecc model) give plain PEFT's losses on the same data (float32: each measured against the same
+run in float64), checkpoint and resume exactly."""
 from __future__ import annotations
 
 import json
@@ -17,12 +18,13 @@ import moecc  # noqa: E402
 from moecc.integrations import MoeccCallback  # noqa: E402
 from moecc.tiny_models import tiny_model  # noqa: E402
 
-from ..parity import lora_config, rel_err  # noqa: E402
+from ..parity import TRAINED_FACTOR, assert_as_accurate, float64_twin, lora_config  # noqa: E402
 from .test_trainer import StopAfter  # noqa: E402
 
 FAMILY = "qwen2_moe"
+# bf16=False: TRL's configs default to bf16 autocast, which would run the float32 (and float64) models in bf16
 COMMON = dict(per_device_train_batch_size=4, learning_rate=5e-3, logging_steps=1, report_to=[], use_cpu=True,
-              save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0)
+              save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0, bf16=False)
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
@@ -47,8 +49,10 @@ def preferences() -> Dataset:
                               "rejected": [r[2] for r in rows]})
 
 
-def _base():
-    return tiny_model(FAMILY, seed=1)
+def _base(exact: bool = False):
+    """The tiny model; ``exact``: in float64, the run that float32's (plain PEFT's and moecc's) approximate."""
+    model = tiny_model(FAMILY, seed=1)
+    return float64_twin(model) if exact else model
 
 
 def _losses(trainer) -> dict[int, float]:
@@ -59,16 +63,16 @@ def _trainable(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _assert_same_run(moecc_trainer, plain_trainer, tol: float = 1e-4, param_tol: float = 1e-3) -> None:
-    """Same logged losses; same trained LoRA to ``param_tol`` (AdamW's first steps divide by the gradient's own
-    size, so float32 rounding in near-zero gradients shows up ~10x larger in the parameters than in the loss)."""
-    got, expected = _losses(moecc_trainer), _losses(plain_trainer)
-    assert got.keys() == expected.keys() and got
+def _assert_same_run(moecc_trainer, plain_trainer, exact_trainer) -> None:
+    """moecc's logged losses and trained LoRA are as close to the float64 run's as plain PEFT's are
+    (parity.assert_as_accurate, with its bound for trained results)."""
+    got, expected, exact = (_losses(t) for t in (moecc_trainer, plain_trainer, exact_trainer))
+    assert got.keys() == expected.keys() == exact.keys() and got
     for step, loss in expected.items():
-        assert got[step] == pytest.approx(loss, rel=tol, abs=1e-6), step
-    plain = _trainable(plain_trainer.model)
+        assert_as_accurate(got[step], loss, exact[step], f"loss of step {step}", factor=TRAINED_FACTOR)
+    plain, exact = _trainable(plain_trainer.model), _trainable(exact_trainer.model)
     for name, param in _trainable(moecc_trainer.model).items():
-        assert rel_err(param, plain[name]) <= param_tol, name
+        assert_as_accurate(param, plain[name], exact[name], name, factor=TRAINED_FACTOR)
 
 
 
@@ -85,6 +89,8 @@ def test_sft_peft_config_route_trains_the_experts_through_moecc(tmp_path):
     config = lora_config(FAMILY)
     plain = _sft(tmp_path, "plain", peft_config=config)
     plain.train()
+    exact = _sft(tmp_path, "exact", peft_config=lora_config(FAMILY), model=_base(exact=True))
+    exact.train()
     engine = _sft(tmp_path, "moecc", peft_config=lora_config(FAMILY), callbacks=[MoeccCallback()])
     model = engine.model
     assert model.moecc.paradigm == "cocompute" and len(model.moecc.layers) == 2  # prepared at __init__
@@ -98,18 +104,20 @@ def test_sft_peft_config_route_trains_the_experts_through_moecc(tmp_path):
             assert param.device.type == "cpu", name  # base experts in host memory
     assert sum("lora_A" in n for n, _ in model.named_parameters()) == \
         sum("lora_A" in n for n, _ in plain.model.named_parameters())
-    _assert_same_run(engine, plain)
+    _assert_same_run(engine, plain, exact)
 
 
 def test_sft_prepared_model_with_packing_matches_plain_peft(tmp_path):
     engine_model = moecc.prepare(_base(), lora_config=lora_config(FAMILY), device="cpu")
     plain_model = get_peft_model(_base(), lora_config(FAMILY))
     plain_model.load_state_dict(engine_model.state_dict())
+    exact = _sft(tmp_path, "exact", model=float64_twin(plain_model), packing=True)
+    exact.train()
     plain = _sft(tmp_path, "plain", model=plain_model, packing=True)
     plain.train()
     engine = _sft(tmp_path, "moecc", model=engine_model, callbacks=[MoeccCallback()], packing=True)
     engine.train()
-    _assert_same_run(engine, plain)
+    _assert_same_run(engine, plain, exact)
 
 
 def test_sft_checkpoint_carries_settings_and_resumes_exactly(tmp_path):
@@ -136,18 +144,15 @@ def test_sft_checkpoint_carries_settings_and_resumes_exactly(tmp_path):
 
 def test_dpo_matches_plain_peft(tmp_path):
     runs = {}
-    for name, callbacks in (("plain", []), ("moecc", [MoeccCallback()])):
+    for name, callbacks in (("plain", []), ("moecc", [MoeccCallback()]), ("exact", [])):
         args = trl.DPOConfig(output_dir=str(tmp_path / name), max_steps=2, max_length=24, **COMMON)
         torch.manual_seed(0)
-        runs[name] = trl.DPOTrainer(model=_base(), args=args, train_dataset=preferences(),
+        runs[name] = trl.DPOTrainer(model=_base(exact=name == "exact"), args=args, train_dataset=preferences(),
                                     processing_class=char_tokenizer(), peft_config=lora_config(FAMILY),
                                     callbacks=callbacks)
         runs[name].train()
     assert hasattr(runs["moecc"].model, "moecc")
-    # DPO's first step leaves the zero-initialised lora_B barely off zero, so the attention lora_A gradients of
-    # the second are near zero in places and AdamW turns their float32 rounding into whole steps of lr: 3.1e-3
-    # on an AVX2-only Zen 3 (torch's float32 kernels there sum in another order), under 1e-3 on AVX-512 CPUs.
-    _assert_same_run(runs["moecc"], runs["plain"], param_tol=5e-3)
+    _assert_same_run(runs["moecc"], runs["plain"], runs["exact"])
 
 
 def _reward_length(completions, **kwargs) -> list[float]:
@@ -158,14 +163,14 @@ def test_grpo_generates_on_the_moecc_model(tmp_path):
     """Small: 2 prompts x 2 generations of 4 tokens per step, 2 steps; generation runs through moecc's engine."""
     prompts = Dataset.from_dict({"prompt": [f"{a}+{a}=" for a in range(8)]})
     runs = {}
-    for name, callbacks in (("plain", []), ("moecc", [MoeccCallback()])):
+    for name, callbacks in (("plain", []), ("moecc", [MoeccCallback()]), ("exact", [])):
         args = trl.GRPOConfig(output_dir=str(tmp_path / name), max_steps=2, num_generations=2,
                               max_completion_length=4, **{**COMMON, "per_device_train_batch_size": 4})
         torch.manual_seed(0)
-        runs[name] = trl.GRPOTrainer(model=_base(), reward_funcs=_reward_length, args=args, train_dataset=prompts,
-                                     processing_class=char_tokenizer(), peft_config=lora_config(FAMILY),
-                                     callbacks=callbacks)
+        runs[name] = trl.GRPOTrainer(model=_base(exact=name == "exact"), reward_funcs=_reward_length, args=args,
+                                     train_dataset=prompts, processing_class=char_tokenizer(),
+                                     peft_config=lora_config(FAMILY), callbacks=callbacks)
         runs[name].train()
     engine = runs["moecc"].model.moecc.engine
     assert engine.forward_passes > 2 * 4  # a pass per generated token besides training's
-    _assert_same_run(runs["moecc"], runs["plain"])
+    _assert_same_run(runs["moecc"], runs["plain"], runs["exact"])

@@ -18,7 +18,9 @@ import moecc
 from moecc.experts.native import NativeExperts
 from moecc.tiny_models import tiny_model
 
-from ..parity import batches, lora_config, randomize_lora, rel_err
+from ..parity import assert_as_accurate, batches, lora_config, randomize_lora
+
+BF16 = dict(factor=2.0, floor=2e-3)  # assert_as_accurate's bound in bf16
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v2", "mixtral", "olmoe"]
 
@@ -44,11 +46,10 @@ def test_default_engine_is_as_accurate_as_hf_peft_in_bf16(family):
     logits_exact, grads_exact = _loss_and_grads(exact, ids, mask, labels)
     logits_hf, grads_hf = _loss_and_grads(hf_bf16, ids, mask, labels)
     logits_eng, grads_eng = _loss_and_grads(engine, ids, mask, labels)
-    assert rel_err(logits_eng, logits_exact) <= 2 * rel_err(logits_hf, logits_exact) + 2e-3
+    assert_as_accurate(logits_eng, logits_hf, logits_exact, "logits", **BF16)
     assert grads_eng.keys() == grads_hf.keys()
     for name, exact_grad in grads_exact.items():
-        hf_error = rel_err(grads_hf[name], exact_grad)
-        assert rel_err(grads_eng[name], exact_grad) <= 2 * hf_error + 2e-3, (name, hf_error)
+        assert_as_accurate(grads_eng[name], grads_hf[name], exact_grad, name, **BF16)
 
 
 def test_default_engine_trains_like_hf_peft_in_bf16():
@@ -76,4 +77,4 @@ def test_default_engine_trains_like_hf_peft_in_bf16():
     trained = zip(exact.named_parameters(), hf_bf16.parameters(), engine.parameters())
     for (name, p_exact), p_hf, p_eng in trained:
         if p_exact.requires_grad:
-            assert rel_err(p_eng, p_exact) <= 2 * rel_err(p_hf, p_exact) + 2e-3, name
+            assert_as_accurate(p_eng, p_hf, p_exact, name, **BF16)
