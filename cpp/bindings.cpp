@@ -61,8 +61,31 @@ void bind_kernel_arguments(py::module_& m) {
       .def_readwrite("tokens", &ExpertShapes::tokens)
       .def_readwrite("top_k", &ExpertShapes::top_k);
 
-  py::class_<ExpertMatrices> matrices(m, "ExpertMatrices", "The experts' bf16 weights (and packed copies).");
-  matrices.def(py::init<>());
+  py::class_<QuantizedWeights> quantized(m, "QuantizedWeights",
+                                         "One projection's experts in a quantized format (dequantize.h).");
+  quantized.def(py::init<>())
+      .def_property(
+          "format", [](const QuantizedWeights& self) { return static_cast<int>(self.format); },
+          [](QuantizedWeights& self, int format) {
+            if (format < 0 || format > 4) {
+              throw std::invalid_argument("weight format " + std::to_string(format) +
+                                          " is none of 0 bf16, 1 int8, 2 int4, 3 fp8, 4 mxfp4");
+            }
+            self.format = static_cast<WeightFormat>(format);
+          })
+      .def_readwrite("rows", &QuantizedWeights::rows)
+      .def_readwrite("cols", &QuantizedWeights::cols)
+      .def_readwrite("group", &QuantizedWeights::group)
+      .def_readwrite("data_stride", &QuantizedWeights::data_stride)
+      .def_readwrite("scale_stride", &QuantizedWeights::scale_stride);
+  address(quantized, "data", &QuantizedWeights::data);
+  address(quantized, "scales", &QuantizedWeights::scales);
+
+  py::class_<ExpertMatrices> matrices(m, "ExpertMatrices",
+                                      "The experts' bf16 weights (and packed copies) or quantized copies.");
+  matrices.def(py::init<>())
+      .def_readwrite("quantized_gate_up", &ExpertMatrices::quantized_gate_up)
+      .def_readwrite("quantized_down", &ExpertMatrices::quantized_down);
   address(matrices, "gate_up", &ExpertMatrices::gate_up);
   address(matrices, "down", &ExpertMatrices::down);
   address(matrices, "packed_gate_up", &ExpertMatrices::packed_gate_up);

@@ -9,6 +9,7 @@
 
 #include "kernels/amx_self_check.h"
 #include "kernels/bf16_rounding.h"
+#include "kernels/dequantize.h"
 #include "kernels/lora_products.h"
 #include "kernels/vector16.h"
 #include "pool/thread_pool.h"
@@ -98,6 +99,18 @@ void lora_rows_test(const std::string& op, std::uintptr_t coef_address, int64_t 
   }
 }
 
+// Rows [r0, r1) x columns [k0, k1) of one expert of `weights` dequantized into dst (bf16, row-major) as the product
+// tasks do; a test of each format against moecc/experts/formats.py.
+void dequantize_block_test(const moecc::kernels::QuantizedWeights& weights, int64_t experts, int64_t expert,
+                           int64_t r0, int64_t r1, int64_t k0, int64_t k1, std::uintptr_t dst_address) {
+  moecc::kernels::check_quantized(weights, "testing.dequantize_block", experts, weights.rows, weights.cols);
+  if (expert < 0 || expert >= experts || r0 < 0 || r0 > r1 || r1 > weights.rows || k0 < 0 || k0 > k1 ||
+      k1 > weights.cols) {
+    throw std::invalid_argument("testing.dequantize_block: expert or block out of range");
+  }
+  moecc::kernels::dequantize_block(weights, expert, r0, r1, k0, k1, as_pointer<uint16_t>(dst_address));
+}
+
 }  // namespace
 
 void bind_testing(py::module_& testing) {
@@ -111,6 +124,10 @@ void bind_testing(py::module_& testing) {
               py::arg("factors"), py::arg("ld"), py::arg("rank"), py::arg("n"), py::arg("rows"), py::arg("rows_ld"),
               py::arg("out"), py::arg("out_ld"), py::arg("count"), py::arg("grouped"),
               "The grouped-row LoRA terms (lora_products.h), one call a row or all rows in one call.");
+  testing.def("dequantize_block", &dequantize_block_test, py::arg("weights"), py::arg("experts"), py::arg("expert"),
+              py::arg("r0"), py::arg("r1"), py::arg("k0"), py::arg("k1"), py::arg("dst"),
+              py::call_guard<py::gil_scoped_release>(),
+              "A block of one expert's quantized matrix in bf16, as the product tasks dequantize it (dequantize.h).");
   testing.def("reset_amx_self_check", &moecc::kernels::reset_amx_self_check, py::arg("fault"),
               "Forgets the AMX self-check's result and injects `fault` (0 none, 1 readback, 2 product) next time.");
 }

@@ -216,6 +216,17 @@ def pack_rows(isa: str, matrix: torch.Tensor, p0: int, p1: int) -> torch.Tensor:
     return packed
 
 
+def dequantize_block_test(quantized, expert: int, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+    """Test hook: rows ``[r0, r1)`` x columns ``[k0, k1)`` of expert ``expert`` of ``quantized`` (a
+    ``QuantizedMatrices``) in bf16, as the product tasks dequantize the slices they pack."""
+    described = _quantized_weights("quantized matrices", quantized, tuple(quantized.shape))
+    (r0, r1), (k0, k1) = rows, cols
+    out = torch.full((max(r1 - r0, 0), max(k1 - k0, 0)), float("nan"), dtype=torch.bfloat16)
+    _C.testing.dequantize_block(described, quantized.shape[0], int(expert), int(r0), int(r1), int(k0), int(k1),
+                                out.data_ptr())
+    return out
+
+
 def _address(tensor: torch.Tensor | None, name: str, dtype: torch.dtype, numel: int) -> int:
     """The address of a tensor the kernels read or write, after checking it is what they expect."""
     if tensor is None:  # the kernels would read through a null pointer
@@ -259,20 +270,82 @@ def _inner_args(lora_inner: tuple | None, gate_up_lora: tuple | None, down_lora:
     return args
 
 
-def _matrices(weights: tuple[torch.Tensor, torch.Tensor], experts: int, hidden: int, inter: int,
+# The quantized formats' values in the kernels (cpp/kernels/dequantize.h, WeightFormat); 0 is bf16.
+WEIGHT_FORMATS = {"int8": 1, "int4": 2, "fp8": 3, "mxfp4": 4}
+
+
+def _group_fits(format: str, k: int, group: int) -> bool:
+    """Whether ``format`` matrices with ``k`` inputs take scale groups of ``group`` (moecc/experts/formats.py)."""
+    if format == "int8":
+        return group == k
+    if format == "int4":
+        return group in (32, 64, 128) and k % group == 0
+    if format == "fp8":
+        return group == 128
+    return group == 32 and k % 32 == 0  # mxfp4
+
+
+def _quantized_layout(format: str, shape: tuple[int, int, int], group: int) -> tuple:
+    """``(codes dtype, codes shape, scales dtype, scales shape)`` of matrices ``shape`` ``(E, N, K)`` in ``format``
+    with scale groups of ``group`` (moecc/experts/formats.py)."""
+    e, n, k = shape
+    if format == "int8":
+        return torch.int8, (e, n, k), torch.float32, (e, n)
+    if format == "int4":
+        return torch.uint8, (e, n, k // 2), torch.float32, (e, n, k // group)
+    if format == "fp8":
+        return torch.uint8, (e, n, k), torch.float32, (e, -(-n // group), -(-k // group))
+    return torch.uint8, (e, n, k // 2), torch.uint8, (e, n, k // group)
+
+
+def _quantized_weights(name: str, quantized, shape: tuple[int, int, int]) -> _C.QuantizedWeights:
+    """The kernels' description of ``quantized`` (a ``moecc.experts.formats.QuantizedMatrices``), after checking
+    that it holds ``shape`` ``(E, N, K)`` in its format's layout: codes and scales in host memory, contiguous, of
+    the format's dtypes and shapes, the scales aligned to their dtype."""
+    format, group = quantized.format, quantized.group
+    if format not in WEIGHT_FORMATS:
+        raise ValueError(f"{name}: {format!r} is not a format the CPU kernels read; use one of "
+                         f"{', '.join(WEIGHT_FORMATS)}")
+    if tuple(quantized.shape) != shape:
+        raise ValueError(f"{name} must be {list(shape)}, got {list(quantized.shape)}")
+    if not _group_fits(format, shape[2], group):
+        raise ValueError(f"{name}: {format} matrices with K={shape[2]} take no scale group {group}")
+    codes_dtype, codes_shape, scales_dtype, scales_shape = _quantized_layout(format, shape, group)
+    for part, tensor, dtype, wanted in (("codes", quantized.data, codes_dtype, codes_shape),
+                                        ("scales", quantized.scales, scales_dtype, scales_shape)):
+        _check_host(f"{name} {part}", tensor, dtype)
+        if tuple(tensor.shape) != wanted:
+            raise ValueError(f"{name} {part} must be {list(wanted)}, got {list(tensor.shape)}")
+    if quantized.scales.data_ptr() % quantized.scales.element_size():
+        raise ValueError(f"{name} scales must be aligned to {quantized.scales.element_size()} bytes; call .clone()")
+    described = _C.QuantizedWeights()
+    described.format, described.group = WEIGHT_FORMATS[format], group
+    described.rows, described.cols = shape[1], shape[2]
+    described.data, described.scales = quantized.data.data_ptr(), quantized.scales.data_ptr()
+    described.data_stride = quantized.data[0].numel() if shape[0] else 0  # bytes: the codes are 1-byte
+    described.scale_stride = quantized.scales[0].numel() if shape[0] else 0
+    return described
+
+
+def _matrices(weights: tuple, experts: int, hidden: int, inter: int,
               packed: tuple[torch.Tensor, torch.Tensor] | None = None) -> _C.ExpertMatrices:
-    """The experts' own weights, read in place: gate_up [E, 2I, H] and down [E, H, I], bf16, contiguous; and
-    optionally their copies in the panel layout (:func:`pack_expert_weights`)."""
-    gate_up, down = weights
-    for name, tensor, shape in (("gate_up", gate_up, (experts, 2 * inter, hidden)),
-                                ("down", down, (experts, hidden, inter))):
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"expert {name} weights must be {list(shape)}, got {list(tensor.shape)}")
-        if not tensor.is_contiguous():
-            raise ValueError(f"expert {name} weights must be contiguous")
+    """The experts' own weights, read in place: gate_up [E, 2I, H] and down [E, H, I], each bf16 and contiguous or
+    a ``QuantizedMatrices`` of that shape (moecc/experts/formats.py); and optionally the bf16 weights' copies in the
+    panel layout (:func:`pack_expert_weights`)."""
     matrices = _C.ExpertMatrices()
-    matrices.gate_up = _address(gate_up, "expert gate_up weights", torch.bfloat16, gate_up.numel())
-    matrices.down = _address(down, "expert down weights", torch.bfloat16, down.numel())
+    for name, matrix, shape in (("gate_up", weights[0], (experts, 2 * inter, hidden)),
+                                ("down", weights[1], (experts, hidden, inter))):
+        if not isinstance(matrix, torch.Tensor):
+            if packed is not None:
+                raise ValueError(f"expert {name} weights are quantized ({matrix.format}): a packed bf16 copy of them "
+                                 "would hold the experts twice; pass packed=None")
+            setattr(matrices, f"quantized_{name}", _quantized_weights(f"expert {name} weights", matrix, shape))
+            continue
+        if tuple(matrix.shape) != shape:
+            raise ValueError(f"expert {name} weights must be {list(shape)}, got {list(matrix.shape)}")
+        if not matrix.is_contiguous():
+            raise ValueError(f"expert {name} weights must be contiguous")
+        setattr(matrices, name, _address(matrix, f"expert {name} weights", torch.bfloat16, matrix.numel()))
     if packed is not None:
         matrices.packed_gate_up = _address(packed[0], "packed gate_up", torch.bfloat16,
                                            experts * _C.packed_elements(2 * inter, hidden))
@@ -401,14 +474,16 @@ def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sha
                        packed: tuple[torch.Tensor, torch.Tensor] | None = None,
                        lora_inner: tuple | None = None,
                        tuning: KernelTuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Runs the CPU expert forward. ``shape = (E, H, I)``; ``hidden [T, H]`` bf16; ``routing [T*k]`` float32.
+    """Runs the CPU expert forward. ``weights = (gate_up, down)``, each bf16 or a ``QuantizedMatrices``
+    (moecc/experts/formats.py, dequantized slice by slice as the products pack them); ``shape = (E, H, I)``;
+    ``hidden [T, H]`` bf16; ``routing [T*k]`` float32.
 
     Returns ``(out [T, H], gate_up_out [T*k, 2I] bf16 in grouped order)``, written into the given tensors when
     passed (callers reuse buffers: fresh pages cost a fault each on first touch). ``out`` is float32, or bf16
     when a bf16 tensor is given (summed in float32 and rounded once, in the kernel). ``hidden_copy`` (bf16
     ``[T, H]``, optional) receives a copy of ``hidden``, made by the kernel threads as they read it. ``packed``
-    (optional, from :func:`pack_expert_weights`): the same weights in the panel layout, read by the forward
-    products instead of packing each task's slice (``MoeccConfig.prepack_weights``). ``lora_inner`` (optional,
+    (optional, from :func:`pack_expert_weights`): the same bf16 weights in the panel layout, read by the forward
+    products instead of packing each task's slice (``MoeccConfig.prepack_weights``; refused for quantized ones). ``lora_inner`` (optional,
     float32 ``([T*k, r_gu], [T*k, r_down])``, either None) receives the LoRA inner products ``x A`` and
     ``act A`` in grouped order, for :func:`expert_ffn_backward` to reuse. ``tuning``: the kernels' settings
     (None: the defaults); a value out of range raises ValueError.

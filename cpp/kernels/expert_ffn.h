@@ -1,4 +1,5 @@
-// Routed-expert SwiGLU FFN with LoRA on the CPU, forward and backward, over packed bf16 weights.
+// Routed-expert SwiGLU FFN with LoRA on the CPU, forward and backward, over packed bf16 weights (packed from the
+// model's bf16 weights or from a quantized copy, a slice at a time).
 //
 // Shapes: T tokens, k experts per token, E experts, hidden H, intermediate I. Pairs (token t, slot j) have id
 // p = t*k + j; `order` lists pair ids grouped by expert (token_grouping.h), grouped position g = index in
@@ -16,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "dequantize.h"
 #include "panel_gemm.h"
 
 namespace moecc::pool {
@@ -33,6 +35,10 @@ struct ExpertShapes {
 struct ExpertMatrices {  // the model's own bf16 weights, row-major, read in place
   const uint16_t* gate_up = nullptr;  // [E, 2I, H]
   const uint16_t* down = nullptr;     // [E, H, I]
+  // Or a projection held quantized (format other than kBf16; its bf16 pointer above is then null): each product
+  // task dequantizes the slice it packs (dequantize.h), so host memory holds the quantized copy alone.
+  QuantizedWeights quantized_gate_up;
+  QuantizedWeights quantized_down;
   // Optional copies already in the panel layout (weight_packing.h), E matrices of packed_elements(N, K) each
   // (MoeccConfig.prepack_weights, which doubles the experts' host memory): forward products read their panels
   // instead of packing their slice per task; backward always packs per task.
@@ -116,9 +122,13 @@ struct KernelTuning {
 // Throws std::invalid_argument naming the field and its value when `tuning` is out of range.
 void check_tuning(const KernelTuning& tuning);
 
+// Throws std::invalid_argument when a projection has neither bf16 weights nor a quantized copy of the layer's shape,
+// or is quantized and prepacked at once.
+void check_matrices(const ExpertShapes& shapes, const ExpertMatrices& weights);
+
 // @param isa      the product kernels (panel_gemm.h); the caller has checked that the CPU runs them.
 // @param shapes   T, k, E, H, I; T may be 0.
-// @param weights  the experts' bf16 matrices, read in place (optionally also a packed copy).
+// @param weights  the experts' bf16 matrices, read in place (optionally also a packed copy), or quantized copies.
 // @param routing  the grouping of token_grouping.h and the routing weight of each pair id.
 // @param io       token rows in and out (ForwardIo: exactly one of out / out_bf16 set).
 // @param tuning   checked with check_tuning first.

@@ -196,7 +196,7 @@ void Backward::down_input_grad() const {
             [&](const Task& task) {
     thread_local AlignedBuffer<float> dg_rows;
     float* const dg = dg_rows.get(kGroup * 2 * (task.col1 - task.col0));  // a group's d gate, d up, a row each
-    input_grad_product(gemm_, task, tuning_.block_rows, dy_bf16_, d.ld_dy, weights_.down + task.expert * d.down_size,
+    input_grad_product(gemm_, task, tuning_.block_rows, dy_bf16_, d.ld_dy, down_weight(weights_, d, task.expert),
                        d.H, d.I, tuning_.gemm, clocks, [&](const Task& rows_block, float* tile, int64_t ld) {
       for (int64_t g0 = rows_block.begin; g0 < rows_block.end; g0 += kGroup) {
         swiglu_backward_group(task, g0, std::min(kGroup, rows_block.end - g0),
@@ -280,7 +280,7 @@ void Backward::gate_up_input_grad() const {
     const int64_t width = task.col1 - task.col0;
     const float* a = lora.a ? lora.a + task.expert * lora.rank * d.H + task.col0 : nullptr;
     input_grad_product(gemm_, task, tuning_.block_rows, grad_gu_bf16_, d.ld_dgu,
-                       weights_.gate_up + task.expert * d.gu_size, 2 * d.I, d.H, tuning_.gemm, clocks,
+                       gate_up_weight(weights_, d, task.expert), 2 * d.I, d.H, tuning_.gemm, clocks,
                        [&](const Task& rows_block, float* tile, int64_t ld) {
       combine_rows(rows_block, a ? grad_inner_gu_ : nullptr, lora.rank, 1.0f, a, d.H, a ? lora.rank : 0, width, tile,
                    ld, [&](int64_t g) { return per_pair_ + routing_.order[g] * d.H + task.col0; }, stream);
@@ -393,6 +393,7 @@ void expert_ffn_backward(Isa isa, const ExpertShapes& shapes, const ExpertMatric
                          const LoraFactors& gate_up_peft, const LoraFactors& down_peft, const Routing& routing,
                          const BackwardIo& io, const KernelTuning& tuning, moecc::pool::ThreadPool& pool) {
   check_tuning(tuning);
+  check_matrices(shapes, weights);
   check_lora_grad_slots(shapes, routing, io);
   Scratch& scratch = shared_scratch();
   std::lock_guard<std::mutex> lock(scratch.mutex);

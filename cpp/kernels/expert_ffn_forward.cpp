@@ -20,6 +20,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
                         const LoraFactors& gate_up_peft, const LoraFactors& down_peft, const Routing& routing,
                         const ForwardIo& io, const KernelTuning& tuning, moecc::pool::ThreadPool& pool) {
   check_tuning(tuning);
+  check_matrices(shapes, weights);
   Scratch& scratch = shared_scratch();
   std::lock_guard<std::mutex> lock(scratch.mutex);
   PhaseClock clock(/*backward=*/false);
@@ -47,7 +48,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
   const std::vector<Task> gu_tasks = make_tasks(routing.offsets, d.E, gu_panels, tuning.panels_per_task, task_rows);
   PartClocks gu_clocks;
   run_tasks(pool, gu_tasks, [&](const Task& task) {
-    forward_product(gemm, task, block_rows, xg, d.ld_x, weights.gate_up + task.expert * d.gu_size,
+    forward_product(gemm, task, block_rows, xg, d.ld_x, gate_up_weight(weights, d, task.expert),
                     weights.packed_gate_up, 2 * d.I, d.H, gate_up_lora, inner_gu, (stream_outputs & 2) != 0,
                     tuning.gemm, gu_clocks, [&](int64_t g) { return io.gate_up_out + g * 2 * d.I; });
   });
@@ -62,7 +63,7 @@ void expert_ffn_forward(Isa isa, const ExpertShapes& shapes, const ExpertMatrice
       make_tasks(routing.offsets, d.E, down_panels, tuning.panels_per_task, task_rows);
   PartClocks down_clocks;
   run_tasks(pool, down_tasks, [&](const Task& task) {
-    forward_product(gemm, task, block_rows, act, d.ld_act, weights.down + task.expert * d.down_size,
+    forward_product(gemm, task, block_rows, act, d.ld_act, down_weight(weights, d, task.expert),
                     weights.packed_down, d.H, d.I, down_lora, inner_down, (stream_outputs & 1) != 0, tuning.gemm,
                     down_clocks, [&](int64_t g) { return per_pair + routing.order[g] * d.H; });
   });

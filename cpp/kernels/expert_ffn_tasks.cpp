@@ -1,4 +1,5 @@
-// Task lists of the routed-expert FFN (expert_ffn_tasks.h) and the check of the settings that shape them.
+// Task lists of the routed-expert FFN (expert_ffn_tasks.h), the check of the settings that shape them and of the
+// weights' descriptions.
 #include "expert_ffn_tasks.h"
 
 #include <stdexcept>
@@ -49,6 +50,26 @@ void check_tuning(const KernelTuning& tuning) {
   if (tuning.gemm.pack_prefetch_rows < 0 || tuning.gemm.pack_prefetch_rows > 4096) {
     refuse("gemm.pack_prefetch_rows must be in [0, 4096] (0: none)", tuning.gemm.pack_prefetch_rows);
   }
+}
+
+void check_matrices(const ExpertShapes& shapes, const ExpertMatrices& weights) {
+  const auto check = [&](const char* name, const uint16_t* bf16, const QuantizedWeights& quantized,
+                         const uint16_t* packed, int64_t rows, int64_t cols) {
+    if (quantized.format == WeightFormat::kBf16) {
+      if (bf16 == nullptr && shapes.experts > 0) {
+        throw std::invalid_argument(std::string(name) + " weights: neither bf16 weights nor a quantized copy given");
+      }
+      return;
+    }
+    check_quantized(quantized, name, shapes.experts, rows, cols);
+    if (packed != nullptr) {
+      throw std::invalid_argument(std::string(name) + " weights: a packed bf16 copy of quantized weights is refused "
+                                  "(it holds the experts twice); pass one or the other");
+    }
+  };
+  check("gate_up", weights.gate_up, weights.quantized_gate_up, weights.packed_gate_up, 2 * shapes.inter,
+        shapes.hidden);
+  check("down", weights.down, weights.quantized_down, weights.packed_down, shapes.hidden, shapes.inter);
 }
 
 }  // namespace moecc::kernels
