@@ -315,9 +315,9 @@ class CpuPart:
 
     # Landing ---------------------------------------------------------------------------------------------------
 
-    def collect(self, landing: Landing) -> tuple[dict[str, torch.Tensor], object]:
-        """``(views by role, the saved state or None)`` of a landing on the device, the device's stream waiting
-        for it where it can (this thread goes on: ``device_wait_events``), else this thread (``wait_s``)."""
+    def collect(self, landing: Landing) -> dict[str, torch.Tensor]:
+        """The views by role of a landing on the device, the device's stream waiting for them where it can (this
+        thread goes on: ``device_wait_events``), else this thread (``wait_s``)."""
         stream = torch.cuda.current_stream(self.device) if self.done.on_device else None
         before = timed_event(stream) if stream is not None else None
         start = time.perf_counter()
