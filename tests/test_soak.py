@@ -1,5 +1,5 @@
 """CI soak: a few hundred training steps of a tiny model per paradigm on the CPU, with host RSS, threads and open
-file handles sampled; after warm-up they stay flat (the long version on the accelerator host is
+file handles sampled; after warm-up they stay flat (the long version on a GPU machine is
 ``benchmarks/`` territory: 1,000 Qwen3-30B-A3B-shaped steps per paradigm).
 
 Each run also saves the adapter atomically every 50 steps and runs a no-grad forward every 10, so leaks in saving,
