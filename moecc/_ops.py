@@ -483,10 +483,10 @@ def expert_ffn_forward(isa: str, weights: tuple[torch.Tensor, torch.Tensor], sha
     when a bf16 tensor is given (summed in float32 and rounded once, in the kernel). ``hidden_copy`` (bf16
     ``[T, H]``, optional) receives a copy of ``hidden``, made by the kernel threads as they read it. ``packed``
     (optional, from :func:`pack_expert_weights`): the same bf16 weights in the panel layout, read by the forward
-    products instead of packing each task's slice (``MoeccConfig.prepack_weights``; refused for quantized ones). ``lora_inner`` (optional,
-    float32 ``([T*k, r_gu], [T*k, r_down])``, either None) receives the LoRA inner products ``x A`` and
-    ``act A`` in grouped order, for :func:`expert_ffn_backward` to reuse. ``tuning``: the kernels' settings
-    (None: the defaults); a value out of range raises ValueError.
+    products instead of packing each task's slice (``MoeccConfig.prepack_weights``; refused for quantized
+    weights). ``lora_inner`` (optional, float32 ``([T*k, r_gu], [T*k, r_down])``, either None) receives the LoRA
+    inner products ``x A`` and ``act A`` in grouped order, for :func:`expert_ffn_backward` to reuse. ``tuning``:
+    the kernels' settings (None: the defaults); a value out of range raises ValueError.
     """
     experts, hidden_size, inter = shape
     tokens = hidden.shape[0]

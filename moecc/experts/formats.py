@@ -119,7 +119,8 @@ def dequantize(q: QuantizedMatrices) -> torch.Tensor:
         return (values * _expand_blocks(q.scales, n, k, FP8_BLOCK)).to(torch.bfloat16)
     if q.format == "mxfp4":
         codes = _unpack_nibbles(q.data, k, signed=False).long()
-        values = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)[codes]
+        values = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32,
+                              device=codes.device)[codes]
         return (values * e8m0_to_float(q.scales).repeat_interleave(MXFP4_BLOCK, dim=2)).to(torch.bfloat16)
     raise MoeccError(f"unknown expert format {q.format!r}")
 

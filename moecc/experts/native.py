@@ -1,13 +1,16 @@
 """The native CPU expert backend: ``forward`` / ``backward`` with the same contract as
-``moecc.experts.reference``, computed by the C++ kernels on the model's own bf16 weights (each product task packs
-the slice it needs into per-thread scratch; no second copy of the experts is kept).
+``moecc.experts.reference``, computed by the C++ kernels on the model's own bf16 weights or on their quantized copy
+(``ExpertWeights.gate_up_q`` / ``down_q``: int8, int4, fp8, mxfp4): each product task packs the slice it needs
+into per-thread scratch, dequantizing it first where the weights are quantized, so no second copy of the experts
+is kept.
 
 A subset of the experts runs as a problem of its own: each of the subset's pairs becomes a token with one slot
 (its hidden row gathered, its routing weight kept), so the kernels see a complete routing of only those pairs and
 do no work for the other experts; the float32 rows are then summed into their tokens.
 
 Supports the standard layout (``gate_up [E, 2I, H]``, ``down [E, H, I]``, SwiGLU, no biases) with bf16 weights
-and activations; anything else raises ``UnsupportedModelError`` naming the reference backend as the way out.
+(or a bf16 model's quantized ones) and activations; anything else raises ``UnsupportedModelError`` naming the
+reference backend as the way out.
 Numerics: bf16 operands, float32 accumulation, LoRA computed factorised in float32 (not folded into the
 weight as PEFT does), so results agree with the reference to bf16 tolerance, not bit for bit.
 """
@@ -184,30 +187,48 @@ class NativeExperts:
 
     @staticmethod
     def supports(weights: ExpertWeights) -> bool:
-        """Whether the kernels run this layer: bf16 SwiGLU experts in the standard layout, no biases."""
+        """Whether the kernels run this layer: bf16 SwiGLU experts in the standard layout, no biases, their weights
+        bf16 or quantized in a format the kernels read."""
         return not (weights.transposed or weights.interleaved or weights.gate_up_bias is not None
                     or weights.down_bias is not None or weights.swiglu_limit is not None
-                    or weights.gate_up.dtype != torch.bfloat16 or weights.down.dtype != torch.bfloat16)
+                    or weights.gate_up.dtype != torch.bfloat16 or weights.down.dtype != torch.bfloat16
+                    or any(q is not None and q.format not in _ops.WEIGHT_FORMATS
+                           for q in (weights.gate_up_q, weights.down_q)))
 
     def returns_rows(self, weights: ExpertWeights) -> bool:
         """Whether :meth:`forward_pairs` can return rows per pair for this layer (a subset within ``rows_pay``)."""
         return self.supports(weights)
 
-    def _matrices(self, weights: ExpertWeights) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's own weight tensors, which the kernels read in place (no copy is kept)."""
+    def _matrices(self, weights: ExpertWeights) -> tuple:
+        """The layer's own weights, which the kernels read in place (no copy is kept): per projection its bf16
+        tensor, or its ``QuantizedMatrices`` where it is quantized (the bf16 tensor then only holds the shape)."""
         if not self.supports(weights):
             raise UnsupportedModelError(
-                "the native CPU expert kernels run bf16 SwiGLU experts in the standard layout; this model has "
-                f"{weights.gate_up.dtype} experts or gpt-oss-style experts. Use MOECC_BACKEND=reference"
+                "the native CPU expert kernels run bf16 SwiGLU experts in the standard layout, their weights bf16 or "
+                f"quantized ({', '.join(_ops.WEIGHT_FORMATS)}); this model has {weights.format} experts or "
+                "gpt-oss-style experts. Use MOECC_BACKEND=reference"
             )
-        return weights.gate_up.detach().contiguous(), weights.down.detach().contiguous()
+        return tuple(tensor.detach().contiguous() if quantized is None else quantized
+                     for tensor, quantized in ((weights.gate_up, weights.gate_up_q), (weights.down, weights.down_q)))
+
+    def _refuse_prepack_of_quantized(self, weights: ExpertWeights) -> None:
+        if weights.gate_up_q is not None or weights.down_q is not None:
+            raise MoeccError(
+                f"prepack_weights keeps a bf16 copy of the experts in the kernels' panel layout, but this layer's "
+                f"experts are held in {weights.format}: the copy would take twice their bf16 size on top of them. "
+                "Set prepack_weights=False (MOECC_PREPACK_WEIGHTS=0); quantized experts are dequantized slice by "
+                "slice as the kernels pack them"
+            )
 
     def prepare_layers(self, weights: list[ExpertWeights]) -> None:
         """Makes the packed copies of the layers the kernels run (under ``prepack``), with a progress bar, after
-        checking that host memory holds them (the copies are as large as the weights)."""
+        checking that host memory holds them (the copies are as large as the weights); quantized layers refuse
+        ``prepack``."""
         weights = [w for w in weights if self.supports(w)]
         if not self.prepack or not weights:
             return
+        for layer_weights in weights:
+            self._refuse_prepack_of_quantized(layer_weights)
         needed = sum(_ops.packed_nbytes(w.gate_up) + _ops.packed_nbytes(w.down) for w in weights)
         available = _available_host_bytes()
         if available is not None and needed > 0.9 * available:
@@ -227,6 +248,7 @@ class NativeExperts:
         owner = weights.cache_owner
         if not self.prepack or owner is None:
             return None
+        self._refuse_prepack_of_quantized(weights)
         key = (self.isa, matrices[0].data_ptr(), matrices[1].data_ptr(), weights.revision)
         cached = getattr(owner, "_moecc_packed", None)
         if cached is None or cached[0] != key:

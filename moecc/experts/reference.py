@@ -11,6 +11,10 @@ outputs are summed per token in slot order. The backward pass is autograd of tha
 forward pass). Given a subset of the experts it computes the same products for that subset's pairs, bit for
 bit, and nothing for the others. With float32 activations every rounding is the identity. The fast kernels
 compute the LoRA factorised instead and are compared against this at the tolerance of their dtype.
+
+Quantized frozen weights (``ExpertWeights.gate_up_q`` / ``down_q``) are dequantized one expert at a time, as the
+loops reach it (:func:`moecc.experts.formats.dequantize`: bf16 values, transposed into the model's layout where
+``transposed``), so memory holds one expert's bf16 matrices at most, on any machine and device.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from dataclasses import replace
 import torch
 
 from .activation import activate, activation_grads, merge, round_to, split
+from .formats import dequantize
 from .grouping import Grouping, kept_rows, resolve
 from .types import ExpertLora, ExpertWeights, LoraGrads, SavedState
 
@@ -84,6 +89,17 @@ def _weight_grad(grad: torch.Tensor, x: torch.Tensor, transposed: bool, dtype: t
     return _matmul(x.T, grad, dtype) if transposed else _matmul(grad.T, x, dtype)
 
 
+def _weight(weights: ExpertWeights, name: str, expert: int, device: torch.device) -> torch.Tensor:
+    """Expert ``expert``'s ``gate_up`` or ``down`` matrix in the model's layout: a view of the stored tensor, or its
+    quantized copy dequantized (QuantizedMatrices are [N out, K in] whatever ``transposed`` says)."""
+    quantized = getattr(weights, f"{name}_q")
+    if quantized is None:
+        return getattr(weights, name)[expert]
+    matrix = dequantize(quantized.experts(expert))[0]  # [N, K] bf16
+    # laid out as the model stores it, so the products (their order of summation) are those of its own weights
+    return (matrix.T.contiguous() if weights.transposed else matrix).to(device)
+
+
 def _bias(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
     return None if bias is None else bias[expert]
 
@@ -115,11 +131,13 @@ def forward(weights: ExpertWeights, hidden: torch.Tensor, top_k_index: torch.Ten
             continue
         pairs = order[start:end]
         x = hidden[pairs // top_k].float()  # [n, H]
-        w_gate_up = _effective_weight(weights.gate_up[expert], _expert_lora(gate_up_lora, expert), dtype, transposed)
+        w_gate_up = _effective_weight(_weight(weights, "gate_up", expert, device), _expert_lora(gate_up_lora, expert),
+                                      dtype, transposed)
         gu = _linear(x, w_gate_up, _bias(weights.gate_up_bias, expert), transposed, dtype)  # [n, 2I]
         gate_up_out[start:end] = gu
         act = activate(*split(gu, weights.interleaved), weights, dtype)  # [n, I]
-        w_down = _effective_weight(weights.down[expert], _expert_lora(down_lora, expert), dtype, transposed)
+        w_down = _effective_weight(_weight(weights, "down", expert, device), _expert_lora(down_lora, expert), dtype,
+                                   transposed)
         y = _linear(act, w_down, _bias(weights.down_bias, expert), transposed, dtype)  # [n, H]
         weighted[pairs] = (y * routing[pairs, None]).to(weighted_dtype)
     out = weighted.view(num_tokens, top_k, weights.hidden_size).sum(dim=1)  # [T, H], summed in slot order
@@ -182,7 +200,8 @@ def backward(weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor, 
         gate, up = split(saved.gate_up_out[start:end].float(), weights.interleaved)
         act = activate(gate, up, weights, dtype)  # [n, I]
 
-        w_down = _effective_weight(weights.down[expert], _expert_lora(down_lora, expert), dtype, transposed)
+        w_down = _effective_weight(_weight(weights, "down", expert, device), _expert_lora(down_lora, expert), dtype,
+                                   transposed)
         y = _linear(act, w_down, _bias(weights.down_bias, expert), transposed, dtype)  # [n, H], recomputed
         grad_routing[pairs] = round_to(round_to(grad_z * y, weighted_dtype).sum(-1), weighted_dtype)
         grad_y = round_to(grad_z * w, dtype)
@@ -192,7 +211,8 @@ def backward(weights: ExpertWeights, saved: SavedState, grad_out: torch.Tensor, 
                               grads.down_B, dtype, transposed)
 
         grad_gu = merge(*activation_grads(grad_act, gate, up, weights, dtype), weights.interleaved)  # [n, 2I]
-        w_gate_up = _effective_weight(weights.gate_up[expert], _expert_lora(gate_up_lora, expert), dtype, transposed)
+        w_gate_up = _effective_weight(_weight(weights, "gate_up", expert, device), _expert_lora(gate_up_lora, expert),
+                                      dtype, transposed)
         if gate_up_lora is not None:
             x = saved.hidden[tokens].float()
             _store_lora_grads(_weight_grad(grad_gu, x, transposed, dtype), gate_up_lora, expert, grads.gate_up_A,
@@ -215,9 +235,9 @@ def autograd(weights: ExpertWeights, hidden: torch.Tensor, top_k_index: torch.Te
         if token_ids.numel() == 0:
             continue
         projections = []
-        for weight, bias, lora in ((weights.gate_up, weights.gate_up_bias, gate_up_lora),
-                                   (weights.down, weights.down_bias, down_lora)):
-            w = weight[expert].float()
+        for name, bias, lora in (("gate_up", weights.gate_up_bias, gate_up_lora),
+                                 ("down", weights.down_bias, down_lora)):
+            w = _weight(weights, name, expert, hidden.device).float()
             w = w.T if weights.transposed else w  # [out, in]
             if lora is not None:
                 a, b = lora.factors(expert)
