@@ -8,6 +8,12 @@ BACKENDS = ("auto", "reference", "native")
 OFFLOAD_COMPUTES = ("auto", "grouped", "reference")
 ISAS = ("auto", "amx", "avx512_bf16", "portable")
 OFFLOAD_LORA = ("auto", "device", "host")
+EXPERT_FORMATS = ("auto", "bf16", "fp8", "int8", "int4", "mxfp4")
+QUANTIZED_FORMATS = ("fp8", "int8", "int4", "mxfp4")
+INT4_GROUP_SIZES = (32, 64, 128)
+# The default int4 group (inputs sharing one scale) follows accuracy measured against the bf16 model over 32 / 64 /
+# 128; each group costs 4 bytes of scale, so a smaller one must buy its memory in accuracy.
+DEFAULT_INT4_GROUP = 128
 
 
 @dataclass
@@ -65,6 +71,18 @@ class MoeccConfig:
             faster), or ``"coldest:SHARE"`` (the least-routed experts on the CPU up to ``SHARE`` of the routed
             experts' bytes, a baseline with no cost model). A ``moecc.paradigms.split_policy.SplitPolicy`` object
             is used as it is (tests, A/B runs). Environment: ``MOECC_SPLIT_POLICY``.
+        expert_format: how host memory holds the routed experts' frozen weights (attention, dense layers, shared
+            experts and every LoRA factor keep their dtype). ``"auto"`` (default): as the model or checkpoint holds
+            them (bf16 stays bf16; an FP8 checkpoint stays FP8 and an MXFP4 one MXFP4). ``"bf16"``: unquantized
+            bfloat16 (a quantized checkpoint is dequantized while loading). ``"fp8"`` (e4m3, one scale per
+            128 x 128 block: ~1 byte a weight), ``"int8"`` (one scale per output row: ~1 byte), ``"int4"`` (one
+            scale per ``int4_group_size`` inputs: ~0.5 byte) and ``"mxfp4"`` (e2m1, a power-of-two scale per 32:
+            ~0.53 byte): one quantized copy, made layer by layer in ``prepare`` (or while ``from_pretrained``
+            loads), the bf16 parameters left as shape-only placeholders; the LoRA trains on top of the weights'
+            quantized values. Quantized experts need a bfloat16 model and the co-compute paradigm, and PEFT cannot
+            merge adapters into them. Environment: ``MOECC_EXPERT_FORMAT``.
+        int4_group_size: inputs sharing one scale under ``expert_format="int4"``: 32, 64 or 128 (default), which
+            must divide both the hidden and the expert intermediate size. Environment: ``MOECC_INT4_GROUP``.
     """
 
     num_threads: int | None = None
@@ -79,6 +97,8 @@ class MoeccConfig:
     prepack_weights: bool = False
     check_finite: bool = False
     split_policy: object = "planned"
+    expert_format: str = "auto"
+    int4_group_size: int = DEFAULT_INT4_GROUP
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -104,13 +124,25 @@ class MoeccConfig:
             raise ValueError(f"unknown ISA {self.isa!r}; choose one of {', '.join(ISAS)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None (all CPUs), got {self.num_threads}")
+        self._check_expert_format()
+
+    def _check_expert_format(self) -> None:
+        if not isinstance(self.expert_format, str) or self.expert_format.strip().lower() not in EXPERT_FORMATS:
+            raise ValueError(f"unknown expert_format {self.expert_format!r}; choose one of {', '.join(EXPERT_FORMATS)} "
+                             "('auto' keeps the model's or checkpoint's own format)")
+        self.expert_format = self.expert_format.strip().lower()
+        group = self.int4_group_size
+        if isinstance(group, bool) or group not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4_group_size={group!r} is not supported; choose one of "
+                             f"{', '.join(map(str, INT4_GROUP_SIZES))} (inputs sharing one scale)")
 
     @classmethod
     def from_env(cls) -> MoeccConfig:
         """Defaults, overridden by the ``MOECC_*`` variables named in the attributes above."""
         kwargs: dict = {}
         for variable, field_name, unit in (("MOECC_NUM_THREADS", "num_threads", "threads"),
-                                           ("MOECC_OFFLOAD_SLOTS", "offload_slots", "layers")):
+                                           ("MOECC_OFFLOAD_SLOTS", "offload_slots", "layers"),
+                                           ("MOECC_INT4_GROUP", "int4_group_size", "inputs")):
             value = os.environ.get(variable)
             if value:
                 if not value.strip().isdigit():
@@ -123,7 +155,8 @@ class MoeccConfig:
         if os.environ.get("MOECC_SPLIT_POLICY", "").strip():
             kwargs["split_policy"] = os.environ["MOECC_SPLIT_POLICY"].strip().lower()
         for variable, field_name in (("MOECC_OFFLOAD_LORA", "offload_lora"),
-                                     ("MOECC_OFFLOAD_COMPUTE", "offload_compute")):
+                                     ("MOECC_OFFLOAD_COMPUTE", "offload_compute"),
+                                     ("MOECC_EXPERT_FORMAT", "expert_format")):
             if os.environ.get(variable, "").strip():
                 kwargs[field_name] = os.environ[variable].strip().lower()
         for variable, field_name in (("MOECC_OFFLOAD_CACHE_GB", "offload_cache_gb"),
