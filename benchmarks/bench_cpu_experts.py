@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from moecc import _ops  # noqa: E402
 from moecc.experts.native import NativeExperts  # noqa: E402
 from moecc.experts import ExpertLora, ExpertWeights  # noqa: E402
+from moecc.experts.formats import quantize  # noqa: E402
 
 SHAPES = {  # experts, top_k, hidden, intermediate
     "qwen3-30b-a3b": (128, 8, 2048, 768),
@@ -174,14 +175,21 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def make_case(shape: str, tokens: int, kind: str, rank: int):
-    """(weights, gate_up LoRA, down LoRA, x, index, routing weights, grad_out): the same for the same arguments."""
+def make_case(shape: str, tokens: int, kind: str, rank: int, expert_format: str = "bf16"):
+    """(weights, gate_up LoRA, down LoRA, x, index, routing weights, grad_out): the same for the same arguments;
+    the weights held in ``expert_format`` (``bf16``, or a quantized format, ``int4:GROUP`` for int4's group)."""
     experts, top_k, hidden, inter = SHAPES[shape]
     g = torch.Generator().manual_seed(tokens)
     gc.collect()
     weights = ExpertWeights((torch.randn(experts, 2 * inter, hidden, generator=g) * 0.02).bfloat16(),
                             (torch.randn(experts, hidden, inter, generator=g) * 0.02).bfloat16(),
                             cache_owner=types.SimpleNamespace())  # keeps the packed copy between calls
+    if expert_format != "bf16":  # one quantized copy; the bf16 tensors are shape-only placeholders
+        format, _, group = expert_format.partition(":")
+        matrices = (weights.gate_up, weights.down)
+        gate_up_q, down_q = (quantize(m, format, int(group) if group else None) for m in matrices)
+        weights = ExpertWeights(*(torch.empty((), dtype=torch.bfloat16).expand(m.shape) for m in matrices),
+                                gate_up_q=gate_up_q, down_q=down_q)
     gate_up = ExpertLora(torch.randn(rank * experts, hidden, generator=g) * 0.01,
                          torch.randn(2 * inter, rank * experts, generator=g) * 0.01, 2.0, experts)
     down = ExpertLora(torch.randn(rank * experts, inter, generator=g) * 0.01,
@@ -221,9 +229,9 @@ def loop_baseline(args: argparse.Namespace) -> dict:
 
 
 def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: NativeExperts,
-             baseline: dict | None):
+             baseline: dict | None, expert_format: str = "bf16"):
     experts, top_k, hidden, inter = SHAPES[shape]
-    weights, gate_up, down, x, index, w, grad_out = make_case(shape, tokens, kind, rank)
+    weights, gate_up, down, x, index, w, grad_out = make_case(shape, tokens, kind, rank, expert_format)
 
     state = {}
 
@@ -274,7 +282,9 @@ def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: N
                dram_floor_ms=weight_bytes / DRAM_GBPS / 1e6, max_over_mean=float(counts.max() / counts.float().mean()),
                forward_phases_ms=forward_phases, backward_phases_ms=backward_phases,
                forward_product_parts_thread_ms=forward_parts, backward_product_parts_thread_ms=backward_parts,
-               weights_gb=(weights.gate_up.nbytes + weights.down.nbytes) / 1e9, scratch_gb=scratch_gb)
+               weights_gb=sum(q.nbytes if q is not None else m.nbytes for m, q in
+                              ((weights.gate_up, weights.gate_up_q), (weights.down, weights.down_q))) / 1e9,
+               scratch_gb=scratch_gb, expert_format=expert_format)
     if shape == "qwen3-30b-a3b" and tokens in PEER_MS:
         row["target_ms"] = 0.5 * sum(PEER_MS[tokens])
     if baseline is not None:
@@ -301,6 +311,9 @@ def main() -> None:
     parser.add_argument("--prepack", action="store_true",
                         help="forward products read a packed copy of the weights instead of packing per task "
                              "(MoeccConfig.prepack_weights: doubles the experts' memory)")
+    parser.add_argument("--expert-format", default="bf16", metavar="FORMAT",
+                        help="the frozen experts' format: bf16, int8, int4[:GROUP], fp8 or mxfp4 (the kernels "
+                             "dequantize each slice they pack; the loop baseline keeps bf16)")
     parser.add_argument("--loop-only", action="store_true", help=argparse.SUPPRESS)  # the baseline's child
     args = parser.parse_args()
     cases = [(shape, int(tokens), kind) for shape in args.shapes.split(",") for tokens in args.tokens.split(",")
@@ -337,7 +350,7 @@ def main() -> None:
     state_before = {"copy": copy_bandwidth(), **peaks}
     rows = []
     for shape, tokens, kind in cases:
-        row = run_case(shape, tokens, kind, args.rank, args.reps, native, baseline)
+        row = run_case(shape, tokens, kind, args.rank, args.reps, native, baseline, args.expert_format)
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     state_text = describe_host_state(state_before, {"copy": copy_bandwidth(), **measure_peaks()})
@@ -350,7 +363,7 @@ def main() -> None:
             row["skew_ratio"] = total / (uniform[0]["forward_ms"] + uniform[0]["backward_ms"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"cpu_experts_{isa}"
+    stem = f"cpu_experts_{isa}" + ("" if args.expert_format == "bf16" else f"_{args.expert_format.replace(':', '_')}")
     (out / f"{stem}.json").write_text(json.dumps(rows, indent=2))
     columns = ["shape", "tokens", "routing", "forward_ms", "backward_ms", "best_ms", "target_ms", "forward_tflops",
                "backward_tflops", "forward_gbps", "dram_floor_ms", "skew_ratio", "loop_forward_ms", "loop_backward_ms",
@@ -364,7 +377,8 @@ def main() -> None:
     knobs = "".join(f" --{name.replace('_', '-')} {value}" for name, value in
                     (("task_shape", args.task_shape),) if value is not None)
     knobs += " --prepack" if args.prepack else ""
-    knobs += "".join(f" --{name.replace('_', '-')} {getattr(args, name)}" for name in ("routing", "rank", "reps")
+    knobs += "".join(f" --{name.replace('_', '-')} {getattr(args, name)}" for name in ("routing", "rank", "reps",
+                                                                                         "expert_format")
                      if getattr(args, name) != parser.get_default(name))
     knobs += " --no-baseline" if args.no_baseline else ""
     lines = [f"`python benchmarks/bench_cpu_experts.py --shapes {args.shapes} --tokens {args.tokens} "
