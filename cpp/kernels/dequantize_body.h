@@ -29,19 +29,22 @@ using namespace v16;
 
 typedef int8_t vs8 __attribute__((vector_size(16)));
 typedef uint8_t vu8 __attribute__((vector_size(16)));
+// Lanes are int32 where they are converted to float or compared: SSE2 has signed forms of those only.
 
 constexpr bool is_nibbles(WeightFormat format) {
   return format == WeightFormat::kInt4 || format == WeightFormat::kMxfp4;
 }
 
-// The 16 4-bit codes of 8 bytes, in column order: little-endian, code j sits at bits 4j of the bytes.
-MOECC_INLINE vu nibbles16(const uint8_t* bytes) {
+// The 16 4-bit codes of 8 bytes, in column order, as int32 lanes 0..15: little-endian, code j sits at bits 4j of
+// the bytes. Each lane's code is shifted to the top by a multiplication (the baseline ISA has no per-lane shift).
+MOECC_INLINE vi nibbles16(const uint8_t* bytes) {
   uint32_t low, high;
   std::memcpy(&low, bytes, sizeof(low));
   std::memcpy(&high, bytes + 4, sizeof(high));
-  const vu lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const vu words = lane < 8u ? vu{} + low : vu{} + high;
-  return (words >> ((lane & 7u) * 4u)) & 0xFu;
+  const vu halves = {low, low, low, low, low, low, low, low, high, high, high, high, high, high, high, high};
+  const vu to_top = {1u << 28, 1u << 24, 1u << 20, 1u << 16, 1u << 12, 1u << 8, 1u << 4, 1u,
+                     1u << 28, 1u << 24, 1u << 20, 1u << 16, 1u << 12, 1u << 8, 1u << 4, 1u};
+  return __builtin_convertvector((halves * to_top) >> 28, vi);
 }
 
 // The decoded values (before their scale) of the 16 columns whose codes start at `codes`.
@@ -52,21 +55,22 @@ MOECC_INLINE vf decode16(const uint8_t* codes) {
     std::memcpy(&v, codes, sizeof(v));
     return __builtin_convertvector(v, vf);
   } else if constexpr (F == WeightFormat::kInt4) {
-    return __builtin_convertvector(__builtin_convertvector(nibbles16(codes) ^ 8u, vi) - 8, vf);
+    return __builtin_convertvector((nibbles16(codes) ^ 8) - 8, vf);  // two's complement
   } else if constexpr (F == WeightFormat::kFp8) {  // e4m3fn: bias 7, no infinities, S.1111.111 NaN
     vu8 v;
     std::memcpy(&v, codes, sizeof(v));
-    const vu x = __builtin_convertvector(v, vu);
-    const vu exponent = (x >> 3) & 0xFu, mantissa = x & 7u;
-    const vu normal = ((exponent + 120u) << 23) | (mantissa << 20);
-    const vu subnormal = float_to_bits(__builtin_convertvector(mantissa, vf) * 0x1p-9f);  // m * 2^-9, exact
-    vu bits = exponent == 0u ? subnormal : normal;
-    bits = (x & 0x7Fu) == 0x7Fu ? vu{} + 0x7FC00000u : bits;
-    return bits_to_float(bits | ((x & 0x80u) << 24));
+    const vi x = __builtin_convertvector(v, vi);  // signed lanes: the baseline ISA converts those to float
+    const vi exponent = (x >> 3) & 0xF, mantissa = x & 7;
+    const vi normal = ((exponent + 120) << 23) | (mantissa << 20);
+    const vi subnormal = __builtin_convertvector(float_to_bits(__builtin_convertvector(mantissa, vf) * 0x1p-9f), vi);
+    vi magnitude = exponent == 0 ? subnormal : normal;  // subnormals: m * 2^-9, exact
+    magnitude = (x & 0x7F) == 0x7F ? vi{} + 0x7FC00000 : magnitude;
+    return bits_to_float(__builtin_convertvector(magnitude, vu) | (__builtin_convertvector(x & 0x80, vu) << 24));
   } else {  // e2m1: code 1 is 0.5; codes 2..7 are 2^(e-1) * (1 + m/2), float bits (code + 252) << 22
-    const vu nibbles = nibbles16(codes), code = nibbles & 7u;
-    const vu magnitude = code >= 2u ? (code + 252u) << 22 : (code == 1u ? vu{} + (126u << 23) : vu{});
-    return bits_to_float(magnitude | ((nibbles & 8u) << 28));  // the sign bit: -0 included
+    const vi nibbles = nibbles16(codes), code = nibbles & 7;
+    const vi magnitude = code >= 2 ? (code + 252) << 22 : (code == 1 ? vi{} + (126 << 23) : vi{});
+    // the sign bit, -0 included
+    return bits_to_float(__builtin_convertvector(magnitude, vu) | (__builtin_convertvector(nibbles & 8, vu) << 28));
   }
 }
 
@@ -78,19 +82,29 @@ MOECC_INLINE float e8m0_value(uint8_t s) {
   return value;
 }
 
-// The scale of row `row`'s columns [c, c + 16) in expert `expert`.
+// Where the scales of an expert's rows are: `per_row` scales a row (fp8: a block row of `group` rows) and 2^shift
+// columns a scale (every group but int8's, whose scale is its row's, is a power of two).
+struct ScaleIndex {
+  int64_t per_row;
+  int shift;
+};
+
 template <WeightFormat F>
-MOECC_INLINE float scale_of(const QuantizedWeights& w, int64_t expert, int64_t row, int64_t c) {
-  if constexpr (F == WeightFormat::kMxfp4) {
-    const uint8_t* scales = static_cast<const uint8_t*>(w.scales) + expert * w.scale_stride;
-    return e8m0_value(scales[row * (w.cols / w.group) + c / w.group]);
-  } else {
-    const float* scales = static_cast<const float*>(w.scales) + expert * w.scale_stride;
-    if constexpr (F == WeightFormat::kInt8) return scales[row];
-    if constexpr (F == WeightFormat::kInt4) return scales[row * (w.cols / w.group) + c / w.group];
-    const int64_t blocks = (w.cols + w.group - 1) / w.group;  // fp8: group x group blocks
-    return scales[(row / w.group) * blocks + c / w.group];
-  }
+ScaleIndex scale_index(const QuantizedWeights& w) {
+  if constexpr (F == WeightFormat::kInt8) return {1, 0};
+  const int shift = __builtin_ctzll(static_cast<unsigned long long>(w.group));
+  if constexpr (F == WeightFormat::kFp8) return {(w.cols + w.group - 1) >> shift, shift};
+  return {w.cols >> shift, shift};
+}
+
+// The scale of row `row`'s columns [c, c + 16), from the expert's scales.
+template <WeightFormat F>
+MOECC_INLINE float scale_of(const void* scales, const ScaleIndex& index, int64_t row, int64_t c) {
+  if constexpr (F == WeightFormat::kInt8) return static_cast<const float*>(scales)[row];
+  const int64_t scale_row = F == WeightFormat::kFp8 ? row >> index.shift : row;
+  const int64_t at = scale_row * index.per_row + (c >> index.shift);
+  if constexpr (F == WeightFormat::kMxfp4) return e8m0_value(static_cast<const uint8_t*>(scales)[at]);
+  return static_cast<const float*>(scales)[at];
 }
 
 template <WeightFormat F>
@@ -99,6 +113,9 @@ void block_of(const QuantizedWeights& w, int64_t expert, int64_t r0, int64_t r1,
   constexpr int64_t kHalves = is_nibbles(F) ? 2 : 1;  // columns a byte holds
   const int64_t k = w.cols, row_bytes = k / kHalves, width = k1 - k0;
   const uint8_t* const data = w.data + expert * w.data_stride;
+  const int64_t scale_bytes = F == WeightFormat::kMxfp4 ? 1 : sizeof(float);
+  const void* const scales = static_cast<const char*>(w.scales) + expert * w.scale_stride * scale_bytes;
+  const ScaleIndex index = scale_index<F>(w);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* const row = data + r * row_bytes;
     uint16_t* const out = dst + (r - r0) * width;
@@ -111,7 +128,7 @@ void block_of(const QuantizedWeights& w, int64_t expert, int64_t r0, int64_t r1,
         std::memcpy(padded, codes, static_cast<size_t>((inside + kHalves - 1) / kHalves));
         codes = padded;
       }
-      const vh bits = PortableBf16::narrow(decode16<F>(codes) * scale_of<F>(w, expert, r, c));
+      const vh bits = PortableBf16::narrow(decode16<F>(codes) * scale_of<F>(scales, index, r, c));
       const int64_t first = std::max(c, k0), last = std::min(c + kLanes, k1);
       if (first == c && last == c + kLanes) {
         store_bf16_bits(out + (c - k0), bits);
