@@ -13,7 +13,8 @@ Trainer checkpoint's optimizer state) are carried over as hard links; adapter fi
 (a stale ``adapter_model.bin``, another adapter's subdirectory) are not.
 
 A model prepared by moecc also writes ``moecc_config.json`` beside the adapter (plain PEFT ignores it): the
-family, the paradigm, the ``MoeccConfig`` fields and the LoRA shape it was trained with. ``moecc.prepare(adapter=
+family, the paradigm, the ``MoeccConfig`` fields (``expert_format`` and ``int4_group_size`` among them), the format
+the base's experts were held in, and the LoRA shape it was trained with. ``moecc.prepare(adapter=
 dir)`` takes its paradigm and settings from there, and loading an adapter into a prepared model (a Trainer
 resuming from a checkpoint calls ``load_adapter``) first compares the directory with the model and names every
 difference (family, rank, alpha, targets) in one message, before PEFT's or the optimizer's generic errors.
@@ -169,6 +170,7 @@ def write_settings(peft_model: torch.nn.Module, directory: Path, adapter_name: s
         "family": state.family.model_type,
         "paradigm": state.paradigm,
         "config": _config_fields(state.config),
+        "expert_format": state.expert_format,  # what the base's experts were held in ("int4", "bfloat16"...)
         "lora": _lora_fields(peft_model.peft_config[adapter_name]),
     }
     (directory / SETTINGS_NAME).write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
@@ -220,6 +222,18 @@ def check_adapter_loads(peft_model: torch.nn.Module, path: str | Path, adapter_n
         logging.getLogger("moecc").warning(
             "adapter %r was trained under paradigm %r, this model runs %r (the values load the same)",
             str(path), settings["paradigm"], state.paradigm)
+    warn_if_format_differs(state, settings, path)
+
+
+def warn_if_format_differs(state, settings: dict, path: str | Path) -> None:
+    """Warns when the adapter in ``path`` was trained on experts held in another format than ``state``'s model
+    (a LoRA trained on int4 weights learnt their rounding: on bf16 weights it computes something else)."""
+    saved = settings.get("expert_format")
+    if state is not None and saved not in (None, state.expert_format):
+        logging.getLogger("moecc").warning(
+            "adapter %r was trained on experts held in %s, this model holds them in %s (its LoRA corrects the "
+            "other format's rounding); prepare with MoeccConfig(expert_format=...) as it was trained to continue "
+            "on the same weights", str(path), saved, state.expert_format)
 
 
 # --- atomic saving ---------------------------------------------------------------------------------------------

@@ -2,24 +2,27 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, load_peft_weights, set_peft_model_state_dict
+from tqdm import tqdm
 
 from . import _ops
 from .config import MoeccConfig
 from .errors import MoeccError, UnsupportedDtypeError, UnsupportedModelError
-from .adapter_files import install_atomic_save, read_settings
+from .adapter_files import install_atomic_save, read_settings, warn_if_format_differs
 from .engine_summary import log_prepared
 from .lora import (check_adapter_matches, check_expert_targets_matched, check_lora_config, expert_wrappers,
-                   read_adapter_config, track_merges)
+                   read_adapter_config, refuse_merges, track_merges)
 from .lora import default_lora_config as _default_lora_config
 from .models import MoeFamily, family_for, install_block_forward
-from .paradigms import Engine, ExpertLayer, choose_paradigm, engine_class
+from .paradigms import PARADIGMS, Engine, ExpertLayer, choose_paradigm, engine_class
 from .paradigms.base import BUDGET_SLACK, resident_weight_bytes
-from .store import SUPPORTED_DTYPES, check_host_experts, keep_on_host
+from .store import (SUPPORTED_DTYPES, check_host_experts, expert_format, keep_on_host, quantize_experts,
+                    quantized_matrices, target_format)
 
 ADAPTER_NAME = "default"
 
@@ -37,8 +40,19 @@ class MoeccState:
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of frozen expert weights held in host memory."""
-        return sum(w.gate_up.nbytes + w.down.nbytes for w in (layer.weights for layer in self.layers))
+        """Bytes of frozen expert weights held in host memory (quantized ones with their scales)."""
+        return sum(_held_bytes(layer.weights) for layer in self.layers)
+
+    @property
+    def expert_format(self) -> str:
+        """The format the routed experts' frozen weights are held in (``"int4"``, ``"bfloat16"``...); layers held
+        differently (a checkpoint that left some unquantized) are listed, joined by ``+``."""
+        return "+".join(sorted({layer.weights.format for layer in self.layers}))
+
+
+def _held_bytes(weights) -> int:
+    pairs = ((weights.gate_up, weights.gate_up_q), (weights.down, weights.down_q))
+    return sum(tensor.nbytes if quantized is None else quantized.nbytes for tensor, quantized in pairs)
 
 
 def default_lora_config(model: torch.nn.Module, rank: int = 8) -> LoraConfig:
@@ -176,7 +190,11 @@ def prepare(
             split between both, at once; or ``"auto"``, which picks one and logs why
             (``moecc.paradigms.choose_paradigm``).
         device: device for attention, dense layers, routers and shared experts; default CUDA if available.
-        config: engine options (threads, backend); default from ``MOECC_*`` environment variables.
+        config: engine options (threads, backend, ``expert_format``); default from ``MOECC_*`` environment
+            variables. A quantized ``expert_format`` holds the routed experts in that format, converted layer by
+            layer once PEFT's LoRA exists (shaped from the bf16 weights), which leaves the bf16 parameters as
+            shape-only placeholders; it needs a bfloat16 model and the co-compute paradigm, and PEFT's merges are
+            refused.
 
     Returns:
         A ``peft.PeftModel``: call it like the original, train ``model.parameters()``, ``save_pretrained`` a
@@ -186,18 +204,26 @@ def prepare(
     """
     paradigm, config = _settings(adapter, paradigm, config)
     device = resolve_device(device)
-    paradigm = choose_paradigm(paradigm, device, getattr(model, "config", None), config.offload_slots)
-    paradigm_engine = engine_class(paradigm)
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     family = family_for(base)
     _check_model(base)
     blocks = _sparse_blocks(base, family)
+    base_experts = [expert_wrappers(block.experts)[0] for _, block in blocks]
+    # Checked before anything changes, so a refusal leaves the model as it was
+    targets = [target_format(experts, name, config.expert_format, config.int4_group_size)
+               for experts, (name, _) in zip(base_experts, blocks)]
+    held = sorted({target or expert_format(experts) for experts, target in zip(base_experts, targets)
+                   if target is not None or quantized_matrices(experts)})
+    paradigm = _paradigm_for_formats(paradigm, held)
+    paradigm = choose_paradigm(paradigm, device, getattr(base, "config", None), config.offload_slots)
+    paradigm_engine = engine_class(paradigm)
     for _, block in blocks:
         block.experts.to("cpu")  # LoRA factors get created (or stay) next to the weights, in host memory
     if isinstance(model, PeftModel):
         peft_model = _adopt(model, lora_config, adapter)
     else:
         peft_model = _apply_lora(model, family, lora_config, adapter)
+    _quantize_layers(base_experts, targets, config.int4_group_size)
 
     # The one place the native pool is set: the config's threads, else what the paradigm wants on this device
     _ops.configure_pool(config.num_threads or paradigm_engine.pool_threads(device), config.pin_threads)
@@ -205,17 +231,49 @@ def prepare(
     engine.check_finite = config.check_finite
     for name, block in blocks:
         keep_on_host(block.experts)
-        base_experts, wrappers = expert_wrappers(block.experts)
+        experts, wrappers = expert_wrappers(block.experts)
         track_merges(wrappers)  # device copies and packed copies of the weights follow every merge
-        check_host_experts(base_experts, name)
-        install_block_forward(block, family, engine.add_layer(name, base_experts, wrappers))
+        check_host_experts(experts, name)
+        install_block_forward(block, family, engine.add_layer(name, experts, wrappers))
+    if held:
+        refuse_merges(peft_model, ", ".join(held))
     engine.finish(peft_model, config)
     apply_gpu_budget(peft_model, engine, config)
     peft_model.to(device)
     peft_model.moecc = MoeccState(family, paradigm, device, engine, engine.layers, config)
+    if adapter is not None:
+        warn_if_format_differs(peft_model.moecc, read_settings(adapter) or {}, adapter)
     install_atomic_save(peft_model)  # save_pretrained writes to a temporary name and renames
     log_prepared(peft_model.moecc, config)
     return peft_model
+
+
+def _paradigm_for_formats(paradigm: str, held: list[str]) -> str:
+    """``paradigm`` where the experts are held in ``held`` formats (quantized; none: any paradigm): co-compute
+    computes on the quantized copy, so ``"auto"`` picks it; offload and hybrid copy bf16 weights to the device."""
+    if not held:
+        return paradigm
+    formats = ", ".join(held)
+    if paradigm == "auto":
+        logging.getLogger("moecc").info("paradigm='auto' chose 'cocompute': the experts are held in %s, which the "
+                                        "CPU computes on in place", formats)
+        return "cocompute"
+    if paradigm in PARADIGMS and paradigm != "cocompute":
+        raise MoeccError(
+            f"paradigm={paradigm!r} computes the experts on the device from unquantized copies, but they are held in "
+            f"{formats}: "
+            f"quantized experts run under paradigm='cocompute'. Use it, or expert_format='bf16' for {paradigm} "
+            "(moecc.from_pretrained dequantizes a quantized checkpoint while loading)")
+    return paradigm
+
+
+def _quantize_layers(experts: list[torch.nn.Module], targets: list[str | None], group: int) -> None:
+    """Holds each layer's experts in its target format, layer by layer: host memory peaks at the quantized copies
+    plus one layer's float weights."""
+    work = [(module, target) for module, target in zip(experts, targets) if target is not None]
+    formats = ", ".join(sorted({target for _, target in work}))
+    for module, target in tqdm(work, desc=f"quantizing experts to {formats}", unit="layer", disable=not work):
+        quantize_experts(module, target, group)
 
 
 def apply_gpu_budget(model: torch.nn.Module, engine: Engine, config: MoeccConfig) -> None:
@@ -258,10 +316,18 @@ def from_pretrained(
     The native CPU kernels run bfloat16 experts; other dtypes run the reference backend (``prepare`` logs which).
 
     Checkpoints may store experts per expert (as originally published) or fused. Shards are read one at a
-    time: experts go once into host memory, everything else straight to ``device``, so host memory peaks near
-    the experts' size plus one shard. Quantized checkpoints are refused with instructions.
+    time: experts go once into host memory, in ``config.expert_format`` (each layer converted once its shard is
+    read), everything else straight to ``device``, so host memory peaks near the experts' size in that format plus
+    one shard. FP8 checkpoints with 128 x 128 block scales (DeepSeek-V3, Qwen3 ``-FP8``) and MXFP4 ones (gpt-oss)
+    keep their format under ``expert_format="auto"`` (their other weights are dequantized to ``dtype``, which must
+    be bfloat16), are dequantized under ``"bf16"`` and requantized from their bf16 values under another format;
+    other quantized checkpoints are refused with instructions.
     """
-    from .loading import load_model
+    from .loading import checkpoint_format, load_model
 
-    model = load_model(path, dtype, resolve_device(device))
+    paradigm, config = _settings(adapter, paradigm, config)
+    stored = checkpoint_format(path)
+    held = {"auto": stored, "bf16": None}.get(config.expert_format, config.expert_format)
+    paradigm = _paradigm_for_formats(paradigm, [held] if held else [])  # refused before anything is read
+    model = load_model(path, dtype, resolve_device(device), config.expert_format, config.int4_group_size)
     return prepare(model, lora_config=lora_config, adapter=adapter, paradigm=paradigm, device=device, config=config)

@@ -17,15 +17,20 @@ logger = logging.getLogger("moecc")
 
 
 def layer_kind(weights) -> str:
-    """A short name for a layer's expert weights: dtype, plus ``gpt-oss-style`` for that layout."""
-    dtype = str(weights.gate_up.dtype).removeprefix("torch.")
+    """A short name for a layer's expert weights: their format (dtype or quantized format, ``int4/128`` with its
+    group), plus ``gpt-oss-style`` for that layout."""
+    kind = weights.format
+    if weights.gate_up_q is not None and weights.gate_up_q.format == "int4":
+        kind = f"int4/{weights.gate_up_q.group}"
     special = weights.transposed or weights.interleaved or weights.gate_up_bias is not None
-    return f"{dtype} gpt-oss-style" if special else dtype
+    return f"{kind} gpt-oss-style" if special else kind
 
 
 def _reference_reason(weights, chosen: bool) -> str:
     if chosen:
         return "MoeccConfig.backend='reference' (MOECC_BACKEND) was asked for"
+    if weights.gate_up_q is not None:
+        return f"the kernels do not run {weights.format} experts of this layout"
     if weights.gate_up.dtype.is_floating_point and str(weights.gate_up.dtype) != "torch.bfloat16":
         return f"the expert weights are {str(weights.gate_up.dtype).removeprefix('torch.')}; the kernels run bfloat16"
     return "the kernels run SwiGLU experts in the standard layout, not gpt-oss-style ones (biases, clamped SwiGLU)"

@@ -16,8 +16,7 @@ from peft.tuners.lora.layer import ParamWrapper
 from .adapter_files import check_adapter_matches, install_atomic_save, read_adapter_config  # noqa: F401 (re-exported)
 from .errors import MoeccError, UnsupportedLoraConfigError
 from .experts.types import ExpertLora, LoraGrads
-
-EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+from .store import EXPERT_PARAMETERS, quantized_matrices
 
 
 def default_lora_config(attention_targets: tuple[str, ...], rank: int = 8) -> LoraConfig:
@@ -179,6 +178,9 @@ def track_merges(wrappers: dict) -> None:
 
 
 def _counted_merge(self, *args, **kwargs):
+    held = quantized_matrices(self.get_base_layer())
+    if held:
+        raise MoeccError(merge_refusal(next(iter(held.values())).format))
     self._moecc_merges += 1
     return type(self).merge(self, *args, **kwargs)
 
@@ -186,6 +188,26 @@ def _counted_merge(self, *args, **kwargs):
 def _counted_unmerge(self, *args, **kwargs):
     self._moecc_merges += 1
     return type(self).unmerge(self, *args, **kwargs)
+
+
+def merge_refusal(formats: str) -> str:
+    """Why PEFT cannot merge adapters into experts held in ``formats``, and what to do instead."""
+    return (f"cannot merge LoRA into the routed experts: moecc holds their frozen weights in {formats} (one "
+            "quantized copy; no bf16 weights to add the update to). Save the adapter (model.save_pretrained(dir)) "
+            "and merge it into the bf16 base model with PEFT (PeftModel.from_pretrained(base, dir)"
+            ".merge_and_unload()), or prepare the model with MoeccConfig(expert_format='bf16') to merge in place")
+
+
+def refuse_merges(peft_model: torch.nn.Module, formats: str) -> None:
+    """Makes every PEFT merge of ``peft_model`` (``merge_adapter``, ``merge_and_unload``) fail before it merges
+    anything, because its experts are held in ``formats``: PEFT checks whether merging is allowed first."""
+    tuner = peft_model.base_model
+    tuner._check_merge_allowed = types.MethodType(_refused_merge, tuner)
+    tuner._moecc_refused_formats = formats
+
+
+def _refused_merge(self, *args, **kwargs):
+    raise MoeccError(merge_refusal(self._moecc_refused_formats))
 
 
 def merge_revision(wrappers: dict) -> tuple:
