@@ -29,7 +29,6 @@ using namespace v16;
 
 typedef int8_t vs8 __attribute__((vector_size(16)));
 typedef uint8_t vu8 __attribute__((vector_size(16)));
-// Lanes are int32 where they are converted to float or compared: SSE2 has signed forms of those only.
 
 constexpr bool is_nibbles(WeightFormat format) {
   return format == WeightFormat::kInt4 || format == WeightFormat::kMxfp4;
@@ -47,7 +46,8 @@ MOECC_INLINE vi nibbles16(const uint8_t* bytes) {
   return __builtin_convertvector((halves * to_top) >> 28, vi);
 }
 
-// The decoded values (before their scale) of the 16 columns whose codes start at `codes`.
+// The decoded values (before their scale) of the 16 columns whose codes start at `codes`. Lanes are int32 where they
+// are converted to float or compared: SSE2 has signed forms of those only.
 template <WeightFormat F>
 MOECC_INLINE vf decode16(const uint8_t* codes) {
   if constexpr (F == WeightFormat::kInt8) {
@@ -59,7 +59,7 @@ MOECC_INLINE vf decode16(const uint8_t* codes) {
   } else if constexpr (F == WeightFormat::kFp8) {  // e4m3fn: bias 7, no infinities, S.1111.111 NaN
     vu8 v;
     std::memcpy(&v, codes, sizeof(v));
-    const vi x = __builtin_convertvector(v, vi);  // signed lanes: the baseline ISA converts those to float
+    const vi x = __builtin_convertvector(v, vi);
     const vi exponent = (x >> 3) & 0xF, mantissa = x & 7;
     const vi normal = ((exponent + 120) << 23) | (mantissa << 20);
     const vi subnormal = __builtin_convertvector(float_to_bits(__builtin_convertvector(mantissa, vf) * 0x1p-9f), vi);
