@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -15,12 +17,14 @@ def _run(script: str, *args: str, cwd: Path) -> str:
     return result.stdout
 
 
+@pytest.mark.e2e
 def test_finetune_lora_improves_held_out_loss(tmp_path):
     out = _run("finetune_lora.py", "--steps", "40", "--out", str(tmp_path / "adapter"), cwd=tmp_path)
     assert "held-out after" in out
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.e2e
 def test_hf_trainer_logs_moecc_metrics_and_checkpoints(tmp_path):
     out = _run("hf_trainer.py", "--steps", "12", "--out", str(tmp_path / "run"), cwd=tmp_path)
     printed_logs = [line for line in out.splitlines() if line.startswith("{'loss'")]
@@ -29,6 +33,7 @@ def test_hf_trainer_logs_moecc_metrics_and_checkpoints(tmp_path):
     assert (tmp_path / "run" / "checkpoint-12" / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.e2e
 def test_compare_paradigms_prints_a_row_per_paradigm(tmp_path):
     out = _run("compare_paradigms.py", "--steps", "1", cwd=tmp_path)
     assert "cocompute" in out and "offload" in out and "gpu" in out
@@ -41,6 +46,7 @@ def test_demo_data_is_what_its_script_writes(tmp_path):
     assert all(int(a) + int(b) == int(c) for a, rest in (l.split("+") for l in lines) for b, c in [rest.split("=")])
 
 
+@pytest.mark.e2e
 def test_trl_sft_prepares_through_the_callback_and_resumes(tmp_path):
     out = _run("trl_sft.py", "--steps", "4", "--out", str(tmp_path / "run"), cwd=tmp_path)
     assert "prepared by moecc: cocompute (2 MoE layers)" in out and "held-out after" in out

@@ -106,6 +106,7 @@ while True:
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("paradigm", ["cocompute", "offload", "hybrid"])
 def test_ctrl_c_mid_step_exits_within_seconds(paradigm):
     """SIGINT at three random points of a training loop (inside forward, backward, the kernels or the optimizer):
