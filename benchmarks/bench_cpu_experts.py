@@ -255,7 +255,7 @@ def run_case(shape: str, tokens: int, kind: str, rank: int, reps: int, native: N
     from moecc import _C
 
     if native.prepack:  # the packed copy is made before the scratch is measured: it is the weights' size again
-        native.prepack_layers([types.SimpleNamespace(weights=weights)])
+        native.prepare_layers([weights])
     resident_before_kernels = resident_bytes()
     forward_reps = rep_times(forward, reps, setup=release)
     forward_s = statistics.median(forward_reps)

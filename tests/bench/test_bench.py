@@ -107,7 +107,7 @@ def cli_args(out):
 
     return argparse.Namespace(preset="tiny", layers=None, tokens=[16, 64], paradigms=["cocompute", "offload", "gpu"],
                               gpu_budget=None, steps=1, rank=4, out=str(out), checkpointing="auto",
-                              row_seconds=None, warmup=1)
+                              row_seconds=None, warmup=1, split_policy=None)
 
 
 def test_gpu_paradigm_over_budget_is_refused_before_building_the_model(monkeypatch):
