@@ -22,7 +22,7 @@ from .models import MoeFamily, family_for, install_block_forward
 from .paradigms import PARADIGMS, Engine, ExpertLayer, choose_paradigm, engine_class
 from .paradigms.base import BUDGET_SLACK, resident_weight_bytes
 from .store import (SUPPORTED_DTYPES, check_host_experts, expert_format, keep_on_host, quantize_experts,
-                    quantized_matrices, target_format)
+                    quantized_matrices, return_freed_memory, target_format)
 
 ADAPTER_NAME = "default"
 
@@ -274,6 +274,8 @@ def _quantize_layers(experts: list[torch.nn.Module], targets: list[str | None], 
     formats = ", ".join(sorted({target for _, target in work}))
     for module, target in tqdm(work, desc=f"quantizing experts to {formats}", unit="layer", disable=not work):
         quantize_experts(module, target, group)
+    if work:
+        return_freed_memory()
 
 
 def apply_gpu_budget(model: torch.nn.Module, engine: Engine, config: MoeccConfig) -> None:

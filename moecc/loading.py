@@ -34,7 +34,7 @@ from .experts.formats import check_format
 from .models import FAMILIES
 from .quantized_loading import WHOLE as _WHOLE
 from .quantized_loading import CheckpointQuantization, ExpertPieces, QuantizedReader, fp8_stacking_error, read_quantization
-from .store import convert, dequantize_into, hold_quantized, kernel_shape, kernel_view
+from .store import convert, dequantize_into, hold_quantized, kernel_shape, kernel_view, return_freed_memory
 
 _INDEX = "model.safetensors.index.json"
 
@@ -414,4 +414,6 @@ def load_model(path: str | Path, dtype: str | torch.dtype, device: torch.device,
         _read_shard(shard, filler)
         filler.convert_complete()
     filler.finish()
+    if filler.converted and (quantization is not None or expert_format != "auto"):
+        return_freed_memory()
     return model.eval()
