@@ -142,15 +142,24 @@ def fp8_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def qwen3_fp8_checkpoint(tmp_path_factory) -> Path:
+    """Qwen3-FP8's convention: the same keys and scales, the routers listed in modules_to_not_convert."""
+    directory = tmp_path_factory.mktemp("qwen3_fp8")
+    write_fp8_checkpoint(directory, "qwen3_moe", not_converted=("lm_head", "mlp.gate"))
+    return directory
+
+
+@pytest.fixture(scope="module")
 def mxfp4_checkpoint(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("mxfp4")
     write_mxfp4_checkpoint(directory)
     return directory
 
 
-@pytest.mark.parametrize("method", ["fp8", "mxfp4"])
-def test_checkpoint_stays_in_its_format_with_transformers_values(method, fp8_checkpoint, mxfp4_checkpoint):
-    directory = fp8_checkpoint if method == "fp8" else mxfp4_checkpoint
+@pytest.mark.parametrize("method,checkpoint", [("fp8", "fp8_checkpoint"), ("fp8", "qwen3_fp8_checkpoint"),
+                                               ("mxfp4", "mxfp4_checkpoint")])
+def test_checkpoint_stays_in_its_format_with_transformers_values(method, checkpoint, request):
+    directory = request.getfixturevalue(checkpoint)
     model = _load(directory)
     hf = _hf_dequantized(directory, method)
     assert model.moecc.expert_format == method and all(h and h["gate_up_proj"].format == method for h in _held(model))
