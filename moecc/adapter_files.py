@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import types
 import uuid
 from pathlib import Path
@@ -251,10 +252,13 @@ def save_adapter(peft_model: torch.nn.Module, save_directory: str | Path, check_
     target = Path(save_directory).absolute()
     if target.exists() and not target.is_dir():
         raise MoeccError(f"cannot save the adapter to {str(target)!r}: it exists and is not a directory")
+    _refuse_unwritable(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_temporaries(target)
     temporary = target.with_name(f".{target.name}{_TEMP_TAG}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
+        os.mkdir(temporary)
+        _keep_owner_and_mode(temporary, target)
         PeftModel.save_pretrained(peft_model, str(temporary), **kwargs)
         write_settings(peft_model, temporary)
         _check_written(peft_model, temporary, check_finite, target)
@@ -264,6 +268,58 @@ def save_adapter(peft_model: torch.nn.Module, save_directory: str | Path, check_
         shutil.rmtree(temporary, ignore_errors=True)  # the new files after a failure, the old ones after a swap
     _sync_directory(target)
     _sync_directory(target.parent)
+
+
+def may_write(directory: Path) -> bool:
+    """Whether this process may create and rename entries in ``directory``. ``os.access`` decides for every user
+    but root, whom it lets write anywhere: for root the mode bits of its class (owner, group or others) decide, so
+    a directory made read-only stays read-only to every save."""
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return False
+    if os.geteuid() != 0:
+        return True
+    status = directory.stat()
+    if status.st_uid == 0:
+        wanted = stat.S_IWUSR | stat.S_IXUSR
+    elif status.st_gid in (os.getegid(), *os.getgroups()):
+        wanted = stat.S_IWGRP | stat.S_IXGRP
+    else:
+        wanted = stat.S_IWOTH | stat.S_IXOTH
+    return status.st_mode & wanted == wanted
+
+
+def _refuse_unwritable(target: Path) -> None:
+    """Refuses, before anything is written, a save into a directory this process may not write (``may_write``):
+    ``target`` itself when it exists (the save replaces it) and the directory its temporary goes into."""
+    place = target.parent
+    while not place.exists():
+        place = place.parent  # the save creates the missing directories from here
+    for directory in ([target] if target.exists() else []) + [place]:
+        if not may_write(directory):
+            status = directory.stat()
+            raise MoeccError(
+                f"cannot save the adapter to {str(target)!r}: {str(directory)!r} is not writable by this process "
+                f"(mode {stat.filemode(status.st_mode)}, owner uid {status.st_uid}, this process uid "
+                f"{os.geteuid()}); save to a directory you may write, or give write permission on it (moecc does "
+                "not change a directory's owner or mode)")
+
+
+def _keep_owner_and_mode(temporary: Path, target: Path) -> None:
+    """Gives the new directory ``target``'s owner and mode, since it replaces ``target``; refuses (before writing)
+    where this process cannot give it that owner."""
+    if not target.exists():
+        return
+    wanted, made = target.stat(), temporary.stat()
+    if (wanted.st_uid, wanted.st_gid) != (made.st_uid, made.st_gid):
+        try:
+            os.chown(temporary, wanted.st_uid, wanted.st_gid)
+        except PermissionError:
+            raise MoeccError(
+                f"cannot save the adapter to {str(target)!r}: it is owned by uid {wanted.st_uid} (group "
+                f"{wanted.st_gid}), and the save replaces the directory with a new one, which this process (uid "
+                f"{os.geteuid()}) cannot give that owner; save as that user, or to a directory this process owns"
+            ) from None
+    os.chmod(temporary, stat.S_IMODE(wanted.st_mode))
 
 
 def install_atomic_save(peft_model: torch.nn.Module) -> None:

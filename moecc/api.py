@@ -14,6 +14,7 @@ from . import _ops
 from .config import MoeccConfig
 from .errors import MoeccError, UnsupportedDtypeError, UnsupportedModelError
 from .adapter_files import install_atomic_save, read_settings, warn_if_format_differs
+from .batch_checks import install_batch_checks
 from .engine_summary import log_prepared
 from .lora import (check_adapter_matches, check_expert_targets_matched, check_lora_config, expert_wrappers,
                    read_adapter_config, refuse_merges, track_merges)
@@ -85,6 +86,21 @@ def _check_model(model: torch.nn.Module) -> None:
         raise UnsupportedDtypeError(
             f"model weights are {bad[0]}; moecc supports bfloat16, float16 and float32. Load with "
             "torch_dtype=torch.bfloat16"
+        )
+
+
+def _refuse_lora_layers(model: torch.nn.Module) -> None:
+    """A plain model whose modules already hold PEFT LoRA layers was prepared (or given to ``get_peft_model``)
+    before: both change it in place, and PEFT would fail wrapping the same expert parameter a second time."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    wrapped = next((name for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)), None)
+    if wrapped is not None:
+        raise MoeccError(
+            f"this model already carries LoRA layers ({wrapped!r} is a PEFT {type(model.get_submodule(wrapped)).__name__}"
+            "): it was prepared by moecc (or given to get_peft_model) before, and both change the model in place, so "
+            "its expert parameters would be targeted twice. Use the model that call returned (prepare a model once), "
+            "or load a fresh copy of the base model"
         )
 
 
@@ -203,10 +219,13 @@ def prepare(
     state and metrics. One line on logger ``moecc`` says what runs where.
     """
     paradigm, config = _settings(adapter, paradigm, config)
+    config.check()  # again: fields may have been set after the config was made
     device = resolve_device(device)
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     family = family_for(base)
     _check_model(base)
+    if not isinstance(model, PeftModel):
+        _refuse_lora_layers(base)
     blocks = _sparse_blocks(base, family)
     base_experts = [expert_wrappers(block.experts)[0] for _, block in blocks]
     # Checked before anything changes, so a refusal leaves the model as it was
@@ -228,7 +247,8 @@ def prepare(
     # The one place the native pool is set: the config's threads, else what the paradigm wants on this device
     _ops.configure_pool(config.num_threads or paradigm_engine.pool_threads(device), config.pin_threads)
     engine = paradigm_engine.from_config(device, config)
-    engine.check_finite = config.check_finite
+    engine.check_finite = config.check_finite is not False
+    engine.check_every_tensor = config.check_finite == "all"
     for name, block in blocks:
         keep_on_host(block.experts)
         experts, wrappers = expert_wrappers(block.experts)
@@ -244,6 +264,7 @@ def prepare(
     if adapter is not None:
         warn_if_format_differs(peft_model.moecc, read_settings(adapter) or {}, adapter)
     install_atomic_save(peft_model)  # save_pretrained writes to a temporary name and renames
+    install_batch_checks(peft_model.get_base_model(), peft_model.moecc)
     log_prepared(peft_model.moecc, config)
     return peft_model
 

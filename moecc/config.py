@@ -1,8 +1,11 @@
 """Engine options, and the one place ``MOECC_*`` environment variables are read."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
+
+from .errors import MoeccError
 
 BACKENDS = ("auto", "reference", "native")
 OFFLOAD_COMPUTES = ("auto", "grouped", "reference")
@@ -14,6 +17,11 @@ INT4_GROUP_SIZES = (32, 64, 128)
 # The default int4 group (inputs sharing one scale) follows accuracy measured against the bf16 model over 32 / 64 /
 # 128; each group costs 4 bytes of scale, so a smaller one must buy its memory in accuracy.
 DEFAULT_INT4_GROUP = 128
+# Range limits of the options: past them a value is a typo, not a machine (the largest hosts have under 1,000 CPUs;
+# a slot holds one layer of experts, and models have under 200 layers)
+MAX_THREADS = 4096
+MAX_SLOTS = 1024
+MAX_GB = 100_000.0
 
 
 @dataclass
@@ -61,10 +69,13 @@ class MoeccConfig:
             a fused AdamW). ``"auto"`` (default): the device when factors, gradients and two AdamW moments take
             at most a quarter of the GPU budget (of the GPU's memory without a budget), else the host.
             Environment: ``MOECC_OFFLOAD_LORA``.
-        check_finite: every MoE layer checks its inputs (hidden states, routing weights), its output and its
-            gradients (incoming, and those it computes) for NaN / inf, and raises an error naming the layer and the
-            step (forward pass). A host sync per check, so off by default; ``MoeccCallback`` turns it on at
-            logging steps. Environment: ``MOECC_CHECK_FINITE`` (0/1).
+        check_finite: ``True`` (default): every MoE layer's inputs (hidden states and routing weights) and the
+            loss are checked for NaN / inf, and a non-finite one raises an error naming the layer, the tensor and
+            the step (forward pass) before the layer computes anything. The flags are reduced where the tensors
+            are and read where the engine reads the routing anyway, so the check costs no extra host sync.
+            ``"all"``: also each layer's output and gradients (incoming, and those it computes), a host sync per
+            tensor; ``MoeccCallback`` turns this on at logging steps. ``False``: no checks. Environment:
+            ``MOECC_CHECK_FINITE`` (0/1 or all).
         split_policy: how the hybrid paradigm divides each layer's routed experts between the GPU and the CPU:
             ``"planned"`` (default: balances CPU seconds against copy and GPU seconds from costs measured while both
             sides run, and on a CUDA GPU falls back to whole steps with every expert on the GPU where those are
@@ -95,58 +106,65 @@ class MoeccConfig:
     offload_lora: str = "auto"
     offload_compute: str = "auto"
     prepack_weights: bool = False
-    check_finite: bool = False
+    check_finite: bool | str = True
     split_policy: object = "planned"
     expert_format: str = "auto"
     int4_group_size: int = DEFAULT_INT4_GROUP
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"unknown moecc backend {self.backend!r}; choose one of {', '.join(BACKENDS)}")
-        if self.gpu_memory_budget_gb is not None and self.gpu_memory_budget_gb <= 0:
-            raise ValueError(f"gpu_memory_budget_gb must be positive, got {self.gpu_memory_budget_gb}")
-        if isinstance(self.offload_cache_gb, str):
-            if self.offload_cache_gb.strip().lower() == "auto":
-                self.offload_cache_gb = "auto"
-            else:
-                raise ValueError(f"offload_cache_gb must be a number of GB or 'auto', got {self.offload_cache_gb!r}")
-        elif self.offload_cache_gb < 0:
-            raise ValueError(f"offload_cache_gb must be >= 0 (0 = no cache), got {self.offload_cache_gb}")
-        if self.offload_slots < 1:
-            raise ValueError(f"offload_slots must be >= 1, got {self.offload_slots}")
-        if self.offload_lora not in OFFLOAD_LORA:
-            raise ValueError(f"unknown offload_lora {self.offload_lora!r}; choose one of {', '.join(OFFLOAD_LORA)}")
-        if self.offload_compute not in OFFLOAD_COMPUTES:
-            raise ValueError(f"unknown offload_compute {self.offload_compute!r}; choose one of "
-                             f"{', '.join(OFFLOAD_COMPUTES)} ('grouped': grouped products, LoRA factorised; "
-                             "'reference': bit-exact with HF + PEFT)")
-        if self.isa not in ISAS:
-            raise ValueError(f"unknown ISA {self.isa!r}; choose one of {', '.join(ISAS)}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1 or None (all CPUs), got {self.num_threads}")
+        self.check()
+
+    def check(self) -> None:
+        """Raises MoeccError naming the first field whose value has the wrong type or lies out of range, with
+        the value seen and what it may be (``prepare`` calls it again, for fields set after construction)."""
+        check_choice("moecc backend", self.backend, BACKENDS)
+        check_choice("ISA", self.isa, ISAS)
+        check_choice("offload_lora", self.offload_lora, OFFLOAD_LORA)
+        check_choice("offload_compute", self.offload_compute, OFFLOAD_COMPUTES,
+                     " ('grouped': grouped products, LoRA factorised; 'reference': bit-exact with HF + PEFT)")
+        if self.num_threads is not None:
+            check_whole("num_threads", self.num_threads, 1, MAX_THREADS, "or None (every CPU)")
+        check_whole("offload_slots", self.offload_slots, 1, MAX_SLOTS)
+        check_flag("pin_threads", self.pin_threads)
+        check_flag("prepack_weights", self.prepack_weights)
+        if self.check_finite != "all":
+            check_flag("check_finite", self.check_finite, " or 'all' (outputs and gradients too)")
+        if self.gpu_memory_budget_gb is not None:
+            check_gb("gpu_memory_budget_gb", self.gpu_memory_budget_gb, positive=True)
+        if isinstance(self.offload_cache_gb, str) and self.offload_cache_gb.strip().lower() == "auto":
+            self.offload_cache_gb = "auto"
+        else:
+            check_gb("offload_cache_gb", self.offload_cache_gb, positive=False, words="or 'auto' (0 = no cache)")
+        self._check_split_policy()
         self._check_expert_format()
+
+    def _check_split_policy(self) -> None:
+        from .paradigms.split_policies import split_policy  # the paradigms import this module
+
+        split_policy(self.split_policy)
 
     def _check_expert_format(self) -> None:
         if not isinstance(self.expert_format, str) or self.expert_format.strip().lower() not in EXPERT_FORMATS:
-            raise ValueError(f"unknown expert_format {self.expert_format!r}; choose one of {', '.join(EXPERT_FORMATS)} "
-                             "('auto' keeps the model's or checkpoint's own format)")
+            raise MoeccError(f"unknown expert_format {self.expert_format!r}; choose one of "
+                             f"{', '.join(EXPERT_FORMATS)} ('auto' keeps the model's or checkpoint's own format)")
         self.expert_format = self.expert_format.strip().lower()
         group = self.int4_group_size
         if isinstance(group, bool) or group not in INT4_GROUP_SIZES:
-            raise ValueError(f"int4_group_size={group!r} is not supported; choose one of "
+            raise MoeccError(f"int4_group_size={group!r} is not supported; choose one of "
                              f"{', '.join(map(str, INT4_GROUP_SIZES))} (inputs sharing one scale)")
 
     @classmethod
     def from_env(cls) -> MoeccConfig:
         """Defaults, overridden by the ``MOECC_*`` variables named in the attributes above."""
         kwargs: dict = {}
-        for variable, field_name, unit in (("MOECC_NUM_THREADS", "num_threads", "threads"),
-                                           ("MOECC_OFFLOAD_SLOTS", "offload_slots", "layers"),
-                                           ("MOECC_INT4_GROUP", "int4_group_size", "inputs")):
-            value = os.environ.get(variable)
+        for variable, field_name, unit, most in (("MOECC_NUM_THREADS", "num_threads", "threads", MAX_THREADS),
+                                                 ("MOECC_OFFLOAD_SLOTS", "offload_slots", "layers", MAX_SLOTS),
+                                                 ("MOECC_INT4_GROUP", "int4_group_size", "inputs", None)):
+            value = os.environ.get(variable, "").strip()
             if value:
-                if not value.strip().isdigit():
-                    raise ValueError(f"{variable}={value!r} is not a whole number of {unit}")
+                if not value.isdigit() or (most and not 1 <= int(value) <= most):
+                    raise MoeccError(f"{variable}={os.environ[variable]!r} is not a whole number of {unit}"
+                                     + (f" from 1 to {most}" if most else ""))
                 kwargs[field_name] = int(value)
         if os.environ.get("MOECC_BACKEND"):
             kwargs["backend"] = os.environ["MOECC_BACKEND"]
@@ -168,28 +186,68 @@ class MoeccConfig:
                 try:
                     kwargs[field_name] = float(value)
                 except ValueError:
-                    raise ValueError(f"{variable}={value!r} is not a number of GB"
+                    raise MoeccError(f"{variable}={value!r} is not a number of GB"
                                      + (" or 'auto'" if field_name == "offload_cache_gb" else "")) from None
+                check_gb(f"{variable} ({field_name})", kwargs[field_name], positive=field_name != "offload_cache_gb")
         for variable, field_name in (("MOECC_PIN_THREADS", "pin_threads"),
-                                     ("MOECC_PREPACK_WEIGHTS", "prepack_weights"),
-                                     ("MOECC_CHECK_FINITE", "check_finite")):
+                                     ("MOECC_PREPACK_WEIGHTS", "prepack_weights")):
             value = env_flag(variable)
             if value is not None:
                 kwargs[field_name] = value
+        if os.environ.get("MOECC_CHECK_FINITE", "").strip().lower() == "all":
+            kwargs["check_finite"] = "all"
+        elif env_flag("MOECC_CHECK_FINITE", "; or all (outputs and gradients too)") is not None:
+            kwargs["check_finite"] = env_flag("MOECC_CHECK_FINITE")
         return cls(**kwargs)
 
 
 FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
-def env_flag(variable: str) -> bool | None:
-    """The value of an on/off ``MOECC_*`` variable (1/true/yes or 0/false/no, any case); None when unset or empty."""
+def env_flag(variable: str, more: str = "") -> bool | None:
+    """The value of an on/off ``MOECC_*`` variable (1/true/yes or 0/false/no, any case); None when unset or empty.
+    ``more``: other accepted words, for the error message."""
     value = os.environ.get(variable, "").strip()
     if not value:
         return None
     if value.lower() not in FLAGS:
-        raise ValueError(f"{variable}={os.environ[variable]!r}: use 1/true/yes or 0/false/no")
+        raise MoeccError(f"{variable}={os.environ[variable]!r}: use 1/true/yes or 0/false/no{more}")
     return FLAGS[value.lower()]
+
+
+def check_choice(name: str, value, choices: tuple[str, ...], meaning: str = "") -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise MoeccError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}{meaning}")
+
+
+def check_whole(name: str, value, least: int, most: int, words: str = "") -> None:
+    """Refuses anything but a whole number (an ``int``, not a bool, float or string) in ``[least, most]``."""
+    wanted = f"a whole number (an int) from {least} to {most}{' ' + words if words else ''}"
+    if isinstance(value, bool) or not isinstance(value, int):
+        as_text = str(value).strip()
+        fix = (f"; write {name.split()[0]}={int(float(as_text))}" if as_text.replace(".", "", 1).isdigit()
+               and float(as_text).is_integer() else "")
+        raise MoeccError(f"{name} must be {wanted}, got {value!r} of type {type(value).__name__}{fix}")
+    if not least <= value <= most:
+        raise MoeccError(f"{name} must be {wanted}, got {value}")
+
+
+def check_flag(name: str, value, words: str = "") -> None:
+    """Refuses anything but True / False: a string such as "false" would read as on."""
+    if not isinstance(value, bool):
+        raise MoeccError(f"{name} must be True or False{words}, got {value!r} of type {type(value).__name__}")
+
+
+def check_gb(name: str, value, positive: bool, words: str = "") -> None:
+    """Refuses anything but a finite number of GB, above 0 (``positive``) or at least 0, and at most ``MAX_GB``."""
+    bound = "a positive number of GB (greater than 0)" if positive else "a number of GB >= 0"
+    wanted = f"{bound} and at most {MAX_GB:g}{' ' + words if words else ''}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise MoeccError(f"{name} must be {wanted}, got {value!r} of type {type(value).__name__}")
+    if not math.isfinite(value):
+        raise MoeccError(f"{name} must be {wanted}, got {value} (not finite)")
+    if value < 0 or (positive and value == 0) or value > MAX_GB:
+        raise MoeccError(f"{name} must be {wanted}, got {value:g}")
 
 
 def native_bf16_from_env() -> bool:

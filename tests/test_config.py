@@ -19,9 +19,9 @@ def test_environment_overrides(monkeypatch):
     ("MOECC_PIN_THREADS", "maybe", "1/true/yes"),
     ("MOECC_BACKEND", "turbo", "unknown moecc backend"),
     ("MOECC_OFFLOAD_CACHE_GB", "lots", "not a number of GB"),
-    ("MOECC_OFFLOAD_CACHE_GB", "-2", "offload_cache_gb must be >= 0"),
+    ("MOECC_OFFLOAD_CACHE_GB", "-2", r"MOECC_OFFLOAD_CACHE_GB \(offload_cache_gb\) must be a number of GB >= 0"),
     ("MOECC_OFFLOAD_SLOTS", "two", "whole number of layers"),
-    ("MOECC_OFFLOAD_SLOTS", "0", "offload_slots must be >= 1"),
+    ("MOECC_OFFLOAD_SLOTS", "0", "MOECC_OFFLOAD_SLOTS='0' is not a whole number of layers from 1 to 1024"),
 ])
 def test_bad_environment_values_are_named(monkeypatch, name, value, match):
     monkeypatch.setenv(name, value)

@@ -251,7 +251,7 @@ def nan_weights(logits, weights, ids):
     return logits, weights, ids
 
 
-def checked_step(paradigm: str, fault: Callable, check_finite: bool = True) -> float:
+def checked_step(paradigm: str, fault: Callable, check_finite: bool | str = True) -> float:
     """A step of a model prepared with ``check_finite``, after ``fault(model)`` (run to its loss's backward)."""
     model = prepared(paradigm, check_finite=check_finite)
     fault(model)
@@ -273,6 +273,16 @@ def nan_gradient_into_layer1_experts(model) -> None:
     model.base_model.model.model.layers[1].mlp.register_forward_hook(hook)
 
 
+def nan_into_layer1_block(model):
+    """Makes the hidden states entering layer 1's MoE block NaN at one position (a fault in the layers before it);
+    returns the hook's handle."""
+    def hook(module, args, output):
+        output = output.clone()
+        output[0, 0, 0] = float("nan")
+        return output
+    return model.base_model.model.model.layers[1].post_attention_layernorm.register_forward_hook(hook)
+
+
 def routing_faults(paradigm: str) -> list[Fault]:
     """Routing outputs and finite checks refused under ``paradigm``, before the engine's state changes."""
     rows = [
@@ -289,12 +299,18 @@ def routing_faults(paradigm: str) -> list[Fault]:
               lambda s, t: faulty_step(paradigm, lambda a, w, i: (a, w.t(), i)), ValueError,
               ("top_k_weights", "(2, 24)", "shape")),
         Fault(f"{paradigm}-check-finite-routing", lambda s, t: checked_step(paradigm, lambda m: router_returns(
-            m, nan_weights)), MoeccError, ("step 1", "routing weights", "non-finite", "model.layers.0")),
-        Fault(f"{paradigm}-check-finite-output", lambda s, t: checked_step(paradigm, nan_layer1_expert_lora),
+            m, nan_weights)), MoeccError, ("step 1", "routing weights", "non-finite", "model.layers.0",
+                                           "before the layer computed anything")),
+        Fault(f"{paradigm}-check-finite-hidden", lambda s, t: checked_step(paradigm, nan_into_layer1_block),
+              MoeccError, ("step 1", "input hidden states", "1 non-finite", "model.layers.1", "check_finite=False")),
+        Fault(f"{paradigm}-check-finite-loss", lambda s, t: checked_step(paradigm, nan_layer1_expert_lora),
+              MoeccError, ("step 1", "loss is nan", "non-finite", "check_finite='all'")),
+        Fault(f"{paradigm}-check-finite-all-output", lambda s, t: checked_step(paradigm, nan_layer1_expert_lora,
+                                                                              "all"),
               MoeccError, ("step 1", "output", "non-finite", "model.layers.1")),
-        Fault(f"{paradigm}-check-finite-gradient", lambda s, t: checked_step(paradigm,
-                                                                            nan_gradient_into_layer1_experts),
-              MoeccError, ("step 1", "incoming gradient", "non-finite", "model.layers.1")),
+        Fault(f"{paradigm}-check-finite-all-gradient", lambda s, t: checked_step(
+            paradigm, nan_gradient_into_layer1_experts, "all"), MoeccError,
+              ("step 1", "incoming gradient", "non-finite", "model.layers.1")),
     ]
     rows[0].words += ("invalid routing",)
     rows[1].words += ("invalid routing",)
@@ -303,6 +319,7 @@ def routing_faults(paradigm: str) -> list[Fault]:
 
 SAFE = "adapter_model.safetensors"
 BIN = "adapter_model.bin"
+OTHER_USER = 4242  # a uid no account has
 INDEX = "model.safetensors.index.json"
 MoeccError, Mismatch, LoraError = moecc.MoeccError, moecc.AdapterMismatchError, moecc.UnsupportedLoraConfigError
 
@@ -448,10 +465,126 @@ FAULTS = [
     Fault("env-offload-slots", lambda s, t: env_config(MOECC_OFFLOAD_SLOTS="0"), ValueError, ("offload_slots", "0")),
     Fault("config-cache-negative", lambda s, t: moecc.MoeccConfig(offload_cache_gb=-1), ValueError,
           ("offload_cache_gb", ">= 0")),
+    Fault("config-threads-a-string", lambda s, t: moecc.MoeccConfig(num_threads="4"), MoeccError,
+          ("num_threads", "whole number", "'4'", "str", "num_threads=4")),
+    Fault("config-threads-fraction", lambda s, t: moecc.MoeccConfig(num_threads=1.5), MoeccError,
+          ("num_threads", "whole number", "1.5", "float")),
+    Fault("config-threads-huge", lambda s, t: moecc.MoeccConfig(num_threads=10**20), MoeccError,
+          ("num_threads", "from 1 to 4096", "100000000000000000000")),
+    Fault("config-slots-float", lambda s, t: moecc.MoeccConfig(offload_slots=2.0), MoeccError,
+          ("offload_slots", "whole number", "2.0", "offload_slots=2")),
+    Fault("config-cache-nan", lambda s, t: moecc.MoeccConfig(offload_cache_gb=float("nan")), MoeccError,
+          ("offload_cache_gb", "nan", "not finite", "'auto'")),
+    Fault("config-cache-inf", lambda s, t: moecc.MoeccConfig(offload_cache_gb=float("inf")), MoeccError,
+          ("offload_cache_gb", "inf", "not finite")),
+    Fault("config-cache-word", lambda s, t: moecc.MoeccConfig(offload_cache_gb="lots"), MoeccError,
+          ("offload_cache_gb", "'lots'", "'auto'")),
+    Fault("config-budget-nan", lambda s, t: moecc.MoeccConfig(gpu_memory_budget_gb=float("nan")), MoeccError,
+          ("gpu_memory_budget_gb", "nan", "not finite")),
+    Fault("config-budget-inf", lambda s, t: moecc.MoeccConfig(gpu_memory_budget_gb=float("inf")), MoeccError,
+          ("gpu_memory_budget_gb", "inf", "not finite")),
+    Fault("config-budget-a-string", lambda s, t: moecc.MoeccConfig(gpu_memory_budget_gb="8"), MoeccError,
+          ("gpu_memory_budget_gb", "'8'", "str")),
+    Fault("config-budget-past-any-gpu", lambda s, t: moecc.MoeccConfig(gpu_memory_budget_gb=1e9), MoeccError,
+          ("gpu_memory_budget_gb", "at most 100000", "1e+09")),
+    Fault("config-pin-threads-a-string", lambda s, t: moecc.MoeccConfig(pin_threads="false"), MoeccError,
+          ("pin_threads", "True or False", "'false'")),
+    Fault("config-check-finite-word", lambda s, t: moecc.MoeccConfig(check_finite="yes"), MoeccError,
+          ("check_finite", "'all'", "'yes'")),
+    Fault("config-split-policy-nan", lambda s, t: moecc.MoeccConfig(split_policy="coldest:nan"), MoeccError,
+          ("split_policy", "coldest:nan", "[0, 1]")),
+    Fault("config-field-set-later", lambda s, t: set_and_prepare(num_threads="4"), MoeccError,
+          ("num_threads", "'4'")),
+    Fault("env-threads-huge", lambda s, t: env_config(MOECC_NUM_THREADS="100000000000000000000"), MoeccError,
+          ("MOECC_NUM_THREADS='100000000000000000000'", "from 1 to 4096")),
+    Fault("env-threads-exponent", lambda s, t: env_config(MOECC_NUM_THREADS="1e20"), MoeccError,
+          ("MOECC_NUM_THREADS='1e20'", "whole number")),
+    Fault("env-budget-nan", lambda s, t: env_config(MOECC_GPU_BUDGET_GB="nan"), MoeccError,
+          ("MOECC_GPU_BUDGET_GB", "nan", "not finite")),
+    Fault("env-budget-inf", lambda s, t: env_config(MOECC_GPU_BUDGET_GB="inf"), MoeccError,
+          ("MOECC_GPU_BUDGET_GB", "inf", "not finite")),
+    Fault("env-cache-nan", lambda s, t: env_config(MOECC_OFFLOAD_CACHE_GB="nan"), MoeccError,
+          ("MOECC_OFFLOAD_CACHE_GB", "nan", "not finite")),
+    Fault("env-cache-inf", lambda s, t: env_config(MOECC_OFFLOAD_CACHE_GB="inf"), MoeccError,
+          ("MOECC_OFFLOAD_CACHE_GB", "inf", "not finite")),
+    Fault("env-check-finite-word", lambda s, t: env_config(MOECC_CHECK_FINITE="maybe"), MoeccError,
+          ("MOECC_CHECK_FINITE='maybe'", "or all")),
+    # the prepared model's inputs
+    Fault("ids-zero-length", lambda s, t: run_ids(torch.zeros(2, 0, dtype=torch.long)), MoeccError,
+          ("input_ids", "(2, 0)", "empty batch")),
+    Fault("ids-empty-batch", lambda s, t: run_ids(torch.zeros(0, 12, dtype=torch.long)), MoeccError,
+          ("input_ids", "(0, 12)", "empty batch")),
+    Fault("ids-one-token-with-labels", lambda s, t: run_ids(BATCH[0][:, :1], labels=BATCH[0][:, :1]), MoeccError,
+          ("step 1", "no label counts", "one token long")),
+    Fault("labels-all-masked", lambda s, t: run_ids(BATCH[0], labels=torch.full_like(BATCH[0], -100)), MoeccError,
+          ("step 1", "loss is nan", "no label counts", "-100")),
+    Fault("ids-past-vocabulary", lambda s, t: run_ids(with_id(300, (1, 3))), MoeccError,
+          ("outside the vocabulary [0, 256)", "300 at position (1, 3)", "resize_token_embeddings")),
+    Fault("ids-negative", lambda s, t: run_ids(torch.full((1, 4), -1)), MoeccError,
+          ("outside the vocabulary", "-1", "(0, 0)")),
+    Fault("ids-float", lambda s, t: run_ids(BATCH[0].float()), MoeccError,
+          ("input_ids", "integer token ids", "torch.float32", ".long()")),
+    Fault("ids-bool", lambda s, t: run_ids(BATCH[0] > 0), MoeccError, ("integer token ids", "torch.bool")),
+    Fault("ids-one-dimensional", lambda s, t: run_ids(BATCH[0][0]), MoeccError,
+          ("input_ids", "(12,)", "[batch, sequence]", "unsqueeze(0)")),
+    Fault("batch-past-host-memory", lambda s, t: run_ids(torch.zeros(1, 1, dtype=torch.long).expand(1, 2**31)),
+          MoeccError, ("2,147,483,648 tokens", "gb of host memory", "fewer tokens per step")),
+    Fault("prepare-a-prepared-base", lambda s, t: prepare_twice(), MoeccError,
+          ("already carries lora", "prepared by moecc", "targeted twice", "fresh copy")),
     # saving
     Fault("save-over-a-file", lambda s, t: save_over_file(t), MoeccError, ("not a directory",)),
     Fault("save-nan-adapter", lambda s, t: save_nan(t), MoeccError, ("not saved", "non-finite", "was not created")),
+    Fault("save-into-read-only-directory", lambda s, t: save_into(t, 0o555), MoeccError,
+          ("cannot save", "not writable", "dr-xr-xr-x", "does not change")),
+    Fault("save-into-read-only-parent", lambda s, t: save_into(t, 0o555, below="new"), MoeccError,
+          ("cannot save", "not writable", "dr-xr-xr-x")),
+    Fault("save-into-another-users-directory", lambda s, t: save_into(t, 0o755, owner=OTHER_USER), MoeccError,
+          ("cannot save", "not writable", f"owner uid {OTHER_USER}")),
 ]
+
+
+def with_id(value: int, position: tuple[int, int]) -> torch.Tensor:
+    ids = BATCH[0].clone()
+    ids[position] = value
+    return ids
+
+
+def run_ids(ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
+    return prepared()(input_ids=ids, labels=labels).logits.sum().item()
+
+
+def set_and_prepare(**fields):
+    config = moecc.MoeccConfig()
+    for name, value in fields.items():
+        setattr(config, name, value)
+    return moecc.prepare(tiny_model(FAMILY), device="cpu", config=config)
+
+
+def prepare_twice():
+    base = tiny_model(FAMILY)
+    moecc.prepare(base, device="cpu")
+    return moecc.prepare(base, device="cpu")
+
+
+def save_into(tmp_path: Path, mode: int, owner: int | None = None, below: str | None = None):
+    """Saves into ``tmp_path/'adapter'`` (or ``below`` it) made with ``mode`` and ``owner``; the directory keeps both."""
+    directory = tmp_path / "adapter"
+    directory.mkdir()
+    if owner is not None:
+        if os.geteuid() != 0:
+            pytest.skip("making a directory another user owns needs root")
+        os.chown(directory, owner, owner)
+    os.chmod(directory, mode)
+    before = directory.stat()
+    model = prepared()
+    try:
+        model.save_pretrained(directory / below if below else directory)
+    finally:
+        after = directory.stat()
+        os.chmod(directory, 0o755)  # so the test's cleanup can remove it
+        assert (after.st_uid, after.st_gid, after.st_mode, after.st_ino) == (
+            before.st_uid, before.st_gid, before.st_mode, before.st_ino)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"] and not list(directory.iterdir())
 
 def save_over_file(tmp_path: Path):
     (tmp_path / "adapter").write_text("not a directory")
@@ -612,10 +745,47 @@ def no_grad_forward(model):
         run_batch(model)
 
 
+def non_finite_routing_weights(model):
+    router_returns(model, nan_weights)
+    with pytest.raises(MoeccError, match="routing weights .* non-finite"):
+        run_batch(model)
+    model.base_model.model.model.layers[0].mlp.gate.restore()
+
+
+def non_finite_hidden_states(model):
+    handle = nan_into_layer1_block(model)
+    with pytest.raises(MoeccError, match="input hidden states .* non-finite"):
+        run_batch(model)
+    handle.remove()
+
+
+def non_finite_loss(model):
+    """Layer 1's expert LoRA holds a NaN for one step (no MoE layer after it: the loss names it), then its values."""
+    factor = next(p for n, p in model.named_parameters() if "layers.1.mlp.experts" in n and "lora_B" in n)
+    kept = factor.detach().clone()
+    with torch.no_grad():
+        factor.fill_(float("nan"))
+    with pytest.raises(MoeccError, match="loss is nan"):
+        run_batch(model)
+    with torch.no_grad():
+        factor.copy_(kept)
+
+
+def rejected_inputs(model):
+    ids, mask, labels = BATCH
+    for bad in (ids[:, :0], ids.float(), ids[0], with_id(-3, (0, 2)), torch.zeros(1, 1, dtype=torch.long).expand(
+            1, 2**31)):
+        with pytest.raises(MoeccError, match="input_ids|host memory"):
+            model(input_ids=bad)
+    with pytest.raises(MoeccError, match="no label counts"):
+        model(input_ids=ids, attention_mask=mask, labels=torch.full_like(labels, -100))
+
+
 AFTER_FAILURES = [
     pytest.param(fail, paradigm, id=f"{paradigm}-{fail.__name__.replace('_', '-')}")
     for paradigm in PARADIGMS
-    for fail in (fail_in_forward, fail_in_backward, rejected_routing, rejected_weights, no_grad_forward)
+    for fail in (fail_in_forward, fail_in_backward, rejected_routing, rejected_weights, no_grad_forward,
+                 non_finite_routing_weights, non_finite_hidden_states, non_finite_loss, rejected_inputs)
 ]
 
 

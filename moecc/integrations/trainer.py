@@ -16,9 +16,9 @@ freely. Checkpoints are saved atomically (``moecc.adapter_files``): a run killed
 adapter whole. With ``check_finite`` (the default) the trainable parameters' gradients are checked as backward
 accumulates them at every logging step, and a NaN or inf stops training before the optimizer step writes it into
 the weights, naming the step and the first parameter (so the layer) whose gradient went non-finite in backward:
-checked later, gradient clipping would have spread the NaN to every parameter. At those steps the engine's own
-check (``MoeccConfig.check_finite``) is on as well, so a non-finite expert input, output or gradient names its MoE
-layer as it appears.
+checked later, gradient clipping would have spread the NaN to every parameter. At those steps the engine checks
+every tensor (``MoeccConfig(check_finite="all")``) as well, so a non-finite expert output or gradient names its MoE
+layer as it appears (its inputs and the loss are checked at every step by default).
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ class MoeccCallback(TrainerCallback):
         self._hooks: list = []
         self._checking = False
         self._first_non_finite: tuple[str, int] | None = None
-        self._engine_checks = False  # the engine's check_finite as prepared (kept on at every step if set)
+        self._engine_checks = False  # the engine's check_every_tensor as prepared (kept on at every step if set)
 
     def prepare(self, model: torch.nn.Module, device=None) -> torch.nn.Module:
         """Prepares ``model`` (plain, or a ``PeftModel`` to adopt) with the arguments this callback was built with."""
@@ -127,7 +127,7 @@ class MoeccCallback(TrainerCallback):
     def on_init_end(self, args, state, control, model=None, **kwargs):
         model = self._prepared_model(args, model)
         self._engine = self._engine_of(model)
-        self._engine_checks = self._engine.check_finite
+        self._engine_checks = self._engine.check_every_tensor
         install_atomic_save(model)
         self._go_first()
 
@@ -140,7 +140,7 @@ class MoeccCallback(TrainerCallback):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self._engine.check_finite = self._engine_checks
+        self._engine.check_every_tensor = self._engine_checks
 
     def _gradient_check(self, name: str):
         def check(param: torch.Tensor) -> None:
@@ -172,7 +172,7 @@ class MoeccCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._checking = self.check_finite and _is_logging_step(args, state, state.global_step + 1)
-        self._engine.check_finite = self._engine_checks or self._checking
+        self._engine.check_every_tensor = self._engine_checks or self._checking
         self._first_non_finite = None
         self._engine.reset_metrics()  # what ran between steps (evaluation) is not training
         self._step_start = time.perf_counter()

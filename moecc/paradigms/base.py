@@ -110,6 +110,25 @@ class Ready:
         return self._output
 
 
+class FiniteFlags:
+    """Whether one layer call's inputs are finite: ``flags`` is a ``[2]`` bool tensor (hidden states, routing
+    weights) reduced where they are, without a sync; the paradigm reads it on the host where it waits anyway (the
+    routed counts, or the CPU worker's copy of the inputs) and calls :meth:`verify` before it computes."""
+
+    WHAT = ("input hidden states", "routing weights (top_k_weights)")
+
+    def __init__(self, layer: ExpertLayer, hidden: torch.Tensor, top_k_weights: torch.Tensor, step: int) -> None:
+        self.layer, self.step, self.inputs = layer, step, (hidden, top_k_weights)
+        self.flags = torch.stack([torch.isfinite(hidden).all(), torch.isfinite(top_k_weights).all()])  # [2]
+
+    def verify(self, read: list) -> None:
+        """Raises MoeccError when ``read`` (the flags as read on the host) says an input is not finite."""
+        for ok, what, tensor in zip(read, self.WHAT, self.inputs):
+            if not ok:
+                count = int((~torch.isfinite(tensor)).sum())
+                raise self.layer.non_finite(what, count, self.step, ", before the layer computed anything")
+
+
 class _CheckedPending:
     """A :class:`Pending` whose output is checked for NaN / inf (``ExpertLayer.checked``)."""
 
@@ -151,15 +170,21 @@ def node_gradients(ctx, grad_hidden: torch.Tensor, grad_top_k_weights: torch.Ten
     return (grad_hidden, grad_top_k_weights, *([None] * skipped), *factors)
 
 
-def routed_counts(top_k_index: torch.Tensor, num_experts: int) -> list[int]:
-    """``[E]`` routed pairs per expert on the host (one sync); ids outside ``[0, E)`` are refused first."""
+def routed_counts(top_k_index: torch.Tensor, num_experts: int, finite: FiniteFlags | None = None) -> list[int]:
+    """``[E]`` routed pairs per expert on the host (one sync); ids outside ``[0, E)`` are refused first, then
+    non-finite inputs where ``finite`` is given (its flags read in the same sync)."""
     flat = top_k_index.reshape(-1).long()
     bad = (flat < 0) | (flat >= num_experts)
-    counts = torch.bincount(torch.where(bad, num_experts, flat), minlength=num_experts + 1).tolist()
+    counts = torch.bincount(torch.where(bad, num_experts, flat), minlength=num_experts + 1)  # [E + 1]
+    if finite is not None:
+        counts = torch.cat([counts, finite.flags.long()])  # [E + 3]
+    counts = counts.tolist()
     if counts[num_experts]:
         seen = flat[bad][:4].tolist()
         raise MoeccError(f"invalid routing: the router produced expert ids outside [0, {num_experts}) (e.g. {seen}); "
                          "check the model's router (num_experts in its config); nothing was computed or cached")
+    if finite is not None:
+        finite.verify(counts[num_experts + 1:])
     return counts[:num_experts]
 
 
@@ -216,11 +241,13 @@ class ExpertLayer(ABC):
             self.engine.pass_begins(hidden.shape[0], torch.is_grad_enabled() or self.experts.training)
         return recomputing
 
-    def check_inputs(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+    def check_inputs(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> FiniteFlags | None:
         """Refuses routing that does not fit ``hidden [T, H]`` (``top_k_index`` integer ``[T, k]``,
-        ``top_k_weights`` the same shape) and, under ``check_finite``, non-finite inputs; call before any state
-        changes. Expert ids are checked by each paradigm where it reads them (``routed_counts``, or the CPU
-        grouping), so no paradigm syncs twice."""
+        ``top_k_weights`` the same shape); call before any state changes. Expert ids are checked by each paradigm
+        where it reads them (``routed_counts``, or the CPU grouping), so no paradigm syncs twice. Under
+        ``check_finite`` returns the inputs' :class:`FiniteFlags`, which the paradigm verifies in the same place
+        (None: not checked)."""
         if top_k_index.is_floating_point() or top_k_index.is_complex() or top_k_index.dtype == torch.bool:
             raise MoeccError(f"top_k_index must hold integer expert ids, got {top_k_index.dtype}; check the router")
         if top_k_index.dim() != 2 or top_k_index.shape[0] != hidden.shape[0]:
@@ -230,14 +257,14 @@ class ExpertLayer(ABC):
             raise MoeccError(f"top_k_weights has shape {tuple(top_k_weights.shape)} but top_k_index has "
                              f"{tuple(top_k_index.shape)}: the router must give one weight per routed expert (both "
                              "[tokens, top_k]); check the router's outputs")
-        if self.engine.check_finite:
-            step = self.engine.forward_passes + (self.index == 0 and not is_recomputing())  # the pass it begins
-            self.check_finite("input hidden states", hidden, step=step)
-            self.check_finite("routing weights (top_k_weights)", top_k_weights, step=step)
+        if not (self.engine.check_finite or self.engine.check_every_tensor):
+            return None
+        step = self.engine.forward_passes + (self.index == 0 and not is_recomputing())  # the pass it begins
+        return FiniteFlags(self, hidden.detach(), top_k_weights.detach(), step)
 
     def checked(self, pending: Pending) -> Pending:
-        """``pending``, its output checked for NaN / inf at ``result()`` under ``check_finite``."""
-        return _CheckedPending(pending, self) if self.engine.check_finite else pending
+        """``pending``, its output checked for NaN / inf at ``result()`` under ``check_finite="all"``."""
+        return _CheckedPending(pending, self) if self.engine.check_every_tensor else pending
 
     def backward_lock(self) -> contextlib.AbstractContextManager:
         """Held around this layer's backward: nothing here; engines whose layers share state lock it."""
@@ -245,31 +272,34 @@ class ExpertLayer(ABC):
 
     def checked_backward(self, grad_out: torch.Tensor, backward: Callable[[], tuple]) -> tuple:
         """``backward()`` of this layer's autograd node under :meth:`backward_lock`, with the incoming gradient and
-        the node's gradients checked under ``check_finite``."""
+        the node's gradients checked under ``check_finite="all"``."""
         self.check_finite("incoming gradient (of the output)", grad_out)
         self.engine.backward_calls += 1
         with self.backward_lock():
             return self.check_gradients(backward())
 
     def check_gradients(self, gradients: tuple) -> tuple:
-        """Under ``check_finite``: the gradients an experts node returns (``node_gradients``) are finite."""
+        """Under ``check_finite="all"``: the gradients an experts node returns (``node_gradients``) are finite."""
         self.check_finite("gradients (hidden states, routing weights, LoRA factors)",
                           *(g for g in gradients if isinstance(g, torch.Tensor)))
         return gradients
 
     def check_finite(self, what: str, *tensors: torch.Tensor | None, step: int | None = None) -> None:
-        """Under ``check_finite`` (``MoeccConfig``): raises MoeccError naming this layer and the step (forward pass)
-        when one of ``tensors`` holds NaN or inf. A sync per tensor, so off by default."""
-        if not self.engine.check_finite:
+        """Under ``check_finite="all"`` (``MoeccConfig``): raises MoeccError naming this layer and the step (forward
+        pass) when one of ``tensors`` holds NaN or inf. A sync per tensor, so only where asked for."""
+        if not self.engine.check_every_tensor:
             return
         for tensor in tensors:
             if tensor is not None and not bool(torch.isfinite(tensor).all()):
                 count = int((~torch.isfinite(tensor)).sum())
-                step = self.engine.forward_passes if step is None else step
-                raise MoeccError(
-                    f"step {step} (forward pass): the {what} of MoE layer {self.index} ({self.name}) hold {count} "
-                    "non-finite values (NaN or inf); lower the learning rate, clip gradients or train in bfloat16 "
-                    "instead of float16 (MoeccConfig(check_finite=False) turns this check off)")
+                raise self.non_finite(what, count, self.engine.forward_passes if step is None else step)
+
+    def non_finite(self, what: str, count: int, step: int, note: str = "") -> MoeccError:
+        """The error for ``count`` NaN / inf values in this layer's ``what`` at forward pass ``step``."""
+        return MoeccError(
+            f"step {step} (forward pass): the {what} of MoE layer {self.index} ({self.name}) hold {count} "
+            f"non-finite values (NaN or inf){note}; lower the learning rate, clip gradients or train in bfloat16 "
+            "instead of float16 (MoeccConfig(check_finite=False) turns this check off)")
 
     @abstractmethod
     def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Pending:
@@ -290,7 +320,10 @@ class Engine(ABC):
         self.layers: list[ExpertLayer] = []
         self.forward_passes = 0  # forward passes begun (not recomputations): the step errors name
         self.backward_calls = 0  # layer backwards begun
-        self.check_finite = False  # MoeccConfig.check_finite: layers check their inputs, outputs and gradients
+        # MoeccConfig.check_finite: True checks every layer's inputs (and the loss); "all" (check_every_tensor) their
+        # outputs and gradients too
+        self.check_finite = False
+        self.check_every_tensor = False
 
     @classmethod
     @abstractmethod

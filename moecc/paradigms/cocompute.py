@@ -23,7 +23,8 @@ from ..experts import ExpertBackend, ExpertLora, SavedState
 from ..experts.select import cpu_backend
 from ..lora import lora_tensors
 from ..staging import HostCopy, StagingBuffers
-from .base import Engine, EngineDescription, ExpertLayer, Pending, Worker, node_gradients, saved_state_gone
+from .base import (Engine, EngineDescription, ExpertLayer, FiniteFlags, Pending, Worker, node_gradients,
+                   saved_state_gone)
 
 
 class CoComputeEngine(Engine):
@@ -84,10 +85,14 @@ class ExpertJob:
         # A checkpointed layer's recomputation replays this job, copying its host output to the device again, until
         # its backward has run: its output goes back to the backend then, not once first copied.
         self.may_replay = False
+        self.finite: FiniteFlags | None = None  # the inputs' flags, staged with them and verified before computing
 
     def compute(self, staged: HostCopy) -> torch.Tensor:
         engine = self.layer.engine
         views = staged.wait()
+        finite, self.finite = self.finite, None  # its references to the device inputs go now
+        if finite is not None:
+            finite.verify(views["finite"].tolist())
         start = time.perf_counter()
         with record_function("moecc.cpu_experts.forward"):
             out, saved = engine.backend.forward(self.weights, views["hidden"], views["top_k_index"],
@@ -148,7 +153,7 @@ class CoComputeLayer(ExpertLayer):
 
     def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Pending:
         """Starts the routed experts on ``hidden [T, H]``; queue independent device work, then call ``result()``."""
-        self.check_inputs(hidden, top_k_index, top_k_weights)  # expert ids: by the CPU grouping, before it computes
+        finite = self.check_inputs(hidden, top_k_index, top_k_weights)  # expert ids: by the CPU grouping
         recomputing = self.begin_call(hidden)
         if recomputing and torch.is_grad_enabled():
             earlier = self._job_to_replay(hidden, top_k_index)
@@ -159,8 +164,10 @@ class CoComputeLayer(ExpertLayer):
             "hidden": hidden.detach().contiguous(),
             "top_k_index": top_k_index.contiguous(),
             "top_k_weights": top_k_weights.detach().contiguous(),
+            **({} if finite is None else {"finite": finite.flags}),  # read by the worker, which waits for the copy
         })
         job = ExpertJob(self, self.lora())
+        job.finite = finite
         job.shape = (tuple(hidden.shape), tuple(top_k_index.shape))
         job.future = self.engine.worker.submit(job.compute, staged)
         if torch.is_grad_enabled() and not recomputing:

@@ -32,8 +32,8 @@ from ..experts.grouping import group_by_expert
 from ..experts.native import rows_pay
 from ..experts.select import cpu_backend, default_device_backend, device_backend
 from ..lora import lora_tensors
-from .base import (Engine, EngineDescription, ExpertLayer, Pending, current_graph_task, node_gradients,
-                   routed_counts, saved_state_gone)
+from .base import (Engine, EngineDescription, ExpertLayer, FiniteFlags, Pending, current_graph_task,
+                   node_gradients, routed_counts, saved_state_gone)
 from .cpu_part import CpuPart, Landing, forward_rows, hybrid_pool_threads
 from .device_slots import Call, DeviceSlots, ParkedState, cache_setting, pin_experts
 from .hybrid_metrics import SideMetrics, hybrid_counters, record_forward
@@ -187,18 +187,19 @@ class HybridLayer(ExpertLayer):
         return self.engine.lock
 
     def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Pending:
-        self.check_inputs(hidden, top_k_index, top_k_weights)
+        finite = self.check_inputs(hidden, top_k_index, top_k_weights)
         part = self.engine.cpu_part
         with self.engine.lock:  # the slots are shared: one thread's layer call at a time
             part.join_backward()  # inside a backward (a checkpoint's recomputation): raises the pass's error
             part.join_deferred(self.index, join_part)
-            return self.checked(self._submit(hidden, top_k_index, top_k_weights))
+            return self.checked(self._submit(hidden, top_k_index, top_k_weights, finite))
 
-    def _submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> HybridPending:
+    def _submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                finite: FiniteFlags | None) -> HybridPending:
         lora = self.lora()
         factors = lora_tensors(lora)
         self.engine.slots.place_lora(factors)
-        counts = routed_counts(top_k_index, self.weights.num_experts)  # validated before any state changes
+        counts = routed_counts(top_k_index, self.weights.num_experts, finite)  # refused before any state changes
         call = Call.begin(self, hidden, top_k_weights, factors)
         parts = _Parts()
         out = HybridExpertsFunction.apply(hidden, top_k_weights, top_k_index, self, lora, call, counts, parts,

@@ -106,9 +106,10 @@ class OffloadLayer(ExpertLayer):
 
     def submit(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Pending:
         """Queues the layer's copies and compute on the device; ``result()`` hands the output over."""
-        self.check_inputs(hidden, top_k_index, top_k_weights)
-        # A host sync: which experts to copy, and their token counts; bad ids are refused before any slot changes
-        counts = routed_counts(top_k_index, self.weights.num_experts)
+        finite = self.check_inputs(hidden, top_k_index, top_k_weights)
+        # A host sync: which experts to copy, and their token counts; bad ids and non-finite inputs are refused
+        # before any slot changes
+        counts = routed_counts(top_k_index, self.weights.num_experts, finite)
         lora = self.lora()
         factors = lora_tensors(lora)
         engine = self.engine
