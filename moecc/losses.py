@@ -40,7 +40,8 @@ def chunked_causal_lm_loss(model: torch.nn.Module, input_ids: torch.Tensor, labe
     Same value and gradients as ``model(input_ids=..., attention_mask=..., labels=...).loss`` for a Hugging Face
     causal LM (plain or PEFT-wrapped, with or without moecc); peak memory of the head drops from
     ``3 x T x vocab x 4`` bytes to ``3 x chunk_tokens x vocab x 4``. One difference: when no label counts
-    (all -100), this returns 0 with zero gradients where the model's loss is NaN.
+    (all -100), this returns 0 with zero gradients where the model's loss is NaN. A model moecc prepared checks the
+    loss as its own forward does (``MoeccConfig.check_finite``).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
@@ -60,4 +61,8 @@ def chunked_causal_lm_loss(model: torch.nn.Module, input_ids: torch.Tensor, labe
             total = total + checkpoint(_chunk_loss_sum, head, hidden[piece], targets[piece], use_reentrant=False)
         else:
             total = total + _chunk_loss_sum(head, hidden[piece], targets[piece])
-    return total / count.clamp(min=1)
+    loss = total / count.clamp(min=1)
+    checks = getattr(decoder, "moecc_batch_checks", None)  # a model moecc prepared: its loss check
+    if checks is not None:
+        checks.check_loss(loss, None)
+    return loss

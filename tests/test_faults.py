@@ -261,6 +261,14 @@ def checked_step(paradigm: str, fault: Callable, check_finite: bool | str = True
     return loss.item()
 
 
+def chunked_loss_of(paradigm: str, fault: Callable) -> float:
+    from moecc.losses import chunked_causal_lm_loss
+
+    model = prepared(paradigm)
+    fault(model)
+    return chunked_causal_lm_loss(model, BATCH[0], BATCH[2], chunk_tokens=5).item()
+
+
 def nan_layer1_expert_lora(model) -> None:
     with torch.no_grad():
         next(p for n, p in model.named_parameters() if "layers.1.mlp.experts" in n and "lora_B" in n).fill_(float("nan"))
@@ -305,6 +313,8 @@ def routing_faults(paradigm: str) -> list[Fault]:
               MoeccError, ("step 1", "input hidden states", "1 non-finite", "model.layers.1", "check_finite=False")),
         Fault(f"{paradigm}-check-finite-loss", lambda s, t: checked_step(paradigm, nan_layer1_expert_lora),
               MoeccError, ("step 1", "loss is nan", "non-finite", "check_finite='all'")),
+        Fault(f"{paradigm}-check-finite-chunked-loss", lambda s, t: chunked_loss_of(paradigm, nan_layer1_expert_lora),
+              MoeccError, ("step 1", "loss is nan", "non-finite")),
         Fault(f"{paradigm}-check-finite-all-output", lambda s, t: checked_step(paradigm, nan_layer1_expert_lora,
                                                                               "all"),
               MoeccError, ("step 1", "output", "non-finite", "model.layers.1")),
@@ -917,6 +927,20 @@ def test_abandoned_temporary_of_a_dead_save_is_removed(model_and_old):
     abandoned.mkdir()
     model.save_pretrained(out)
     assert not abandoned.exists()
+
+
+def test_save_into_another_users_writable_directory_keeps_its_owner_and_mode(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("making a directory another user owns needs root")
+    directory = tmp_path / "shared"
+    directory.mkdir()
+    os.chown(directory, OTHER_USER, OTHER_USER)
+    os.chmod(directory, 0o777)
+    model = prepared()
+    model.save_pretrained(directory)
+    status = directory.stat()
+    assert (status.st_uid, status.st_gid, status.st_mode & 0o7777) == (OTHER_USER, OTHER_USER, 0o777)
+    assert_holds(directory, model)
 
 
 def test_prepared_model_saves_atomically():
