@@ -71,8 +71,9 @@ class MoeccConfig:
             Environment: ``MOECC_OFFLOAD_LORA``.
         check_finite: ``True`` (default): every MoE layer's inputs (hidden states and routing weights) and the
             loss are checked for NaN / inf, and a non-finite one raises an error naming the layer, the tensor and
-            the step (forward pass) before the layer computes anything. The flags are reduced where the tensors
-            are and read where the engine reads the routing anyway, so the check costs no extra host sync.
+            the step (forward pass) before the layer computes anything. The layers' flags are reduced where the
+            tensors are and read where the engine reads the routing anyway (no extra host sync); the loss costs one
+            read of a scalar per forward pass.
             ``"all"``: also each layer's output and gradients (incoming, and those it computes), a host sync per
             tensor; ``MoeccCallback`` turns this on at logging steps. ``False``: no checks. Environment:
             ``MOECC_CHECK_FINITE`` (0/1 or all).
