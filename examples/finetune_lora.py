@@ -5,10 +5,16 @@ on the GPU if there is one, else everything on the CPU), trains LoRA on the ship
 (examples/data, CC0) and prints the held-out loss and answer accuracy before and after.
 
     python examples/finetune_lora.py [--steps 300] [--device cpu] [--out outputs/finetune_lora]
+        [--expert-format {bf16,fp8,int8,int4,mxfp4} [--int4-group {32,64,128}]] [--seed 0]
+
+The demo model is float32. ``--expert-format`` trains its bfloat16 variant instead (experts of intermediate size
+128, so that every int4 group divides both projections' inputs) with the routed experts' frozen weights held in
+that format (``MoeccConfig.expert_format``): the same recipe, to compare formats side by side.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import moecc  # before torch: torch's OpenMP threads then sleep between ops (moecc/__init__.py)
@@ -16,11 +22,15 @@ import torch
 from tqdm import tqdm
 
 from demo_data import VOCAB_SIZE, answer_accuracy, load_split
+from moecc.config import EXPERT_FORMATS, INT4_GROUP_SIZES
 from moecc.tiny_models import tiny_model
 
 DEMO_SHAPE = dict(vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
                   num_experts_per_tok=2)
+# The bf16 variant: int4's groups of up to 128 inputs must divide the down projection's input, the expert
+# intermediate size.
+BF16_SHAPE = {**DEMO_SHAPE, "moe_intermediate_size": 128}
 
 
 @torch.no_grad()
@@ -32,6 +42,20 @@ def evaluate(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor, de
     return out.loss.item(), answer_accuracy(out.logits.float().cpu(), ids)
 
 
+def prepare_demo(args: argparse.Namespace) -> torch.nn.Module:
+    """The demo model (float32, or its bf16 variant held in ``--expert-format``) with LoRA, prepared by moecc."""
+    torch.manual_seed(args.seed)
+    if args.expert_format is None:
+        base = tiny_model("qwen3_moe", dtype=torch.float32, seed=args.seed, **DEMO_SHAPE)
+        config = None
+    else:
+        base = tiny_model("qwen3_moe", dtype=torch.bfloat16, seed=args.seed, **BF16_SHAPE)
+        group = {} if args.int4_group is None else {"int4_group_size": args.int4_group}
+        config = dataclasses.replace(moecc.MoeccConfig.from_env(), expert_format=args.expert_format, **group)
+    lora = moecc.default_lora_config(base, rank=args.rank)
+    return moecc.prepare(base, lora_config=lora, device=args.device, config=config)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -40,15 +64,18 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--out", default="outputs/finetune_lora", help="where the adapter is saved")
+    parser.add_argument("--expert-format", default=None, choices=[f for f in EXPERT_FORMATS if f != "auto"],
+                        help="train the bf16 variant with its experts held in this format (default: float32 demo)")
+    parser.add_argument("--int4-group", type=int, default=None, choices=INT4_GROUP_SIZES,
+                        help="inputs sharing one scale under --expert-format int4 (default: moecc's)")
+    parser.add_argument("--seed", type=int, default=0, help="the model's random weights and the batches")
     args = parser.parse_args()
-    torch.manual_seed(0)
-
-    base = tiny_model("qwen3_moe", dtype=torch.float32, seed=0, **DEMO_SHAPE)
-    model = moecc.prepare(base, lora_config=moecc.default_lora_config(base, rank=args.rank), device=args.device)
+    model = prepare_demo(args)
     device = model.moecc.device
     trainable, _ = model.get_nb_trainable_parameters()
     experts = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and ".experts." in n)
-    print(f"moecc {moecc.__version__}: {len(model.moecc.layers)} MoE layers, experts on the CPU; dense on {device}")
+    print(f"moecc {moecc.__version__}: {len(model.moecc.layers)} MoE layers, experts on the CPU "
+          f"({model.moecc.expert_format}); dense on {device}")
     print(f"trainable parameters: {trainable:,} ({experts:,} of them expert LoRA, held in host memory)")
 
     train_ids, train_labels = load_split("train")
@@ -58,7 +85,7 @@ def main() -> None:
 
     # fused: the Trainer's default, and ~4x faster than the for-each AdamW on the host-resident expert LoRA
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, fused=True)
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator().manual_seed(args.seed + 1)
     start = time.perf_counter()
     progress = tqdm(range(args.steps), desc="fine-tuning", unit="step", mininterval=1.0)
     for _ in progress:

@@ -25,6 +25,13 @@ def test_finetune_lora_improves_held_out_loss(tmp_path):
 
 
 @pytest.mark.e2e
+def test_finetune_lora_trains_the_bf16_variant_on_quantized_experts(tmp_path):
+    out = _run("finetune_lora.py", "--steps", "4", "--expert-format", "int4", "--int4-group", "32", "--out",
+               str(tmp_path / "adapter"), cwd=tmp_path)
+    assert "experts on the CPU (int4)" in out and "held-out after" in out
+
+
+@pytest.mark.e2e
 def test_hf_trainer_logs_moecc_metrics_and_checkpoints(tmp_path):
     out = _run("hf_trainer.py", "--steps", "12", "--out", str(tmp_path / "run"), cwd=tmp_path)
     printed_logs = [line for line in out.splitlines() if line.startswith("{'loss'")]

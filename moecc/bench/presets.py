@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import torch
 
+from ..config import DEFAULT_INT4_GROUP
+from ..store import convert, hold_quantized, kernel_view, return_freed_memory
+
 PRESETS: dict[str, dict] = {
     "qwen3-30b-a3b": dict(
         model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
@@ -83,38 +86,87 @@ def _fill_random(param: torch.Tensor, block: torch.Tensor, generator: torch.Gene
 
 
 def random_model(name: str, layers: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                 seed: int = 0) -> torch.nn.Module:
+                 seed: int = 0, expert_format: str = "auto",
+                 int4_group_size: int = DEFAULT_INT4_GROUP) -> torch.nn.Module:
     """A preset's causal LM in host memory with random weights, built without transformers' slow init.
 
     Linear-like weights get N(0, 0.02) (large tensors repeat one random block of 2^24 values from a random
     offset), norms 1, biases 0; non-persistent buffers (rotary tables) are computed as usual. So that tokens are
     routed as in a trained model (spread over all experts, not piled on a few), embeddings get N(0, 1) and the
     projections that write into the residual stream are scaled by 1/sqrt(2 x layers), as GPT-2 initialises them.
+
+    A quantized ``expert_format`` (``MoeccConfig.expert_format``: ``"int4"``, ``"int8"``, ``"fp8"``, ``"mxfp4"``;
+    ``dtype`` must be bfloat16) builds the routed experts straight into it, one projection at a time: host memory
+    never holds more than one projection's bf16 values beside the quantized copies, and the values are those the
+    bf16 model of the same seed holds (``moecc.prepare`` with that format then quantizes nothing).
     """
     from transformers import AutoModelForCausalLM
 
     config = preset_config(name, layers)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.to_empty(device="cpu")
+    experts_of = _quantized_expert_owners(model, expert_format, int4_group_size)
+    _materialize(model, skip=set(experts_of))
     generator = torch.Generator().manual_seed(seed)
     block = torch.randn(_DRAWN_ELEMENTS, generator=generator) * 0.02
     branch_scale = (2 * config.num_hidden_layers) ** -0.5
     with torch.no_grad():
-        for param_name, param in model.named_parameters():
+        for param_name, param in list(model.named_parameters()):
             if param.dim() == 1:
                 param.fill_(1.0 if "norm" in param_name else 0.0)
                 continue
-            _fill_random(param, block, generator)
+            values = torch.empty(param.shape, dtype=param.dtype) if id(param) in experts_of else param
+            _fill_random(values, block, generator)
             if "embed_tokens" in param_name:
-                param.mul_(_EMBEDDING_STD / 0.02)
+                values.mul_(_EMBEDDING_STD / 0.02)
             elif param_name.endswith(_RESIDUAL_OUTPUTS):
-                param.mul_(branch_scale)
+                values.mul_(branch_scale)
+            if id(param) in experts_of:
+                experts, attr = experts_of[id(param)]
+                hold_quantized(experts, attr, convert(kernel_view(experts, values), expert_format, int4_group_size),
+                               dtype)
+                del values
+    if experts_of:
+        return_freed_memory()
     for module_name, module in list(model.named_modules()):
         if type(module).__name__.endswith("RotaryEmbedding"):
             parent, _, attr = module_name.rpartition(".")
             setattr(model.get_submodule(parent), attr, type(module)(config=model.config))
     return model.train()
+
+
+def _quantized_expert_owners(model: torch.nn.Module, expert_format: str,
+                             group: int) -> dict[int, tuple[torch.nn.Module, str]]:
+    """``{id(parameter): (experts module, name)}`` of the routed experts' weights (still on the meta device) that
+    ``expert_format`` holds quantized; empty for ``"auto"`` and ``"bf16"``. A format the model cannot take is
+    refused here, with ``moecc.prepare``'s message, before anything is allocated."""
+    from ..models import family_for
+    from ..store import EXPERT_PARAMETERS, target_format
+
+    if expert_format in ("auto", "bf16"):
+        return {}
+    block_class = family_for(model).block_class()
+    owners = {}
+    for layer_name, block in model.named_modules():
+        if isinstance(block, block_class) and target_format(block.experts, layer_name, expert_format, group):
+            owners.update({id(block.experts._parameters[attr]): (block.experts, attr) for attr in EXPERT_PARAMETERS})
+    return owners
+
+
+def _materialize(model: torch.nn.Module, skip: set[int]) -> None:
+    """Every meta-device parameter and buffer but those whose ids are in ``skip`` as uninitialised host tensors
+    (``Module.to_empty`` for part of a model); a tensor shared by two modules stays shared."""
+    done: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, tensor in table.items():
+                if tensor is None or tensor.device.type != "meta" or id(tensor) in skip:
+                    continue
+                if id(tensor) not in done:
+                    empty = torch.empty_like(tensor, device="cpu")
+                    done[id(tensor)] = (torch.nn.Parameter(empty, tensor.requires_grad)
+                                        if isinstance(tensor, torch.nn.Parameter) else empty)
+                table[key] = done[id(tensor)]
 
 
 def preset_nbytes(name: str, layers: int | None = None, dtype: torch.dtype = torch.bfloat16) -> int:

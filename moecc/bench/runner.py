@@ -104,9 +104,10 @@ def _fall_back_to_checkpointing(model: torch.nn.Module, state: dict, run):
     return run()
 
 
-def _dtype(preset: str) -> torch.dtype:
-    """The bench models' dtype: bf16, as real checkpoints; float32 for the tiny test preset."""
-    return torch.float32 if preset == "tiny" else torch.bfloat16
+def _dtype(preset: str, expert_format: str = "auto") -> torch.dtype:
+    """The bench models' dtype: bf16, as real checkpoints; float32 for the tiny test preset unless an expert format
+    is asked for (every format but ``auto`` is made from bf16)."""
+    return torch.float32 if preset == "tiny" and expert_format == "auto" else torch.bfloat16
 
 
 def build_for_timing(preset: str, layers: int | None, paradigm: str, device: torch.device, budget_gb: float | None,
@@ -114,7 +115,10 @@ def build_for_timing(preset: str, layers: int | None, paradigm: str, device: tor
     """``(model, caveat, state)``: the bench's random-weight ``preset`` model with LoRA of ``rank`` under
     ``paradigm`` and the budget, a reason its numbers mislead (or None), and the checkpointing state that
     :func:`time_with_checkpointing` takes (``checkpointing``: ``auto``, ``on`` or ``off``)."""
-    base = random_model(preset, layers, _dtype(preset))
+    # MOECC_EXPERT_FORMAT builds the routed experts straight into a quantized format, never all of them in bf16
+    config = MoeccConfig.from_env()
+    base = random_model(preset, layers, _dtype(preset, config.expert_format), expert_format=config.expert_format,
+                        int4_group_size=config.int4_group_size)
     lora = default_lora_config(base, rank=rank)
     state = {"mode": checkpointing, "on": checkpointing == "on"}
     model, caveat = _build(paradigm, base, lora, device, budget_gb, state)
