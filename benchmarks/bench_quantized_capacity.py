@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -72,7 +73,8 @@ def measure(args: argparse.Namespace) -> dict:
         peak_host_rss_gb=proc_gb("VmHWM"), host_memory_gb=proc_gb("MemTotal", "/proc/meminfo"),
         step_s=row["step_s"], steps_s=[step["step_s"] for step in row["steps"]],
         tokens_per_s=row["tokens_per_s"], cpu_experts_s=row["cpu_experts_s"], peak_gpu_gb=row["peak_gpu_gb"],
-        threads=moecc._ops.num_threads(),
+        threads=moecc._ops.num_threads(), os_cpus=os.cpu_count(),
+        load_average_15_min=os.getloadavg()[2],  # other processes' share of the CPUs while the steps ran
     )
 
 
@@ -107,13 +109,20 @@ def write_report(result: dict, command: str, out: Path) -> None:
         f"{result['expert_held_gb']:.1f} GB.",
         "",
         "| host RSS after build GB | after prepare GB | peak host RSS (VmHWM) GB | host memory GB | s/step (median) "
-        "| each step s | tokens/s |",
-        "|---|---|---|---|---|---|---|",
+        "| each step s | routed experts s/step | tokens/s |",
+        "|---|---|---|---|---|---|---|---|",
         f"| {result['host_rss_after_build_gb']:.1f} | {result['host_rss_after_prepare_gb']:.1f} | "
         f"{result['peak_host_rss_gb']:.1f} | {result['host_memory_gb']:.1f} | {result['step_s']:.1f} | "
-        f"{' / '.join(f'{s:.1f}' for s in result['steps_s'])} | {result['tokens_per_s']:.1f} |",
+        f"{' / '.join(f'{s:.1f}' for s in result['steps_s'])} | {result['cpu_experts_s']:.1f} | "
+        f"{result['tokens_per_s']:.2f} |",
         "",
-        f"Building took {result['build_s']:.0f} s{gpu}.",
+        f"Routed experts: the CPU kernels' forward and backward on the {result['expert_format']} copy; the rest of "
+        f"the step is attention, routers, the LM head, the loss and the optimizer on {result['device']}.",
+        "",
+        f"Building took {result['build_s']:.0f} s{gpu}; the host's 15-minute load average was "
+        f"{result['load_average_15_min']:.1f} on {result['os_cpus']} CPUs at the end"
+        + (": other processes shared the CPUs, so the steps are slower than on an idle host."
+           if result["load_average_15_min"] > result["os_cpus"] + 0.5 else "."),
     ]
     (out / "capacity.md").write_text("\n".join(lines) + "\n")
 
