@@ -135,6 +135,9 @@ class MoeccConfig:
         if isinstance(self.offload_cache_gb, str) and self.offload_cache_gb.strip().lower() == "auto":
             self.offload_cache_gb = "auto"
         else:
+            if isinstance(self.offload_cache_gb, str):  # text that is not "auto"
+                raise MoeccError(f"offload_cache_gb must be a number of GB or 'auto', got {self.offload_cache_gb!r}; "
+                                 "use a number of GB (0 = no cache) or 'auto'")
             check_gb("offload_cache_gb", self.offload_cache_gb, positive=False, words="or 'auto' (0 = no cache)")
         self._check_split_policy()
         self._check_expert_format()
