@@ -74,15 +74,26 @@ def build_pair(family: str, dtype: torch.dtype, config: LoraConfig, seed: int = 
     default engine (native kernels where they apply) is compared in ``tests/models/test_native_parity.py``.
     """
     base = tiny_model(family, dtype=dtype, seed=seed, **model_overrides)
-    reference = get_peft_model(copy.deepcopy(base), copy.deepcopy(config))
-    if random_lora:
-        randomize_lora(reference, seed + 100)
+    reference = _hf_peft(copy.deepcopy(base), config, seed, random_lora)
     engine = moecc.prepare(copy.deepcopy(base), lora_config=copy.deepcopy(config), device=device, paradigm=paradigm,
                            config=moecc.MoeccConfig(backend=backend, **(moecc_options or {})))
     engine.load_state_dict(reference.state_dict())
-    reference.train()
     engine.train()
     return reference, engine
+
+
+def build_reference(family: str, dtype: torch.dtype, config: LoraConfig, seed: int = 0, random_lora: bool = True,
+                    **model_overrides) -> PeftModel:
+    """:func:`build_pair`'s HF + PEFT model alone (the same weights and adapters), for results recorded once."""
+    return _hf_peft(tiny_model(family, dtype=dtype, seed=seed, **model_overrides), config, seed, random_lora)
+
+
+def _hf_peft(base: torch.nn.Module, config: LoraConfig, seed: int, random_lora: bool) -> PeftModel:
+    reference = get_peft_model(base, copy.deepcopy(config))
+    if random_lora:
+        randomize_lora(reference, seed + 100)
+    reference.train()
+    return reference
 
 
 def batches(vocab_size: int, count: int, batch: int = 2, seq: int = 12, seed: int = 0, pad: bool = False):
@@ -123,25 +134,82 @@ def assert_grads_match(reference: torch.nn.Module, engine: torch.nn.Module, tole
 
 
 def forward_backward_exact(reference: torch.nn.Module, engine: torch.nn.Module, exact: torch.nn.Module, batch: tuple,
-                           device: str | None = None) -> None:
+                           device: str | None = None, factor: float = FLOAT32_FACTOR) -> None:
     """:func:`forward_backward_both` in float32, with ``exact`` (:func:`float64_twin` of ``reference``) run too:
-    moecc's logits and loss are as accurate as HF + PEFT's (:func:`assert_as_accurate`)."""
+    moecc's logits and loss are as accurate as HF + PEFT's (:func:`assert_as_accurate` with ``factor``)."""
     ids, mask, labels = batch
     a = reference(input_ids=ids, attention_mask=mask, labels=labels)
     moved = [t if device is None else t.to(device) for t in batch]
     b = engine(input_ids=moved[0], attention_mask=moved[1], labels=moved[2])
     c = exact(input_ids=ids, attention_mask=mask, labels=labels)
-    assert_as_accurate(b.logits, a.logits, c.logits, "logits")
-    assert_as_accurate(b.loss, a.loss, c.loss, "loss")
+    assert_as_accurate(b.logits, a.logits, c.logits, "logits", factor)
+    assert_as_accurate(b.loss, a.loss, c.loss, "loss", factor)
     for out in (a, b, c):
         out.loss.backward()
 
 
-def assert_grads_as_accurate(reference: torch.nn.Module, engine: torch.nn.Module, exact: torch.nn.Module) -> None:
-    """Every trainable parameter's gradient in moecc is as accurate as HF + PEFT's (:func:`assert_as_accurate`),
-    the three models' parameters taken in order."""
+def assert_grads_as_accurate(reference: torch.nn.Module, engine: torch.nn.Module, exact: torch.nn.Module,
+                             factor: float = FLOAT32_FACTOR) -> None:
+    """Every trainable parameter's gradient in moecc is as accurate as HF + PEFT's (:func:`assert_as_accurate`
+    with ``factor``), the three models' parameters taken in order."""
     for (name, p), (_, q), (_, e) in zip(reference.named_parameters(), engine.named_parameters(),
                                          exact.named_parameters()):
         if p.requires_grad:
             assert q.grad is not None, name
-            assert_as_accurate(q.grad, p.grad, e.grad, name)
+            assert_as_accurate(q.grad, p.grad, e.grad, name, factor)
+
+
+def record(model: torch.nn.Module, out=None) -> dict:
+    """What a pass of ``model`` leaves to compare with later (detached copies): ``out``'s logits and loss where
+    given, and every trainable parameter's gradient by name. HF + PEFT's and the float64 run's results, which no
+    moecc setting changes, can so be computed once for several tests (:func:`assert_as_accurate_as_recorded`)."""
+    recorded = {"grads": {name: p.grad.detach().clone() for name, p in model.named_parameters()
+                          if p.requires_grad and p.grad is not None}}
+    if out is not None:
+        recorded.update(logits=out.logits.detach().clone(), loss=out.loss.detach().clone())
+    return recorded
+
+
+def assert_as_accurate_as_recorded(engine: torch.nn.Module, out, hf: dict, exact: dict,
+                                   factor: float = FLOAT32_FACTOR) -> None:
+    """The engine's pass (``out``, if given, and every trainable gradient) as accurate as HF + PEFT's recorded
+    one (:func:`record`) against the float64 run's recorded one (:func:`assert_as_accurate` with ``factor``)."""
+    if out is not None:
+        assert_as_accurate(out.logits, hf["logits"], exact["logits"], "logits", factor)
+        assert_as_accurate(out.loss, hf["loss"], exact["loss"], "loss", factor)
+    trainable = {name: p for name, p in engine.named_parameters() if p.requires_grad}
+    assert trainable.keys() == hf["grads"].keys() == exact["grads"].keys()
+    for name, p in trainable.items():
+        assert p.grad is not None, name
+        assert_as_accurate(p.grad, hf["grads"][name], exact["grads"][name], name, factor)
+
+
+def sgd_steps_recorded(reference: torch.nn.Module, data: list, lr: float) -> list[tuple[dict, dict]]:
+    """HF + PEFT's ``reference`` (before it trains) and its :func:`float64_twin` trained by plain SGD at ``lr``,
+    one step a batch of ``data`` = [(ids, mask, labels)]: each step's (HF + PEFT's, the float64 run's)
+    :func:`record`. Cache it where several tests train the same model on the same batches."""
+    models = (reference, float64_twin(reference))
+    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=lr) for m in models]
+    steps = []
+    for ids, mask, labels in data:
+        outs = [model(input_ids=ids, attention_mask=mask, labels=labels) for model in models]
+        for out in outs:
+            out.loss.backward()
+        steps.append(tuple(record(model, out) for model, out in zip(models, outs)))
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return steps
+
+
+def train_as_accurately(engine: torch.nn.Module, optimizer: torch.optim.Optimizer, data: list,
+                        steps: list[tuple[dict, dict]]) -> None:
+    """``engine`` trained by ``optimizer`` on ``data`` as HF + PEFT was in ``steps`` (:func:`sgd_steps_recorded`):
+    at each step its logits, loss and gradients as accurate as HF + PEFT's (:func:`assert_as_accurate_as_recorded`;
+    after the first step with the bound for trained results)."""
+    for step, ((ids, mask, labels), (hf, exact)) in enumerate(zip(data, steps, strict=True)):
+        out = engine(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        assert_as_accurate_as_recorded(engine, out, hf, exact, TRAINED_FACTOR if step else FLOAT32_FACTOR)
+        optimizer.step()
+        optimizer.zero_grad()

@@ -11,7 +11,7 @@ from moecc.paradigms import PARADIGMS, Engine, ExpertLayer
 from moecc.paradigms.base import Ready
 from moecc.tiny_models import tiny_model
 
-from ..parity import batches, build_pair, forward_backward_both, lora_config
+from ..parity import batches, build_pair, float64_twin, forward_backward_exact, lora_config
 
 # Without a CUDA device (these tests): nothing crosses a link, no GPU waits.
 COMMON_METRICS = {"cpu_experts_s", "host_copy_in_gb", "host_copy_out_gb", "expert_wait_s", "tokens", "routing_skew"}
@@ -69,7 +69,7 @@ def test_a_registered_paradigm_is_prepared_like_the_others(monkeypatch):
     reference_model, model = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="eager")
     assert isinstance(model.moecc.engine, _EagerEngine) and len(model.moecc.layers) == 2
     batch, = batches(model.config.vocab_size, 1, seed=3)
-    forward_backward_both(reference_model, model, batch, 1e-5)
+    forward_backward_exact(reference_model, model, float64_twin(reference_model), batch)
     assert model.moecc.engine.metrics_since_reset()["tokens"] == batch[0].numel()
 
 

@@ -1,10 +1,13 @@
 """The co-compute layer on its own: empty batches, device moves, the overlap contract, checkpointing."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from ..parity import assert_grads_match, batches, build_pair, lora_config, rel_err
+from ..parity import (assert_as_accurate, assert_as_accurate_as_recorded, batches, build_pair, build_reference,
+                      float64_twin, lora_config, record)
 
 
 def test_zero_tokens_forward_and_backward():
@@ -22,6 +25,7 @@ def test_zero_tokens_forward_and_backward():
 def test_submit_overlaps_caller_work_and_matches_reference():
     """Work queued between submit and result runs while the CPU experts compute; the result is unchanged."""
     reference, engine = build_pair("qwen2_moe", torch.float32, lora_config("qwen2_moe"))
+    exact = float64_twin(reference)
     layer = engine.moecc.layers[0]
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(9, engine.config.hidden_size, generator=generator)
@@ -30,10 +34,11 @@ def test_submit_overlaps_caller_work_and_matches_reference():
     pending = layer.submit(hidden, index, weights)
     busy = sum(torch.randn(64, 64).sum().item() for _ in range(20))  # caller-side work in the window
     out = pending.result()
-    block = [m for n, m in reference.named_modules() if n.endswith("layers.0.mlp")][0]
-    expected = block.experts(hidden, index, weights)
+    expected, want = ([m for n, m in model.named_modules() if n.endswith("layers.0.mlp")][0].experts(*inputs)
+                      for model, inputs in ((reference, (hidden, index, weights)),
+                                            (exact, (hidden.double(), index, weights.double()))))
     assert isinstance(busy, float)
-    assert rel_err(out, expected) <= 1e-5
+    assert_as_accurate(out, expected, want, "experts")
     assert engine.moecc.engine.metrics.tokens_routed >= 18
 
 
@@ -66,12 +71,24 @@ def _count_forwards(engine) -> list:
     return calls
 
 
+@functools.cache
+def _exact_pass(family: str) -> dict:
+    """The float64 run's record (parity.record) of one training pass from build_pair's start for ``family``, run
+    once for both kinds of checkpointing (without any: the same function)."""
+    reference = build_reference(family, torch.float32, lora_config(family))
+    exact = float64_twin(reference)
+    (ids, mask, labels), = batches(reference.config.vocab_size, 1, pad=True)
+    exact(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    return record(exact)
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "deepseek_v3"])
 def test_checkpointing_runs_cpu_experts_forward_once_where_it_can(family, reentrant):
     """Non-reentrant checkpointing differentiates the first pass's nodes, so its recomputation takes the first
     CPU result instead of running the experts again; reentrant checkpointing differentiates the recomputed
-    graph (its first pass ran without grad), so there the experts run twice. Gradients match HF + PEFT."""
+    graph (its first pass ran without grad), so there the experts run twice. Gradients as accurate as HF + PEFT's
+    (against the float64 run, parity.assert_as_accurate)."""
     reference, engine = build_pair(family, torch.float32, lora_config(family))
     for model in (reference, engine):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
@@ -79,11 +96,11 @@ def test_checkpointing_runs_cpu_experts_forward_once_where_it_can(family, reentr
     engine_state = engine.moecc.engine
     calls = _count_forwards(engine_state)
     (ids, mask, labels), = batches(reference.config.vocab_size, 1, pad=True)
-    reference(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-    engine(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    for model in (reference, engine):
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     layers = len(engine.moecc.layers)
     assert len(calls) == (2 * layers if reentrant else layers)
-    assert_grads_match(reference, engine, 1e-4)
+    assert_as_accurate_as_recorded(engine, None, record(reference), _exact_pass(family))
     assert all(not layer.pending_backward for layer in engine.moecc.layers)  # nothing held after backward
 
 

@@ -2,6 +2,7 @@
 per layer and pass, experts with no tokens on either side), and its own split, metrics and state."""
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import replace
 
@@ -14,8 +15,9 @@ import moecc.paradigms.hybrid as hybrid_module
 from moecc.errors import MoeccError
 from moecc.paradigms.split_policy import FixedSplit, PlannedSplit
 
-from ..parity import (TOLERANCE, assert_grads_match, batches, build_pair, forward_backward_both, lora_config,
-                      rel_err)
+from ..parity import (assert_as_accurate, assert_as_accurate_as_recorded, assert_grads_as_accurate, batches,
+                      build_pair, build_reference, float64_twin, forward_backward_exact, lora_config, record,
+                      sgd_steps_recorded, train_as_accurately)
 
 
 def _all_cpu(layer, counts, phase):
@@ -108,16 +110,80 @@ RULES = {"all_cpu": _all_cpu, "all_gpu": _all_gpu, "alternating": _alternating, 
          "unrouted_on_gpu": _unrouted_on_gpu, "moved_in_backward": _moved_in_backward}
 
 
-def train_two_steps_like_hf_peft(reference, engine) -> None:
-    """Two SGD steps of both models: logits and every trainable gradient match HF + PEFT's at each."""
-    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05)
-                  for m in (reference, engine)]
-    for batch in batches(256, 2, batch=3, seq=10, seed=7, pad=True):
-        forward_backward_both(reference, engine, batch, TOLERANCE[torch.float32])
-        assert_grads_match(reference, engine, TOLERANCE[torch.float32])
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+def _sgd(*models: torch.nn.Module) -> list[torch.optim.SGD]:
+    return [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05) for m in models]
+
+
+def _step(optimizers: list[torch.optim.SGD]) -> None:
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _two_batches():
+    return batches(256, 2, batch=3, seq=10, seed=7, pad=True)
+
+
+@functools.cache
+def _hf_peft_two_steps(family: str) -> list[tuple[dict, dict]]:
+    """HF + PEFT's and the float64 run's records of two SGD steps from build_pair's start for ``family``
+    (parity.sgd_steps_recorded): no split changes them, so they are run once for all the splits."""
+    return sgd_steps_recorded(build_reference(family, torch.float32, lora_config(family)), _two_batches(), lr=0.05)
+
+
+def train_two_steps_like_hf_peft(family: str, engine) -> None:
+    """Two SGD steps of ``engine`` (fresh from build_pair for ``family``): logits, loss and every trainable
+    gradient as accurate as HF + PEFT's at each, against the same steps in float64 (parity.train_as_accurately)."""
+    train_as_accurately(engine, _sgd(engine)[0], _two_batches(), _hf_peft_two_steps(family))
+
+
+def _four_layer_batches():
+    return batches(256, 6, batch=2, seq=12, seed=4)
+
+
+@functools.cache
+def _hf_peft_aligned_steps() -> list[tuple[dict, dict, dict, dict]]:
+    """Six SGD steps of HF + PEFT from build_pair's start (qwen3_moe, four layers), and at each one the same step
+    in float64 from HF + PEFT's parameters: (HF + PEFT's record, the float64 run's (parity.record), HF + PEFT's
+    and the float64 run's trainable parameters after the step). Run once for the tests that train aligned."""
+    reference = build_reference("qwen3_moe", torch.float32, lora_config("qwen3_moe"), num_hidden_layers=4)
+    exact = float64_twin(reference)
+    optimizers, steps = _sgd(reference, exact), []
+    for ids, mask, labels in _four_layer_batches():
+        outs = [model(input_ids=ids, attention_mask=mask, labels=labels) for model in (reference, exact)]
+        for out in outs:
+            out.loss.backward()
+        records = [record(model, out) for model, out in zip((reference, exact), outs)]
+        _step(optimizers)
+        trained = [{n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+                   for model in (reference, exact)]
+        steps.append((*records, *trained))
+        with torch.no_grad():
+            for (_, want), (_, truth) in zip(reference.named_parameters(), exact.named_parameters()):
+                truth.copy_(want)
+    return steps
+
+
+def _aligned_step_like_hf_peft(engine, optimizers: list, step: int) -> None:
+    """Step ``step`` (from 0) of ``engine`` (four-layer qwen3_moe from build_pair, trained by ``optimizers``), from
+    HF + PEFT's parameters after the steps before: logits, loss and gradients as accurate as HF + PEFT's, and so
+    the parameters after the SGD step, against the same step in float64 from the same point
+    (parity.assert_as_accurate); then the engine's parameters are set to HF + PEFT's, so the next step too starts
+    from the same point and is held to the one-step bound. Left to drift, the rounding of each step grows through
+    the later steps (to 1.7e-4 by the third step of the three-slot test on an Intel Xeon with AMX, 6e-7 per step
+    when aligned) and spreads the runs apart, so later steps could only be held to the wider bound for trained
+    results (factors a step did not reach give errors of 0.1 to 1)."""
+    ids, mask, labels = _four_layer_batches()[step]
+    hf, exact, hf_trained, exact_trained = _hf_peft_aligned_steps()[step]
+    out = engine(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    assert_as_accurate_as_recorded(engine, out, hf, exact)
+    _step(optimizers)
+    with torch.no_grad():
+        for name, param in engine.named_parameters():
+            if param.requires_grad:
+                assert_as_accurate(param, hf_trained[name], exact_trained[name], name)
+                param.copy_(hf_trained[name])
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "gpt_oss"])
@@ -125,9 +191,9 @@ def train_two_steps_like_hf_peft(reference, engine) -> None:
 def test_hybrid_trains_like_hf_peft_whatever_the_split(family, rule):
     """Two training steps: logits and every trainable gradient (attention LoRA through the routing weights'
     gradient, every expert LoRA factor) match HF + PEFT, however the experts are split."""
-    reference, engine = build_pair(family, torch.float32, lora_config(family), paradigm="hybrid")
+    _, engine = build_pair(family, torch.float32, lora_config(family), paradigm="hybrid")
     _force(engine.moecc.engine, RULES[rule])
-    train_two_steps_like_hf_peft(reference, engine)
+    train_two_steps_like_hf_peft(family, engine)
     metrics = engine.moecc.engine.metrics_since_reset()
     if rule == "all_cpu":
         assert metrics["gpu_pairs"] == 0 and metrics["cpu_pairs"] > 0
@@ -259,8 +325,8 @@ def test_the_step_guard_keeps_whichever_mode_ran_the_faster_steps(faster):
     faster. Whatever ran, every step trains like HF + PEFT."""
     from moecc.paradigms.step_guard import StepGuard
 
-    reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
-                                   num_hidden_layers=4)
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
+                           num_hidden_layers=4)
     hybrid = engine.moecc.engine
     for tracker in hybrid.split.trackers.values():  # copies dearer than any CPU part here: the splits use the CPU
         tracker.base = replace(tracker.base, copy_expert_s=1.0)
@@ -270,19 +336,13 @@ def test_the_step_guard_keeps_whichever_mode_ran_the_faster_steps(faster):
     guard = hybrid.split.guard = StepGuard(lambda begin, end: step_s[mode_at[begin]], trials=1)
     begins = guard.step_begins
     guard.step_begins = lambda tokens, mark, training: mode_at.setdefault(mark, begins(tokens, mark, training))
-    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05)
-                  for m in (reference, engine)]
+    optimizers = _sgd(engine)
     cpu_pairs = []
-    for batch in batches(256, 6, batch=2, seq=12, seed=4):
+    for step in range(6):
         hybrid.reset_metrics()
-        forward_backward_both(reference, engine, batch, TOLERANCE[torch.float32])
-        assert_grads_match(reference, engine, TOLERANCE[torch.float32])
+        _aligned_step_like_hf_peft(engine, optimizers, step)
         metrics = hybrid.metrics_since_reset()
         cpu_pairs.append((metrics["cpu_pairs"], metrics["gpu_only_steps"]))
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-        _assert_trained_alike_then_align(reference, engine)
     # steps 1 and 2 split (the first untimed), 3 on the GPU alone; from step 4 the faster
     assert cpu_pairs[0][0] > 0 and cpu_pairs[1][0] > 0 and cpu_pairs[2] == (0, 1)
     if faster == "gpu":
@@ -507,8 +567,9 @@ def test_bad_expert_ids_are_refused_before_any_state_changes():
         with pytest.raises(MoeccError, match=r"expert ids outside \[0, 8\)"):
             layer.submit(hidden, torch.tensor([[0, 1], [2, bad], [3, 4]]), weights)
     assert layer.engine.forward_passes == passes and not layer.engine.slots.held
-    forward_backward_both(reference, engine, batches(256, 1, seed=2)[0], TOLERANCE[torch.float32])
-    assert_grads_match(reference, engine, TOLERANCE[torch.float32])
+    exact = float64_twin(reference)
+    forward_backward_exact(reference, engine, exact, batches(256, 1, seed=2)[0])
+    assert_grads_as_accurate(reference, engine, exact)
 
 
 
@@ -612,12 +673,13 @@ def test_hybrid_on_cuda_matches_hf_peft(rule, slots):
     reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
                                    device="cuda", moecc_options={"offload_slots": slots}, num_hidden_layers=4)
     _force(engine.moecc.engine, None if rule == "own" else RULES[rule])
+    exact = float64_twin(reference)  # on the CPU
     expert_lora = [p for n, p in engine.named_parameters() if ".experts." in n and "lora_" in n]
     for batch in batches(256, 2, batch=3, seq=10, seed=5, pad=True):
-        forward_backward_both(reference, engine, batch, 1e-4, device="cuda")
-        assert_grads_match(reference, engine, 1e-3)
+        forward_backward_exact(reference, engine, exact, batch, device="cuda")
+        assert_grads_as_accurate(reference, engine, exact)
         assert all(p.is_cuda and p.grad is not None and p.grad.is_cuda for p in expert_lora)
-        for model in (reference, engine):
+        for model in (reference, engine, exact):
             model.zero_grad()
     assert all(p.is_pinned() for layer in engine.moecc.layers for p in layer.experts.parameters(recurse=False))
     assert expert_lora and engine.moecc.engine.slots.lora_on_device  # tiny factors fit: stepped on the GPU
@@ -1044,23 +1106,11 @@ def test_hybrid_on_cuda_with_device_waits_is_as_accurate_as_hf_peft_in_bf16(rule
         assert metrics["device_wait_share"] > 0 and metrics["backward_device_wait_share"] > 0
 
 
-def _assert_trained_alike_then_align(reference: torch.nn.Module, engine: torch.nn.Module) -> None:
-    """After an optimizer step both models' trainable parameters agree; the engine's are then set to the
-    reference's, so each next step is compared from the same point. Left to drift, the rounding of each step grows
-    through the later steps (to 1.7e-4 by the third step of the three-slot test on an Intel Xeon with AMX, 6e-7
-    per step when aligned), past a tolerance that still catches factors a step did not reach (errors of 0.1 to 1)."""
-    with torch.no_grad():
-        for (name, want), (_, got) in zip(reference.named_parameters(), engine.named_parameters()):
-            if want.requires_grad:
-                assert rel_err(got, want) <= TOLERANCE[torch.float32], name
-                got.copy_(want)
-
-
 def test_three_slots_copy_two_layers_ahead_in_both_passes_and_train_like_hf_peft():
     """With ``offload_slots=3`` every forward layer call queues the copies of the next two layers and every
     backward layer call those of the two before; the model still trains like HF + PEFT."""
-    reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
-                                   moecc_options={"offload_slots": 3}, num_hidden_layers=4)
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="hybrid",
+                           moecc_options={"offload_slots": 3}, num_hidden_layers=4)
     hybrid = engine.moecc.engine
     assert hybrid.prefetch_depth == 2
     forward_ahead, backward_fetches = [], []
@@ -1076,17 +1126,11 @@ def test_three_slots_copy_two_layers_ahead_in_both_passes_and_train_like_hf_peft
         return fetch(phase, layer, experts, lora)
 
     hybrid.prefetch_forward, hybrid.fetch = spy_plan, spy_fetch
-    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05)
-                  for m in (reference, engine)]
-    for batch in batches(256, 3, batch=2, seq=12, seed=4):
+    optimizers = _sgd(engine)
+    for step in range(3):
         forward_ahead.clear()
         backward_fetches.clear()
-        forward_backward_both(reference, engine, batch, TOLERANCE[torch.float32])
-        assert_grads_match(reference, engine, TOLERANCE[torch.float32])
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
-        _assert_trained_alike_then_align(reference, engine)
+        _aligned_step_like_hf_peft(engine, optimizers, step)
     assert forward_ahead == [1, 2, 2, 3, 3, 4, 4, 5]  # layer i asks for i+1 and i+2 (past the last: nothing)
     # Backward, layer i: its own GPU experts, then those of layers i-1 and i-2 (layers whose forward had none
     # fetch nothing: a forward all on the CPU)

@@ -3,6 +3,7 @@ gradient checkpointing."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -13,14 +14,20 @@ from moecc.lora import lora_tensors
 from moecc.paradigms.offload import OffloadEngine
 
 from ..parity import (
-    TOLERANCE,
-    assert_grads_match,
+    assert_as_accurate,
+    assert_as_accurate_as_recorded,
+    assert_grads_as_accurate,
     batches,
     build_pair,
-    forward_backward_both,
+    build_reference,
+    float64_twin,
+    forward_backward_exact,
     lora_config,
     randomize_lora,
+    record,
     rel_err,
+    sgd_steps_recorded,
+    train_as_accurately,
 )
 
 
@@ -108,43 +115,58 @@ def test_offload_lora_placement_follows_the_budget(monkeypatch):
     assert moecc.MoeccConfig.from_env().offload_lora == "host"
 
 
+def _three_batches():
+    return batches(256, 3, batch=2, seq=12, seed=4)
+
+
+@functools.cache
+def _hf_peft_three_steps() -> list[tuple[dict, dict]]:
+    """HF + PEFT's and the float64 run's records of three SGD steps from build_pair's start (qwen3_moe, three
+    layers; parity.sgd_steps_recorded): run once for every slot count, optimizer and LoRA placement."""
+    reference = build_reference("qwen3_moe", torch.float32, lora_config("qwen3_moe"), num_hidden_layers=3)
+    return sgd_steps_recorded(reference, _three_batches(), lr=0.05)
+
+
 @pytest.mark.parametrize("slots,fused,lora_place", [(2, False, "host"), (8, False, "host"), (8, True, "host"),
                                                      (2, True, "device")])
 def test_optimizer_steps_reach_the_device_copies_of_the_lora_factors(slots, fused, lora_place):
     """The device copies of the expert LoRA factors are made again after each optimizer step (the slots keep the
     weights across steps), so every step's forward uses the updated factors, as HF + PEFT does: with slots
     reassigned between layers (2) or every layer's slot kept across steps (8), and with a fused optimizer, which
-    writes the factors without bumping their version counters. (Copies that are not refreshed give errors of
-    0.1 to 1; rounding alone, compounded over the steps, stays below 1e-5.)"""
-    reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="offload",
-                                   moecc_options={"offload_lora": lora_place}, num_hidden_layers=3)
+    writes the factors without bumping their version counters. Each step is as accurate as HF + PEFT's against
+    the same training in float64 (parity.train_as_accurately). (Copies that are not refreshed give errors of
+    0.1 to 1.)"""
+    _, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="offload",
+                           moecc_options={"offload_lora": lora_place}, num_hidden_layers=3)
     engine.moecc.engine.slots.capacity = slots
-    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.05, fused=fused)
-                  for m in (reference, engine)]
-    for batch in batches(256, 3, batch=2, seq=12, seed=4):
-        forward_backward_both(reference, engine, batch, 1e-5)
-        assert_grads_match(reference, engine, 1e-3)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+    optimizer = torch.optim.SGD([p for p in engine.parameters() if p.requires_grad], lr=0.05, fused=fused)
+    train_as_accurately(engine, optimizer, _three_batches(), _hf_peft_three_steps())
+
+
+def _assert_logits_as_accurate(reference, engine, exact, ids, what: str) -> None:
+    """The engine's logits for ``ids`` are as accurate as HF + PEFT's against the float64 ``exact``'s."""
+    assert_as_accurate(engine(input_ids=ids).logits, reference(input_ids=ids).logits, exact(input_ids=ids).logits,
+                       what)
 
 
 def test_merge_adapter_refreshes_device_copies():
     reference, engine = build_pair("qwen3_moe", torch.float32, lora_config("qwen3_moe"), paradigm="offload")
+    exact = float64_twin(reference)
     ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         engine(input_ids=ids)  # fill the slots
-        for model in (reference, engine):
+        for model in (reference, engine, exact):
             model.merge_adapter()
-        assert rel_err(engine(input_ids=ids).logits, reference(input_ids=ids).logits) <= 1e-5
+        _assert_logits_as_accurate(reference, engine, exact, ids, "merged")
         # unmerge, new LoRA values, merge again: the same merged-adapter list over other weights
-        for model in (reference, engine):
+        for model in (reference, engine, exact):
             model.unmerge_adapter()
         randomize_lora(reference, 9)
         engine.load_state_dict(reference.state_dict())
-        for model in (reference, engine):
+        exact.load_state_dict(reference.state_dict())
+        for model in (reference, engine, exact):
             model.merge_adapter()
-        assert rel_err(engine(input_ids=ids).logits, reference(input_ids=ids).logits) <= 1e-5
+        _assert_logits_as_accurate(reference, engine, exact, ids, "merged again")
 
 
 GROUPED = {"offload_compute": "grouped"}
@@ -162,14 +184,15 @@ def _force_grouped(monkeypatch, dtype: torch.dtype) -> list:
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_grouped_compute_trains_like_hf_peft(family, monkeypatch):
-    """The grouped expert math (LoRA factorised, so not bit-exact) against HF + PEFT at float32 tolerance."""
+    """The grouped expert math (LoRA factorised, so not bit-exact) as accurate as HF + PEFT in float32."""
     calls = _force_grouped(monkeypatch, torch.float32)
     reference, engine = build_pair(family, torch.float32, lora_config(family), paradigm="offload",
                                    moecc_options=GROUPED)
+    exact = float64_twin(reference)
     assert engine.moecc.engine.slots.compute == "grouped"
     batch, = batches(256, 1, batch=3, seq=16, seed=4, pad=True)
-    forward_backward_both(reference, engine, batch, 1e-5)
-    assert_grads_match(reference, engine, TOLERANCE[torch.float32])
+    forward_backward_exact(reference, engine, exact, batch)
+    assert_grads_as_accurate(reference, engine, exact)
     assert calls, "the grouped path fell back to the per-expert loop"
 
 
@@ -223,11 +246,12 @@ def test_offload_on_cuda_matches_and_respects_budget(lora_place):
         pytest.skip("needs a CUDA GPU")
     reference, engine = build_pair("deepseek_v3", torch.float32, lora_config("deepseek_v3"), paradigm="offload",
                                    device="cuda", moecc_options={"offload_lora": lora_place})
+    exact = float64_twin(reference)  # on the CPU
     torch.backends.cuda.matmul.allow_tf32 = False
     (ids, mask, labels), = batches(256, 1, seed=3)
-    a = reference(input_ids=ids, attention_mask=mask, labels=labels)
+    a, c = (model(input_ids=ids, attention_mask=mask, labels=labels) for model in (reference, exact))
     b = engine(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=labels.cuda())
-    assert rel_err(b.logits, a.logits) <= 1e-4
+    assert_as_accurate(b.logits, a.logits, c.logits, "logits")
     b.loss.backward()
     assert all(p.is_pinned() for layer in engine.moecc.layers for p in layer.experts.parameters(recurse=False))
     expert_lora = [p for n, p in engine.named_parameters() if ".experts." in n and "lora_" in n]
@@ -236,8 +260,9 @@ def test_offload_on_cuda_matches_and_respects_budget(lora_place):
         assert all(p.is_pinned() for p in expert_lora)  # copied every forward pass: pinned, async
     else:
         assert all(p.is_cuda and p.grad is not None and p.grad.is_cuda for p in expert_lora)
-    a.loss.backward()
-    assert_grads_match(reference, engine, 1e-3)
+    for out in (a, c):
+        out.loss.backward()
+    assert_grads_as_accurate(reference, engine, exact)
     from moecc.tiny_models import tiny_model
 
     with pytest.raises(moecc.MoeccError, match="too small"):
@@ -270,6 +295,21 @@ def _copied_bytes(engine, model, data) -> tuple[int, int]:
     return state.slots.h2d_bytes - weights, state.slots.parking.bytes_to_host - parked
 
 
+def _checkpointed_batches():
+    return batches(256, 2, batch=3, seq=16, seed=6, pad=True)  # two micro-batches accumulate
+
+
+@functools.cache
+def _exact_checkpointed_passes(family: str) -> dict:
+    """The float64 run's record (parity.record) of the checkpointing test's two passes from build_pair's start
+    (three layers), run once for both kinds of checkpointing (without any: the same function)."""
+    reference = build_reference(family, torch.float32, lora_config(family), num_hidden_layers=3)
+    exact = float64_twin(reference)
+    for ids, mask, labels in _checkpointed_batches():
+        exact(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    return record(exact)
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])  # qwen2_moe: shared experts after the routed ones
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
@@ -280,7 +320,7 @@ def test_gradient_checkpointing_matches_hf_peft_without_extra_copies(family, ree
     reference, engine = build_pair(family, torch.float32, lora_config(family), paradigm="offload",
                                    num_hidden_layers=3)
     engine.moecc.engine.slots.capacity = 2
-    data = batches(256, 2, batch=3, seq=16, seed=6, pad=True)  # two micro-batches accumulate
+    data = _checkpointed_batches()
     plain = _copied_bytes(engine, engine, data)
     engine.zero_grad()
     for model in (reference, engine):
@@ -288,7 +328,7 @@ def test_gradient_checkpointing_matches_hf_peft_without_extra_copies(family, ree
     for ids, mask, labels in data:
         reference(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     checkpointed = _copied_bytes(engine, engine, data)
-    assert_grads_match(reference, engine, TOLERANCE[torch.float32])
+    assert_as_accurate_as_recorded(engine, None, record(reference), _exact_checkpointed_passes(family))
     assert checkpointed[0] == plain[0]
     # Non-reentrant: forward runs with gradients and parks as usual. Reentrant: forward runs without gradients
     # (nothing to keep) and the recomputation inside backward keeps its state on the device.
@@ -303,13 +343,15 @@ def test_gradient_checkpointing_on_cuda_matches_hf_peft():
     torch.backends.cuda.matmul.allow_tf32 = False
     reference, engine = build_pair("qwen2_moe", torch.float32, lora_config("qwen2_moe"), paradigm="offload",
                                    device="cuda", num_hidden_layers=4)
+    exact = float64_twin(reference)  # on the CPU, without checkpointing: the same function
     engine.moecc.engine.slots.capacity = 2
     for model in (reference, engine):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for ids, mask, labels in batches(256, 2, batch=4, seq=64, seed=8, pad=True):
-        reference(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        for model in (reference, exact):
+            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
         engine(input_ids=ids.cuda(), attention_mask=mask.cuda(), labels=labels.cuda()).loss.backward()
-    assert_grads_match(reference, engine, 1e-4)
+    assert_grads_as_accurate(reference, engine, exact)
     assert engine.moecc.engine.counters_since_reset()["d2h_gb"] > 0
 
 
@@ -321,6 +363,7 @@ def test_large_batches_prefetch_whole_layers_and_read_routing_once_a_layer(monke
 
     reference, engine = build_pair("qwen2_moe", torch.float32, lora_config("qwen2_moe"), paradigm="offload",
                                    num_hidden_layers=3)
+    exact = float64_twin(reference)
     calls, routed_counts = [], offload.routed_counts
     monkeypatch.setattr(offload, "routed_counts", lambda *a: calls.append(1) or routed_counts(*a))
     (ids, mask, labels), = batches(256, 1, batch=4, seq=16, seed=2)
@@ -328,11 +371,11 @@ def test_large_batches_prefetch_whole_layers_and_read_routing_once_a_layer(monke
     out = engine(input_ids=ids, attention_mask=mask, labels=labels)
     assert len(calls) == 3
     assert all(engine.moecc.engine.slots.holds_all(layer) for layer in engine.moecc.layers[1:])
-    a = reference(input_ids=ids, attention_mask=mask, labels=labels)
-    assert rel_err(out.logits, a.logits) <= 1e-5
-    out.loss.backward()
-    a.loss.backward()
-    assert_grads_match(reference, engine, 1e-4)
+    a, c = (model(input_ids=ids, attention_mask=mask, labels=labels) for model in (reference, exact))
+    assert_as_accurate(out.logits, a.logits, c.logits, "logits")
+    for output in (out, a, c):
+        output.loss.backward()
+    assert_grads_as_accurate(reference, engine, exact)
     metrics = engine.moecc.engine.metrics_since_reset()
     assert metrics["routing_skew"] >= 1.0  # counts from every layer, device-side ones included
     skew = engine.moecc.engine.metrics.skew
