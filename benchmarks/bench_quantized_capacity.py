@@ -89,7 +89,7 @@ def _cpu() -> str:
 
 def write_report(result: dict, command: str, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    result = {**result, "command": command, "commit": _commit(), "cpu": _cpu(), "date": date.today().isoformat()}
+    result = {"commit": _commit(), **result, "command": command, "cpu": _cpu(), "date": date.today().isoformat()}
     (out / "capacity.json").write_text(json.dumps(result, indent=2) + "\n")
     form = result["expert_format"] + (f" (groups of {result['int4_group_size']})" if result["int4_group_size"] else "")
     gpu = f"; peak GPU memory {result['peak_gpu_gb']:.1f} GB" if result["device"].startswith("cuda") else ""
@@ -140,9 +140,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/quantized_experts"))
     args = parser.parse_args()
     command = "python benchmarks/bench_quantized_capacity.py " + " ".join(sys.argv[1:])
+    commit = _commit()  # of the code this process runs, before the minutes it takes
     result = measure(args)
     print(json.dumps(result, indent=2))
-    write_report(result, command.strip(), args.out)
+    write_report({**result, "commit": commit}, command.strip(), args.out)
     print("wrote", args.out / "capacity.md", args.out / "capacity.json")
 
 
