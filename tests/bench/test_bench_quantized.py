@@ -15,8 +15,8 @@ def test_accuracy_reads_the_examples_held_out_lines():
     printed = ("held-out before: loss 2.654, answer accuracy 7.5%\n"
                "held-out after:  loss 1.839, answer accuracy 47.6% (before: 2.654, 7.5%); 3,386 tokens/s\n")
     assert accuracy.HELD_OUT.findall(printed) == [("before", "2.654", "7.5"), ("after", "1.839", "47.6")]
-    runs = [{"loss_after": 1.0, "accuracy_after": 0.4}, {"loss_after": 2.0, "accuracy_after": 0.5}]
-    assert accuracy.summarize(runs)["loss_after"] == {"mean": 1.5, "min": 1.0, "max": 2.0}
+    runs = [{"loss_after": loss, "accuracy_after": 0.4} for loss in (1.0, 1.2, 2.5)]
+    assert accuracy.summarize(runs)["loss_after"] == {"median": 1.2, "min": 1.0, "max": 2.5}
 
 
 def test_accuracy_report_has_a_row_per_format_and_the_weight_errors(tmp_path):
